@@ -1,0 +1,50 @@
+"""Deterministic random weights for a network (the embedded tiny model, tests, benchmarks).
+
+Scales are chosen so activations stay O(1) through many layers: linear weights ~ N(0, 1/in),
+norm weights near 1, small mHC projections, distinct hash-routing experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Fill every parameter and buffer of ``model`` from ``seed`` (independent of device)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * randn(*p.shape)
+        elif leaf.endswith("_fn"):
+            value = randn(*p.shape) * (0.5 / p.shape[1] ** 0.5)
+        elif leaf.endswith("_base"):
+            value = 0.2 * randn(*p.shape)
+        elif leaf.endswith("_scale"):
+            value = 0.5 + 0.5 * torch.rand(*p.shape, generator=g)
+        elif leaf in ("attn_sink", "bias", "ape"):
+            value = 0.5 * randn(*p.shape)
+        elif name == "embed.weight":
+            value = randn(*p.shape)
+        elif p.dim() == 2:
+            value = randn(*p.shape) / p.shape[1] ** 0.5
+        else:
+            value = randn(*p.shape)
+        p.copy_(value.to(p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            vocab, k = b.shape
+            n_experts = _n_experts(model, name)
+            b.copy_(torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(vocab)]).to(b.dtype))
+    return model
+
+
+def _n_experts(model: nn.Module, tid2eid_name: str) -> int:
+    gate = model.get_submodule(tid2eid_name.rsplit(".", 1)[0])
+    return gate.weight.shape[0]

@@ -1,0 +1,42 @@
+"""The multi-token-prediction (MTP) block: one extra block that predicts token ``t + 2``.
+
+DSV4_FACTS section 2, "MTP". For position ``t`` with the main model's final streams ``h_t`` and the
+next token ``x_{t+1}``: ``e = enorm(embed(x_{t+1}))``, ``h' = hnorm(h_t)`` (per stream), input
+streams ``e_proj(e) + h_proj(h')`` (``e`` broadcast over streams), one full block, its own
+``hc_head``, ``norm`` and the shared ``head``. Used for speculative decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..config import ModelConfig
+from ..engine.state import LayerState
+from .common import ForwardContext, Linear, RMSNorm
+from .mhc import add_head_params, collapse_head
+from .transformer import Block
+
+
+class MTPBlock(Block):
+    """Block parameters plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``, ``hc_head_*``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__(config, config.num_hidden_layers, dtype)
+        c = self.config = config
+        self.e_proj = Linear(c.hidden_size, c.hidden_size, dtype)
+        self.h_proj = Linear(c.hidden_size, c.hidden_size, dtype)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        add_head_params(self, c.hc_mult, c.hidden_size)
+
+    def predict(self, h: torch.Tensor, next_embed: torch.Tensor, ctx: ForwardContext, state: LayerState,
+                head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h [B, S, nc, D]`` main streams at ``ctx.positions``, ``next_embed [B, S, D]`` embedding of
+        the next tokens -> (fp32 logits ``[B, S, vocab]`` for token ``t + 2``, MTP streams)."""
+        e = ops.linear(self.enorm(next_embed), self.e_proj.weight)
+        x = ops.linear(self.hnorm(h), self.h_proj.weight) + e.unsqueeze(2)
+        x = super().forward(x, ctx, state)
+        y = self.norm(collapse_head(self, x, self.config))
+        return ops.linear(y.float(), head_weight), x

@@ -1,0 +1,122 @@
+"""Tensor names: DeepSeek's official checkpoint names <-> HF ``transformers`` names.
+
+Our modules carry the official names (``layers.3.attn.wq_a.weight``), so an official checkpoint
+loads as is. HF checkpoints rename every tensor and fuse each layer's routed experts into
+``mlp.experts.gate_up_proj [E, 2I, D]`` (w1 then w3) and ``mlp.experts.down_proj [E, D, I]``;
+this module maps names both ways and splits/fuses the expert stacks. The table is data.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# (official suffix inside ``layers.{i}.``, HF suffix inside ``model.layers.{i}.``)
+_LAYER_NAMES = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
+    ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
+    ("attn.wq_a.weight", "self_attn.q_a_proj.weight"),
+    ("attn.q_norm.weight", "self_attn.q_a_norm.weight"),
+    ("attn.wq_b.weight", "self_attn.q_b_proj.weight"),
+    ("attn.wkv.weight", "self_attn.kv_proj.weight"),
+    ("attn.kv_norm.weight", "self_attn.kv_norm.weight"),
+    ("attn.wo_a.weight", "self_attn.o_a_proj.weight"),
+    ("attn.wo_b.weight", "self_attn.o_b_proj.weight"),
+    ("attn.attn_sink", "self_attn.sinks"),
+    ("attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight"),
+    ("attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight"),
+    ("attn.compressor.ape", "self_attn.compressor.position_bias"),
+    ("attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight"),
+    ("attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight"),
+    ("attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight"),
+    ("attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight"),
+    ("attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight"),
+    ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
+    ("attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight"),
+    ("ffn.gate.weight", "mlp.gate.weight"),
+    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
+    ("ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"),
+    ("ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"),
+    ("ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"),
+]
+_TOP_NAMES = [
+    ("embed.weight", "model.embed_tokens.weight"),
+    ("head.weight", "lm_head.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("hc_head_fn", "model.hc_head.hc_fn"),
+    ("hc_head_base", "model.hc_head.hc_base"),
+    ("hc_head_scale", "model.hc_head.hc_scale"),
+]
+_HF_TO_OFFICIAL = {hf: off for off, hf in _LAYER_NAMES}
+_OFFICIAL_TO_HF = {off: hf for off, hf in _LAYER_NAMES}
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_OFFICIAL_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+HF_FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def is_hf_name(name: str) -> bool:
+    return name.startswith("model.") or name == "lm_head.weight"
+
+
+def hf_to_official(name: str) -> str | None:
+    """Official name of an HF tensor name; None for fused expert stacks (see :func:`split_hf_experts`)
+    and for names this table does not know."""
+    for off, hf in _TOP_NAMES:
+        if name == hf:
+            return off
+    match = _HF_LAYER.match(name)
+    if match and match.group(2) in _HF_TO_OFFICIAL:
+        return f"layers.{match.group(1)}.{_HF_TO_OFFICIAL[match.group(2)]}"
+    return None
+
+
+def official_to_hf(name: str) -> str | None:
+    """HF name of an official tensor name (per-expert names have none: HF fuses them)."""
+    for off, hf in _TOP_NAMES:
+        if name == off:
+            return hf
+    match = _OFFICIAL_LAYER.match(name)
+    if match and match.group(2) in _OFFICIAL_TO_HF:
+        return f"model.layers.{match.group(1)}.{_OFFICIAL_TO_HF[match.group(2)]}"
+    return None
+
+
+def split_hf_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``model.layers.{i}.mlp.experts.gate_up_proj [E, 2I, D]`` -> per-expert ``w1``/``w3``;
+    ``down_proj [E, D, I]`` -> per-expert ``w2`` (official names)."""
+    match = HF_FUSED_EXPERTS.match(name)
+    if match is None:
+        raise KeyError(name)
+    layer, which = match.groups()
+    out = {}
+    for e in range(tensor.shape[0]):
+        prefix = f"layers.{layer}.ffn.experts.{e}"
+        if which == "gate_up_proj":
+            w1, w3 = tensor[e].chunk(2, dim=0)
+            out[f"{prefix}.w1.weight"], out[f"{prefix}.w3.weight"] = w1, w3
+        else:
+            out[f"{prefix}.w2.weight"] = tensor[e]
+    return out
+
+
+def to_hf_state_dict(official: dict[str, torch.Tensor], n_layers: int, n_experts: int) -> dict[str, torch.Tensor]:
+    """An HF-named state dict (experts fused) from an official one; ``mtp.*`` tensors are dropped."""
+    out = {}
+    for name, t in official.items():
+        hf = official_to_hf(name)
+        if hf is not None:
+            out[hf] = t
+    for i in range(n_layers):
+        p = f"layers.{i}.ffn.experts"
+        if f"{p}.0.w1.weight" not in official:
+            continue
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([official[f"{p}.{e}.w1.weight"], official[f"{p}.{e}.w3.weight"]], 0)
+             for e in range(n_experts)])
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(
+            [official[f"{p}.{e}.w2.weight"] for e in range(n_experts)])
+    return out
