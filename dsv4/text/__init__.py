@@ -1,0 +1,35 @@
+"""Text side of dsv4: tokenizer loading, streaming detokenization and the DSV4 chat encoding."""
+
+from dsv4.text.chat import (
+    ChatFormatError,
+    ContentDelta,
+    Event,
+    ParseError,
+    ParsedCompletion,
+    ReasoningDelta,
+    StreamingParser,
+    ToolCall,
+    ToolCallEvent,
+    encode_messages,
+    parse_completion,
+)
+from dsv4.text.tiny_tokenizer import build_tiny_tokenizer, write_tiny_tokenizer
+from dsv4.text.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = [
+    "ChatFormatError",
+    "ContentDelta",
+    "Event",
+    "IncrementalDetokenizer",
+    "ParseError",
+    "ParsedCompletion",
+    "ReasoningDelta",
+    "StreamingParser",
+    "ToolCall",
+    "ToolCallEvent",
+    "Tokenizer",
+    "build_tiny_tokenizer",
+    "encode_messages",
+    "parse_completion",
+    "write_tiny_tokenizer",
+]

@@ -1,0 +1,214 @@
+"""Tokenizer loading, the tiny DSV4-style tokenizer, and incremental UTF-8 detokenization."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import tokenizers
+from tokenizers import AddedToken, models
+
+from dsv4.text import IncrementalDetokenizer, Tokenizer, build_tiny_tokenizer, write_tiny_tokenizer
+from dsv4.text.tiny_tokenizer import BOS_TOKEN, EOS_TOKEN, MIN_VOCAB_SIZE, SPECIAL_TOKENS
+
+MIXED_TEXT = (
+    "<｜begin▁of▁sentence｜>You are terse.<｜User｜>Weather in 東京 🌧️? Café naïve.<｜Assistant｜>"
+    "<think>need a tool</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"w\">\n"
+    "<｜DSML｜parameter name=\"city\" string=\"true\">東京</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+    "</｜DSML｜tool_calls><｜end▁of▁sentence｜>"
+)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tok"), 512)
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tok_dir)
+
+
+# ---------------------------------------------------------------- tiny tokenizer
+
+
+@pytest.mark.parametrize("vocab_size", [MIN_VOCAB_SIZE, 300, 512, 1000])
+def test_tiny_tokenizer_exact_vocab_size(vocab_size):
+    t = build_tiny_tokenizer(vocab_size)
+    assert t.get_vocab_size(with_added_tokens=True) == vocab_size
+    assert sorted(t.get_vocab(with_added_tokens=True).values()) == list(range(vocab_size))
+
+
+def test_tiny_tokenizer_id_layout():
+    t = build_tiny_tokenizer(512)
+    assert t.token_to_id(BOS_TOKEN) == 0 and t.token_to_id(EOS_TOKEN) == 1
+    for i, special in enumerate(SPECIAL_TOKENS):
+        assert t.token_to_id(special) == i
+    for name in ["<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>", "<think>", "</think>", "｜DSML｜"]:
+        assert name in SPECIAL_TOKENS
+    # byte symbols follow the specials in byte order: "A" (0x41) and " " (0x20, shown as "Ġ")
+    assert t.token_to_id("A") == len(SPECIAL_TOKENS) + 0x41
+    assert t.token_to_id("Ġ") == len(SPECIAL_TOKENS) + 0x20
+    # merges come after, so common English words are single tokens
+    assert t.encode(" the", add_special_tokens=False).ids[0] >= MIN_VOCAB_SIZE
+
+
+def test_tiny_tokenizer_deterministic_and_fast():
+    start = time.perf_counter()
+    a = build_tiny_tokenizer(512)
+    assert time.perf_counter() - start < 1.0
+    assert a.to_str() == build_tiny_tokenizer(512).to_str()
+
+
+def test_tiny_tokenizer_bad_sizes():
+    with pytest.raises(ValueError, match="vocab_size must be >="):
+        build_tiny_tokenizer(MIN_VOCAB_SIZE - 1)
+    with pytest.raises(ValueError, match="too large"):
+        build_tiny_tokenizer(100_000)
+
+
+def test_write_tiny_tokenizer_files(tok_dir):
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    assert cfg["bos_token"] == BOS_TOKEN and cfg["eos_token"] == EOS_TOKEN
+    assert tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size() == 512
+
+
+# ---------------------------------------------------------------- Tokenizer
+
+
+def test_tokenizer_properties(tok):
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 512)
+    assert tok.special_id("<｜User｜>") == 2
+    assert tok.special_id("</think>") == 6
+    with pytest.raises(KeyError, match="<｜nope｜>"):
+        tok.special_id("<｜nope｜>")
+
+
+def test_special_strings_encode_to_single_ids(tok):
+    for special in SPECIAL_TOKENS:
+        assert tok.encode(f"a{special}b") == tok.encode("a") + [tok.special_id(special)] + tok.encode("b")
+    assert tok.encode("hi", add_bos=True) == [tok.bos_id] + tok.encode("hi")
+
+
+def test_encode_decode_round_trip(tok):
+    ids = tok.encode(MIXED_TEXT)
+    assert tok.decode(ids) == MIXED_TEXT
+    assert ids.count(tok.special_id("｜DSML｜")) == 6
+    plain = tok.decode(ids, skip_special_tokens=True)
+    assert "<｜User｜>" not in plain and "東京 🌧️" in plain
+
+
+def test_special_ids_are_looked_up_not_hard_coded(tmp_path):
+    # A vocabulary where BOS/EOS are not 0/1: ids must come from the file.
+    vocab = {"[UNK]": 0, "hello": 1, "<｜end▁of▁sentence｜>": 2, "<｜begin▁of▁sentence｜>": 3}
+    hf = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.add_special_tokens([AddedToken(BOS_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    t = Tokenizer.from_dir(tmp_path)
+    assert (t.bos_id, t.eos_id) == (3, 2)
+    assert t.encode("hello", add_bos=True) == [3, 1]
+
+
+def test_config_added_token_dicts(tmp_path):
+    write_tiny_tokenizer(tmp_path, 300)
+    cfg = {"bos_token": {"__type": "AddedToken", "content": "<｜User｜>"}, "eos_token": "</think>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = Tokenizer.from_dir(tmp_path)
+    assert (t.bos_token, t.bos_id, t.eos_token, t.eos_id) == ("<｜User｜>", 2, "</think>", 6)
+
+
+def test_missing_config_uses_default_strings(tmp_path):
+    write_tiny_tokenizer(tmp_path, 300)
+    (tmp_path / "tokenizer_config.json").unlink()
+    t = Tokenizer.from_dir(tmp_path)
+    assert (t.bos_id, t.eos_id) == (0, 1)
+
+
+def test_from_dir_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    write_tiny_tokenizer(tmp_path, 300)
+    (tmp_path / "tokenizer_config.json").write_text("[oops")
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<｜missing｜>"}))
+    with pytest.raises(ValueError, match="<｜missing｜>"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": 5}))
+    with pytest.raises(ValueError, match="eos_token"):
+        Tokenizer.from_dir(tmp_path)
+
+
+# ---------------------------------------------------------------- IncrementalDetokenizer
+
+
+def _stream(tok, ids, **kwargs):
+    det = IncrementalDetokenizer(tok, **kwargs)
+    deltas = [det.push(i) for i in ids]
+    return deltas, det.flush()
+
+
+@pytest.mark.parametrize("text", ["東京は雨です", "emoji 🌧️👩‍👩‍👧 ok", "mixé 中文 and 😀😀 end", MIXED_TEXT])
+def test_detokenizer_never_splits_characters(tok, text):
+    ids = tok.encode(text)
+    assert len(ids) > len(text.encode("utf-8")) // 4  # multi-byte chars really span several ids
+    deltas, tail = _stream(tok, ids)
+    assert "".join(deltas) + tail == text
+    assert tail == ""
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_detokenizer_holds_bytes_until_character_completes(tok):
+    ids = tok.encode("中")  # three byte-level tokens, one per UTF-8 byte
+    assert len(ids) == 3
+    deltas, tail = _stream(tok, ids)
+    assert deltas == ["", "", "中"] and tail == ""
+
+
+def test_detokenizer_flush_emits_incomplete_tail(tok):
+    ids = tok.encode("ok 😀")[:-1]  # cut inside the emoji
+    deltas, tail = _stream(tok, ids)
+    assert "".join(deltas) == "ok " and tail == "\ufffd"
+
+
+def test_detokenizer_with_prompt_and_special_tokens(tok):
+    prompt = tok.encode("<｜User｜>hi<｜Assistant｜></think>", add_bos=True)
+    out = tok.encode("Sure: 東京<｜end▁of▁sentence｜>")
+    deltas, tail = _stream(tok, out, prompt_ids=prompt)
+    assert "".join(deltas) + tail == "Sure: 東京<｜end▁of▁sentence｜>"
+    deltas, tail = _stream(tok, out, prompt_ids=prompt, skip_special_tokens=True)
+    assert "".join(deltas) + tail == "Sure: 東京"
+
+
+class _CountingTokenizer:
+    """Wraps a Tokenizer and records the length of every decoded window."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner, self.windows = inner, []
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.windows.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_detokenizer_decodes_a_bounded_window(tok):
+    text = "The tower light turns every nine seconds. 灯台 🌊 " * 60
+    ids = tok.encode(text)
+    counting = _CountingTokenizer(tok)
+    det = IncrementalDetokenizer(counting, prompt_ids=list(range(100, 400)))
+    out = "".join(det.push(i) for i in ids) + det.flush()
+    assert out == text
+    assert len(ids) > 1000 and max(counting.windows) <= 12
+
+
+def test_detokenizer_gives_up_on_invalid_bytes(tok):
+    stray = tok.hf.token_to_id("Ģ")  # the symbol of the lone continuation byte 0x80
+    assert stray == 8 + 0x80
+    det = IncrementalDetokenizer(tok)
+    deltas = [det.push(i) for i in [stray] * 40 + tok.encode("ok")] + [det.flush()]
+    assert "".join(deltas) == "\ufffd" * 40 + "ok"
+    assert len(det._ids) <= IncrementalDetokenizer.MAX_HELD_IDS + 1
