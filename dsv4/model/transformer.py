@@ -59,10 +59,15 @@ class Transformer(nn.Module):
         if with_mtp and c.num_nextn_predict_layers:
             from .mtp import MTPBlock
             self.mtp = nn.ModuleList(MTPBlock(c, dtype) for _ in range(c.num_nextn_predict_layers))
+        self.init_rope(self.embed.weight.device)
+
+    def init_rope(self, device: torch.device | str) -> None:
+        """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build)."""
+        c = self.config
         inv = {"main": ops.reference.rope_inv_freq(c.rope_dim, c.rope_theta),
                "compress": ops.reference.rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)}
         for kind, freqs in inv.items():
-            self.register_buffer(f"inv_freq_{kind}", freqs, persistent=False)
+            self.register_buffer(f"inv_freq_{kind}", freqs.to(device), persistent=False)
 
     def context(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qat_sim: bool
                 ) -> ForwardContext:

@@ -1,0 +1,463 @@
+"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, stops.
+
+One call to :func:`sample` serves a whole batch whose rows each carry their own
+:class:`SamplingParams`. It runs on the logits' device without a host sync: per-row knobs
+live in tensors of a :class:`SamplingBatch`, greedy rows are picked with ``torch.where``,
+and the only Python branches test flags fixed when the batch is built (``any row uses
+top-p?``), never tensor values. One step over ``logits [B, V]``:
+
+1. penalties -- repetition (CTRL / HF: a seen token's logit is divided by ``r`` when
+   positive, multiplied by ``r`` when negative; "seen" = prompt or output), then
+   presence / frequency (OpenAI: ``l -= freq * count + pres * (count > 0)`` over
+   *generated* tokens only);
+2. logprobs -- reported from ``log_softmax`` of the penalised logits at temperature 1: the
+   model's distribution after penalties, before temperature and truncation. It does not
+   depend on the sampling knobs, so a greedy row reports real probabilities, not 0 / -inf;
+3. temperature (``< GREEDY_EPS`` means greedy); 4. top-k; 5. top-p, on the top-k
+   renormalised distribution (keep the smallest prefix whose mass reaches ``top_p``);
+6. min-p: keep ``p >= min_p * p_max`` (invariant under renormalisation, so it commutes
+   with 4-5 and is computed in log space);
+7. draw -- exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, done in log space as
+   ``argmax(logit + Gumbel)`` so no softmax is needed.
+
+The noise is counter-based, not a ``torch.Generator``: the value for (row seed, row step,
+vocab id) is a pure function of those integers (two rounds of the lowbias32 hash, computed
+in 32-bit lanes of int64 tensors so nothing overflows). A seeded request therefore draws
+the same tokens whatever else is in the batch and whichever row it sits in, provided its
+logits are bitwise the same. Each row's step advances on every :func:`sample`.
+
+:class:`StopChecker` is the host-side half: stop token ids, EOS, ``max_new_tokens`` and
+stop strings matched across token boundaries, holding back text that may still become one.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+MAX_LOGPROBS = 20  # most top alternatives one request may ask for
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
+_M32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------- params
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens. Every field is checked in ``__post_init__``."""
+
+    max_new_tokens: int = 128
+    """Generate at most this many tokens (>= 1); reaching it finishes with reason "length"."""
+    temperature: float = 1.0
+    """Softmax temperature (>= 0); 0 (anything below ``GREEDY_EPS``) is greedy argmax."""
+    top_k: int = 0
+    """Keep the k most likely tokens (>= 0); 0 keeps all."""
+    top_p: float = 1.0
+    """Nucleus: keep the smallest set of tokens whose mass reaches top_p, in (0, 1]."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p * p_max``, in [0, 1]; 0 keeps all."""
+    repetition_penalty: float = 1.0
+    """> 0; seen tokens (prompt or output) get positive logits / r, negative logits * r."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]; subtracted once from the logit of every token generated so far."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]; subtracted per occurrence from the logit of generated tokens."""
+    seed: int | None = None
+    """Same seed, same logits -> same tokens, whatever the batch. None: a random seed."""
+    logprobs: int | None = None
+    """None: no logprobs; n in [0, 20]: the sampled token's logprob and the top n."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (their text is not emitted)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation; the output stops right before the first match."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS token (``stop_token_ids`` still stop)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # OpenAI accepts one string
+            self.stop = [self.stop]
+        for name, (ok, want) in _RULES.items():
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError(f"SamplingParams.{name} must be {want}, got {value!r}")
+        self.stop_token_ids, self.stop = list(self.stop_token_ids), list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        """True when this request takes the argmax."""
+        return self.temperature < GREEDY_EPS
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_list_of(v: object, ok: Callable[[object], bool]) -> bool:
+    return isinstance(v, (list, tuple)) and all(ok(x) for x in v)
+
+
+# field -> (check, what it must be); a failed check raises a ValueError naming both.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "temperature": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
+    "top_k": (lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 = off)"),
+    "top_p": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "min_p": (lambda v: _is_real(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "repetition_penalty": (lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    "presence_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "seed": (lambda v: v is None or _is_int(v), "an int or None"),
+    "logprobs": (
+        lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        f"None or an int in [0, {MAX_LOGPROBS}]",
+    ),
+    "stop_token_ids": (
+        lambda v: _is_list_of(v, lambda t: _is_int(t) and t >= 0),
+        "a list of ints >= 0",
+    ),
+    "stop": (
+        lambda v: _is_list_of(v, lambda t: isinstance(t, str) and t != ""),
+        "a list of non-empty strings",
+    ),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+}
+
+
+# ----------------------------------------------------------------------------- batch state
+
+
+class SamplingBatch:
+    """Per-row sampling state of a batch, on one device (B rows, vocab V).
+
+    Tensors: ``temperature`` [B] fp32 (1 on greedy rows), ``greedy`` [B] bool, ``top_k`` [B]
+    int64 (V when off), ``top_p``, ``min_p``, ``log_min_p``, ``repetition_penalty``,
+    ``presence_penalty``, ``frequency_penalty`` [B] fp32, ``seed_lo`` / ``seed_hi`` [B] int64
+    (32-bit halves of the 64-bit seed), ``step`` [B] int64 (draws made so far).
+    Penalty state, allocated only when some row has a penalty (else None): ``counts`` [B, V]
+    int32 (generated-token counts) and ``prompt_mask`` [B, V] bool (tokens seen in the prompt
+    *or* the output). Host side: ``params``, the effective ``seeds``, and flags derived from
+    the params (``all_greedy``, ``use_top_k``, ``use_top_p``, ``use_min_p``, ``max_top_k``,
+    ``num_logprobs``) that let :func:`sample` skip work without reading tensors.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        """Build the state once per batch; one host-to-device copy per tensor.
+
+        ``prompt_ids[i]`` feeds row i's repetition penalty. ``output_ids[i]`` resumes a row
+        (e.g. after preemption): its counts and its ``step = len(output_ids[i])``, so a
+        seeded request continues its own random stream. Rows whose ``seed`` is None get one
+        from ``rng`` (default: a fresh OS-seeded ``random.Random``), kept in ``self.seeds``.
+        """
+        if not params:
+            raise ValueError("SamplingBatch needs at least one SamplingParams")
+        B, V = len(params), vocab_size
+        prompt_ids = prompt_ids if prompt_ids is not None else [()] * B
+        output_ids = output_ids if output_ids is not None else [()] * B
+        if len(prompt_ids) != B or len(output_ids) != B:
+            got = f"{len(prompt_ids)}/{len(output_ids)}"
+            raise ValueError(f"prompt_ids/output_ids need {B} rows each, got {got}")
+        rng = rng or random.Random()
+        self.vocab_size, self.device = V, torch.device(device)
+        self.params = list(params)
+        self.seeds = [(rng.getrandbits(64) if p.seed is None else p.seed) % 2**64 for p in params]
+
+        def col(values: list[float | int], dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        self.greedy = col([p.greedy for p in params], torch.bool)
+        self.temperature = col([1.0 if p.greedy else p.temperature for p in params], torch.float32)
+        self.top_k = col([p.top_k if 0 < p.top_k < V else V for p in params], torch.int64)
+        self.top_p = col([p.top_p for p in params], torch.float32)
+        self.min_p = col([p.min_p for p in params], torch.float32)
+        self.log_min_p = torch.log(self.min_p)  # -inf where min-p is off
+        self.repetition_penalty = col([p.repetition_penalty for p in params], torch.float32)
+        self.presence_penalty = col([p.presence_penalty for p in params], torch.float32)
+        self.frequency_penalty = col([p.frequency_penalty for p in params], torch.float32)
+        self.seed_lo = col([s & _M32 for s in self.seeds], torch.int64)
+        self.seed_hi = col([s >> 32 for s in self.seeds], torch.int64)
+        self.step = col([len(o) for o in output_ids], torch.int64)
+        self.counts: Tensor | None = None
+        self.prompt_mask: Tensor | None = None
+        if any(_has_penalty(p) for p in params):
+            self.counts = _count_ids(output_ids, V, self.device)
+            self.prompt_mask = (_count_ids(prompt_ids, V, self.device) > 0) | (self.counts > 0)
+        self._set_flags()
+
+    def _set_flags(self) -> None:
+        """Host flags from ``params`` alone (never from tensor values)."""
+        V, ps = self.vocab_size, self.params
+        ks = [p.top_k for p in ps if not p.greedy and 0 < p.top_k < V]
+        self.all_greedy = all(p.greedy for p in ps)
+        self.use_top_k, self.max_top_k = bool(ks), max(ks, default=V)
+        self.use_top_p = any(not p.greedy and p.top_p < 1 for p in ps)
+        self.use_min_p = any(not p.greedy and p.min_p > 0 for p in ps)
+        asked = [p.logprobs for p in ps if p.logprobs is not None]
+        self.num_logprobs: int | None = max(asked) if asked else None
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def update(self, sampled_ids: Tensor) -> None:
+        """Count the tokens just sampled (``sampled_ids`` [B] int64) for the penalties.
+
+        Device-side ``scatter_add_`` / ``scatter_``; a no-op when no row has a penalty.
+        """
+        if self.counts is None or self.prompt_mask is None:
+            return
+        ids = sampled_ids.view(-1, 1)
+        self.counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=self.counts.dtype))
+        self.prompt_mask.scatter_(1, ids, True)
+
+    def select(self, rows: Sequence[int]) -> SamplingBatch:
+        """A new batch of the given rows, in that order, with their steps and counts."""
+        out = SamplingBatch.__new__(SamplingBatch)
+        out.__dict__.update(self.__dict__)
+        idx = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        for name, value in self.__dict__.items():
+            if isinstance(value, Tensor):
+                setattr(out, name, value.index_select(0, idx))
+        out.params = [self.params[i] for i in rows]
+        out.seeds = [self.seeds[i] for i in rows]
+        out._set_flags()
+        return out
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def _count_ids(rows: Sequence[Sequence[int]], V: int, device: torch.device) -> Tensor:
+    """Token counts ``[len(rows), V]`` int32 from ragged id lists, with one device scatter."""
+    flat = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
+    bad = flat[(flat < 0) | (flat >= V)]  # checked on the host, before any device work
+    if bad.numel():
+        raise ValueError(f"token ids must be in [0, {V}), got {bad[:5].tolist()}")
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(rows)), lens)
+    counts = torch.zeros(len(rows), V, dtype=torch.int32, device=device)
+    ones = torch.ones(flat.numel(), dtype=torch.int32, device=device)
+    return counts.index_put_((row.to(device), flat.to(device)), ones, accumulate=True)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+class SampleOutput(NamedTuple):
+    """What :func:`sample` returns for a batch of B rows.
+
+    ``token_ids`` [B] int64; ``logprobs`` [B] fp32 (sampled token) or None when no row asked;
+    ``top_logprobs`` = (ids [B, n] int64, values [B, n] fp32), sorted by value descending,
+    n = the largest ``logprobs`` in the batch (each row keeps its own first few), or None
+    when n is 0 or no row asked.
+    """
+
+    token_ids: Tensor
+    logprobs: Tensor | None
+    top_logprobs: tuple[Tensor, Tensor] | None
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+    """Pick one token per row from ``logits`` [B, V] (any float dtype, computed in fp32).
+
+    Runs the module-docstring pipeline on the device with no host sync, then advances every
+    row's ``batch.step``. Call ``batch.update(out.token_ids)`` to feed the penalties.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(batch) or logits.shape[1] != batch.vocab_size:
+        want = [len(batch), batch.vocab_size]
+        raise ValueError(f"logits must be {want}, got {list(logits.shape)}")
+    logits = apply_penalties(logits.float(), batch)  # [B, V] fp32
+    logp = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
+    if batch.all_greedy:
+        token_ids = logits.argmax(dim=-1)
+    else:
+        scaled = logits / batch.temperature[:, None]
+        scaled = apply_top_k_top_p_min_p(scaled, batch)
+        noise = gumbel_noise(batch.seed_lo, batch.seed_hi, batch.step, batch.vocab_size)
+        drawn = (scaled + noise).argmax(dim=-1)
+        token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), drawn)
+    batch.step += 1
+    if logp is None:
+        return SampleOutput(token_ids, None, None)
+    chosen = logp.gather(1, token_ids[:, None]).squeeze(1)  # [B]
+    top = logp.topk(batch.num_logprobs, dim=-1) if batch.num_logprobs else None  # sorted
+    return SampleOutput(token_ids, chosen, None if top is None else (top.indices, top.values))
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition, then presence/frequency penalties; ``logits`` [B, V] fp32 -> new [B, V] fp32.
+
+    Returns ``logits`` itself (not a copy) when no row has a penalty; never writes in place.
+    """
+    if batch.counts is None or batch.prompt_mask is None:
+        return logits
+    r = torch.where(batch.prompt_mask, batch.repetition_penalty[:, None], 1.0)  # [B, V]
+    logits = torch.where(logits > 0, logits / r, logits * r)
+    counts = batch.counts.float()
+    freq, pres = batch.frequency_penalty[:, None], batch.presence_penalty[:, None]
+    return logits - (freq * counts + pres * (counts > 0))
+
+
+def apply_top_k_top_p_min_p(scaled: Tensor, batch: SamplingBatch) -> Tensor:
+    """Mask tokens outside each row's top-k / top-p / min-p set with -inf.
+
+    ``scaled`` [B, V] fp32 are temperature-scaled logits; returns [B, V] fp32 (``scaled``
+    itself if nothing applies; never written in place). Rows with a knob off are untouched.
+    Top-p needs one sort; top-k alone uses ``topk`` with the batch's largest k (then ties with
+    the k-th value are all kept).
+    """
+    B, V = scaled.shape
+    if batch.use_top_p:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+        rank = torch.arange(V, device=scaled.device)
+        drop = rank[None, :] >= batch.top_k[:, None]
+        probs = sorted_logits.masked_fill(drop, -math.inf).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # keep while the mass before < top_p
+        drop |= (mass_before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]
+        scaled = scaled.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), -math.inf)
+    elif batch.use_top_k:
+        top = scaled.topk(batch.max_top_k, dim=-1).values  # [B, max_k], sorted
+        kth = top.gather(1, (batch.top_k.clamp(max=batch.max_top_k) - 1)[:, None])  # [B, 1]
+        kth = torch.where((batch.top_k < V)[:, None], kth, -math.inf)
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    if batch.use_min_p:
+        # p_i >= min_p * p_max  <=>  l_i >= l_max + log(min_p); the max survives 4-5.
+        floor = scaled.amax(dim=-1, keepdim=True) + batch.log_min_p[:, None]
+        scaled = scaled.masked_fill(scaled < floor, -math.inf)
+    return scaled
+
+
+# ----------------------------------------------------------------------------- noise
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32): 16-bit halves of c, no overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """lowbias32 (C. Wellons): a well-mixing bijection of 32-bit values held in int64."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab_size: int) -> Tensor:
+    """Counter-based uniforms in (0, 1): ``[B, V]`` fp32, a pure function of (seed, step, id).
+
+    ``seed_lo``, ``seed_hi`` [B] int64 hold the seed's 32-bit halves, ``step`` [B] int64. The
+    row keys (k1, k2) are injective in the seed for a fixed step; each row's values are
+    distinct across the vocabulary (bijections); 24 bits per value, centred in its bin.
+    """
+    k1 = _mix32(seed_lo ^ _mix32((step & _M32) ^ 0x9E3779B9))  # [B]
+    k2 = _mix32(seed_hi ^ _mix32(k1 ^ 0x85EBCA6B))  # [B]
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seed_lo.device)
+    h = _mix32(_mix32(vocab[None, :] ^ k1[:, None]) ^ k2[:, None])  # [B, V] in [0, 2**32)
+    return ((h >> 8).float() + 0.5) * 2.0**-24
+
+
+def gumbel_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab_size: int) -> Tensor:
+    """Gumbel(0, 1) noise ``[B, V]`` fp32: ``-log E`` with ``E = -log U ~ Exp(1)``.
+
+    ``argmax(logits + noise)`` equals the exponential race ``argmax(p / E)``: it draws token
+    i with probability ``softmax(logits)_i``.
+    """
+    return -torch.log(-torch.log(uniform_noise(seed_lo, seed_hi, step, vocab_size)))
+
+
+# ----------------------------------------------------------------------------- stops
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class StopChecker:
+    """Host-side stop logic for one request: stop ids, EOS, length and stop strings.
+
+    Feed each new token's incrementally decoded text to :meth:`check`. A stop string may be
+    split over tokens ("ST" + "OP"), so any tail of the text that is a prefix of a stop
+    string is held back until it either completes a match (then dropped with everything
+    after it) or stops matching (then emitted). A stop token's own text is not emitted.
+    """
+
+    def __init__(
+        self,
+        stop_strings: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        eos_id: int | None = None,
+        ignore_eos: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> None:
+        self.stop_strings = [s for s in stop_strings if s]
+        self.stop_ids = set(stop_token_ids)
+        if eos_id is not None and not ignore_eos:
+            self.stop_ids.add(eos_id)
+        self.max_new_tokens = max_new_tokens
+        self.num_tokens = 0
+        self.stopped = False
+        self._held = ""  # decoded text not emitted yet: a possible start of a stop string
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, eos_id: int | None) -> StopChecker:
+        """The checker for one request's params and the tokenizer's EOS id."""
+        p = params
+        return cls(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, p.max_new_tokens)
+
+    def check(self, new_text: str, token_id: int) -> tuple[str, bool, FinishReason | None]:
+        """Take one generated token; return ``(emit_text, stopped, reason)``.
+
+        ``emit_text`` is safe to stream now. ``reason`` is "stop" (stop id, EOS or stop
+        string), "length" (``max_new_tokens`` reached; held text is flushed) or None.
+        """
+        if self.stopped:
+            raise RuntimeError("StopChecker.check called after the request stopped")
+        self.num_tokens += 1
+        if token_id in self.stop_ids:
+            return self._end(self._held, "stop")
+        text = self._held + new_text
+        cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            return self._end(text[:cut], "stop")
+        if self.max_new_tokens is not None and self.num_tokens >= self.max_new_tokens:
+            return self._end(text, "length")
+        keep = self._partial_match_len(text)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep], False, None
+
+    def finish(self) -> str:
+        """Flush the held-back text when generation ends without a stop-string match."""
+        held, self._held = self._held, ""
+        return held
+
+    def _end(self, emit: str, reason: FinishReason) -> tuple[str, bool, FinishReason]:
+        self.stopped, self._held = True, ""
+        return emit, True, reason
+
+    def _partial_match_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop_strings:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

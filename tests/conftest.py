@@ -1,0 +1,59 @@
+"""Shared fixtures: small configs and random models built in-process (tests never download)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4.config import ModelConfig, YarnConfig, preset
+from dsv4.model.init import init_random
+from dsv4.model.transformer import Transformer
+
+
+def parity_config(**overrides) -> ModelConfig:
+    """The HF-parity geometry: window 8, CSA ratio 4, HCA ratio 16, a top-k that really selects,
+    every layer kind, hash and top-k MoE layers."""
+    kinds = ["sliding", "csa", "hca", "csa", "hca"]
+    ratio = {"sliding": 0, "csa": 4, "hca": 16}
+    base = dict(vocab_size=512, hidden_size=64, num_hidden_layers=len(kinds), num_attention_heads=4, head_dim=32,
+                qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, layer_kinds=kinds,
+                compress_ratios=[ratio[k] for k in kinds], hash_layers=[True, True, False, False, False],
+                sliding_window=8, index_n_heads=8, index_head_dim=16, index_topk=5, hc_mult=4,
+                hc_sinkhorn_iters=20, routed_scaling_factor=1.5, compress_rope_theta=160000.0,
+                yarn=YarnConfig(factor=4.0, original_max_position_embeddings=64),
+                num_nextn_predict_layers=1, max_position_embeddings=65536)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 with_mtp: bool = False) -> Transformer:
+    return init_random(Transformer(config, dtype, with_mtp=with_mtp), seed=seed).eval()
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    # The reference path runs thousands of tiny ops; one thread avoids OpenMP wake-up costs
+    # that dominate on a 2-core CI machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tiny_config() -> ModelConfig:
+    return preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The embedded tiny checkpoint, built once per session in a private cache dir."""
+    from dsv4.tiny import ensure_tiny
+    return ensure_tiny(tmp_path_factory.mktemp("dsv4cache"))
+
+
+__all__ = ["parity_config", "random_model", "dataclasses"]
