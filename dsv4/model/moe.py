@@ -32,15 +32,14 @@ class Expert(nn.Module):
         return ops.linear(h, self.w2.weight).to(x.dtype)
 
 
-class Gate(nn.Module):
+class Gate(Linear):
     """Router: ``weight [E, D]``; ``bias [E]`` (top-k layers) or ``tid2eid [vocab, k]`` (hash layers)."""
 
     def __init__(self, config: ModelConfig, is_hash: bool, dtype: torch.dtype):
-        super().__init__()
         c = config
+        super().__init__(c.hidden_size, c.n_routed_experts, dtype)
         self.is_hash, self.topk, self.func = is_hash, c.num_experts_per_tok, c.scoring_func
         self.scale = c.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size, dtype=dtype), requires_grad=False)
         if is_hash:
             self.register_buffer("tid2eid", torch.zeros(c.vocab_size, c.num_experts_per_tok, dtype=torch.int32))
         else:
@@ -67,6 +66,27 @@ class MoE(nn.Module):
                                      for _ in range(c.n_routed_experts))
         self.shared_experts = (Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
                                if c.n_shared_experts else None)
+
+    def stack_experts(self) -> None:
+        """Stack the routed experts' weights into ``[E, N, K]`` tensors / packed weights (for grouped
+        kernels) and make each expert's weight a view of its row, so memory is held once."""
+        from ..weights.formats import QuantWeight
+
+        self.stacked = {}
+        for proj in ("w1", "w2", "w3"):
+            ws = [getattr(e, proj).weight for e in self.experts]
+            if isinstance(ws[0], torch.Tensor):
+                stacked = torch.stack([w.data for w in ws])
+                views = list(stacked.unbind(0))
+            elif all(type(w) is type(ws[0]) for w in ws) and isinstance(ws[0], QuantWeight):
+                stacked = type(ws[0]).stack(ws, name=f"experts.{proj}")
+                views = [stacked.expert(e) for e in range(len(ws))]
+            else:
+                raise ValueError(f"routed experts mix weight formats in {proj}: "
+                                 f"{sorted({type(w).__name__ for w in ws})}")
+            for expert, view in zip(self.experts, views):
+                getattr(expert, proj).set_weight(view)
+            self.stacked[proj] = stacked
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """``x [B, S, D]``, ``token_ids [B, S]`` -> ``[B, S, D]``."""

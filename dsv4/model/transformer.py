@@ -14,7 +14,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..engine.state import GenerationState, LayerState
 from .attention import Attention
-from .common import ForwardContext, RMSNorm, RopeTables
+from .common import ForwardContext, Linear, RMSNorm, RopeTables
 from .mhc import Mixer, add_head_params, add_mixer_params, collapse_head
 from .moe import MoE
 
@@ -54,8 +54,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(c, i, dtype) for i in range(c.num_hidden_layers))
         add_head_params(self, c.hc_mult, c.hidden_size)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
-        self.head.weight.requires_grad_(False)
+        self.head = Linear(c.hidden_size, c.vocab_size, dtype)
         if with_mtp and c.num_nextn_predict_layers:
             from .mtp import MTPBlock
             self.mtp = nn.ModuleList(MTPBlock(c, dtype) for _ in range(c.num_nextn_predict_layers))

@@ -1,0 +1,270 @@
+"""The Python API: ``LLM(model).generate(prompts, SamplingParams(...))``, streaming and chat.
+
+Prompts are batched through the runner's slots: each wave prefills up to ``max_slots`` prompts,
+then decodes all of them together, one forward per step, each row with its own sampling params.
+Text comes out through an incremental detokenizer and a stop checker per request, so streamed
+text never contains half a UTF-8 character or the beginning of a stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
+from ..weights.loader import LoadReport, load_model
+from .runner import Runner
+from .sampler import SamplingBatch, SamplingParams, StopChecker, sample
+
+__all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "resolve_qat_sim"]
+
+
+@dataclass
+class CompletionOutput:
+    """One finished generation. Times in seconds; ``decode_tokens_per_s`` excludes the first token."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        span = self.total_time - self.time_to_first_token
+        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else 0.0
+
+
+@dataclass
+class StreamEvent:
+    """A streamed step of one request: new text (possibly empty) and, at the end, the output."""
+
+    index: int
+    text: str
+    token_id: int | None
+    finished: bool
+    output: CompletionOutput
+
+
+@dataclass
+class ChatOutput:
+    """A chat answer split into reasoning, content and tool calls (see :mod:`dsv4.text.chat`)."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list
+    finish_reason: str | None
+    error: str | None
+    completion: CompletionOutput
+
+
+def resolve_qat_sim(setting: str | bool, config: ModelConfig) -> bool:
+    """``auto``: on for checkpoints quantized like DeepSeek's releases (FP8/FP4 weights, which were
+    trained with the simulated FP8 KV cache and FP4 indexer), off for plain BF16 checkpoints."""
+    if isinstance(setting, bool):
+        return setting
+    if setting in ("on", "true", "1"):
+        return True
+    if setting in ("off", "false", "0"):
+        return False
+    if setting != "auto":
+        raise ValueError(f"qat_sim must be on, off or auto, got {setting!r}")
+    return config.quantization_config is not None or config.expert_dtype is not None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, bf16, fp16 or fp32")
+    return table[dtype]
+
+
+class _Request:
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer):
+        self.index, self.params = index, params
+        self.out = CompletionOutput(prompt_token_ids=prompt_ids)
+        if params.logprobs is not None:
+            self.out.logprobs, self.out.top_logprobs = [], []
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
+        self.stops = StopChecker.from_params(params, tokenizer.eos_id)
+        self.t0 = time.perf_counter()
+
+    def take(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
+             context_full: bool) -> StreamEvent:
+        out = self.out
+        if not out.token_ids:
+            out.time_to_first_token = time.perf_counter() - self.t0
+        out.token_ids.append(token)
+        if out.logprobs is not None:
+            out.logprobs.append(logprob)
+            out.top_logprobs.append(top or [])
+        emit, stopped, reason = self.stops.check(self.detok.push(token), token)
+        if not stopped and context_full:
+            emit, stopped, reason = emit + self.detok.flush() + self.stops.finish(), True, "length"
+        elif stopped and reason == "length":
+            emit += self.detok.flush()
+        out.text += emit
+        if stopped:
+            out.finish_reason = reason
+            out.total_time = time.perf_counter() - self.t0
+        return StreamEvent(self.index, emit, token, stopped, out)
+
+
+class LLM:
+    """A loaded model ready to generate. ``model=None`` uses the embedded tiny model."""
+
+    def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str | torch.dtype = "auto",
+                 qat_sim: str | bool = "auto", max_slots: int = 4, max_context: int = 4096,
+                 load_mtp: bool = False, progress: bool = True):
+        if model is None:
+            from ..tiny import ensure_tiny
+            model = ensure_tiny()
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch sees no CUDA GPU")
+        self.path = Path(model)
+        self.tokenizer = Tokenizer.from_dir(self.path)
+        net, self.load_report = load_model(self.path, dev, resolve_dtype(dtype, dev), load_mtp=load_mtp,
+                                           progress=progress)
+        self.model: torch.nn.Module = net
+        self.config: ModelConfig = net.config
+        self.qat_sim = resolve_qat_sim(qat_sim, self.config)
+        self.runner = Runner(net, max_slots=max_slots, max_context=max_context, qat_sim=self.qat_sim)
+        self.load_report: LoadReport
+
+    # ------------------------------------------------------------------ inputs
+    def _prompt_ids(self, prompt: str | Sequence[int], index: int) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index} has token id(s) outside [0, {self.config.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.runner.max_context:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_context is {self.runner.max_context}")
+        return ids
+
+    # ------------------------------------------------------------------ generation
+    def stream_many(self, prompts: Sequence[str | Sequence[int]],
+                    params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamEvent]:
+        """Generate for every prompt, yielding a :class:`StreamEvent` per request per token."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        requests = [_Request(i, self._prompt_ids(p, i), sp, self.tokenizer)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        for lo in range(0, len(requests), self.runner.max_slots):
+            yield from self._wave(requests[lo:lo + self.runner.max_slots])
+
+    def _wave(self, wave: list[_Request]) -> Iterator[StreamEvent]:
+        runner, vocab = self.runner, self.config.vocab_size
+        slots = list(range(len(wave)))
+        runner.reset(slots)
+        device = runner.device
+        logits = torch.stack([runner.prefill(s, r.out.prompt_token_ids) for s, r in zip(slots, wave)])
+        batch = SamplingBatch([r.params for r in wave], vocab, device,
+                              prompt_ids=[r.out.prompt_token_ids for r in wave])
+        active = list(range(len(wave)))  # rows of `batch` <-> wave indices
+        while True:
+            result = sample(logits, batch)
+            batch.update(result.token_ids)
+            tokens = result.token_ids.tolist()  # the one host read per step
+            lps = result.logprobs.tolist() if result.logprobs is not None else None
+            tops = None
+            if result.top_logprobs is not None:
+                ids, vals = result.top_logprobs
+                tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+            keep = []
+            for row, w in enumerate(active):
+                req = wave[w]
+                n_top = req.params.logprobs or 0
+                top = tops[row][:n_top] if tops is not None else None
+                full = runner.lengths[slots[w]] + 1 >= runner.max_context
+                event = req.take(tokens[row], lps[row] if lps else None, top, full)
+                yield event
+                if not event.finished:
+                    keep.append(row)
+            if not keep:
+                return
+            if len(keep) != len(active):
+                batch = batch.select(keep)
+                active = [active[r] for r in keep]
+                tokens = [tokens[r] for r in keep]
+            next_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+            logits = runner.decode([slots[w] for w in active], next_ids)
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Generate for one prompt or a list of prompts (text or token ids)."""
+        prompts = _as_list(prompts)
+        outputs: dict[int, CompletionOutput] = {}
+        for event in self.stream_many(prompts, params):
+            if event.finished:
+                outputs[event.index] = event.output
+        return [outputs[i] for i in range(len(prompts))]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
+        """Stream one prompt's generation."""
+        return self.stream_many([prompt], params)
+
+    # ------------------------------------------------------------------ chat
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, thinking: bool = False,
+             reasoning_effort: str | None = None, tools: list[dict] | None = None,
+             response_format: dict | None = None) -> ChatOutput:
+        """Answer a conversation; returns reasoning, content and tool calls."""
+        from ..text.chat import encode_messages, parse_completion
+
+        prompt = encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
+                                 response_format=response_format)
+        ids = self.tokenizer.encode(prompt)
+        raw = self._raw_params(params)
+        out = self.generate([ids], raw)[0]
+        parsed = parse_completion(self.tokenizer.decode(out.token_ids), thinking=thinking)
+        reason = parsed.finish_reason if out.finish_reason == "stop" else out.finish_reason
+        return ChatOutput(parsed.reasoning, parsed.content, parsed.tool_calls, reason, parsed.error, out)
+
+    def chat_stream(self, messages: list[dict], params: SamplingParams | None = None, *, thinking: bool = False,
+                    reasoning_effort: str | None = None, tools: list[dict] | None = None,
+                    response_format: dict | None = None) -> Iterator:
+        """Stream a chat answer as parser events (reasoning deltas, content deltas, tool calls)."""
+        from ..text.chat import StreamingParser, encode_messages
+
+        prompt = encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
+                                 response_format=response_format)
+        ids = self.tokenizer.encode(prompt)
+        parser = StreamingParser(thinking=thinking)
+        detok = IncrementalDetokenizer(self.tokenizer, ids)
+        for event in self.stream(ids, self._raw_params(params)):
+            yield from parser.feed(detok.push(event.token_id))
+            if event.finished:
+                yield from parser.feed(detok.flush())
+                yield from parser.finish()
+
+    def _raw_params(self, params: SamplingParams | None) -> SamplingParams:
+        """Chat decoding keeps special tokens in the text the parser sees; EOS still stops."""
+        return params or SamplingParams()
+
+
+def _as_list(prompts: str | Sequence) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]
+    return list(prompts)

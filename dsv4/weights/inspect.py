@@ -1,0 +1,79 @@
+"""``dsv4 inspect``: a checkpoint's config, layer kinds, tensor formats, parameter count and bytes.
+
+Reads only the config and the safetensors headers (no tensor data), so it is instant on a
+several-hundred-GB checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from .loader import CheckpointError, list_shards, tensor_group
+
+_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U8": 1, "I8": 1,
+          "I16": 2, "I32": 4, "I64": 8, "F4": 0.5, "BOOL": 1}
+
+
+def _run_length(kinds: list[str]) -> str:
+    """``sliding x2, csa, hca, ...`` compact form of the per-layer kinds."""
+    parts, prev, count = [], None, 0
+    for k in kinds + [None]:
+        if k == prev:
+            count += 1
+            continue
+        if prev is not None:
+            parts.append(prev if count == 1 else f"{prev} x{count}")
+        prev, count = k, 1
+    return ", ".join(parts)
+
+
+def describe(path: Path) -> str:
+    """Human-readable summary of the checkpoint at ``path``."""
+    config = ModelConfig.from_file(path / "config.json")
+    shards = list_shards(path)
+    dtypes: dict[str, Counter] = defaultdict(Counter)
+    params: Counter = Counter()
+    nbytes = 0.0
+    n_tensors = 0
+    for file in shards:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:
+            raise CheckpointError(f"cannot read {file}: {e}") from None
+        with handle:
+            for name in handle.keys():
+                sl = handle.get_slice(name)
+                dtype, shape = sl.get_dtype(), sl.get_shape()
+                numel = math.prod(shape)
+                group = tensor_group(name)
+                dtypes[group][dtype] += 1
+                params[group] += numel
+                nbytes += numel * _BYTES.get(dtype, 1)
+                n_tensors += 1
+    c = config
+    lines = [
+        f"checkpoint   {path}",
+        f"shards       {len(shards)} file(s), {n_tensors} tensors, {nbytes / 2**30:.3f} GiB",
+        f"parameters   {sum(params.values()):,} stored values (packed FP4 bytes count as one value each)",
+        f"geometry     hidden {c.hidden_size}, {c.num_hidden_layers} layers (+{c.num_nextn_predict_layers} MTP), "
+        f"{c.num_attention_heads} heads x {c.head_dim} (rope {c.rope_dim}), q_lora {c.q_lora_rank}, "
+        f"o_groups {c.o_groups} x {c.o_lora_rank}",
+        f"moe          {c.n_routed_experts} experts, top-{c.num_experts_per_tok} ({c.scoring_func}, "
+        f"scale {c.routed_scaling_factor}), width {c.moe_intermediate_size}, {sum(c.hash_layers)} hash layer(s)",
+        f"attention    window {c.sliding_window}; layers: {_run_length(c.layer_kinds)}",
+        f"             ratios: {sorted(set(r for r in c.compress_ratios if r))}; indexer {c.index_n_heads} heads x "
+        f"{c.index_head_dim}, top-{c.index_topk}; MTP layer: {c.mtp_layer_kind}",
+        f"vocab        {c.vocab_size} (bos {c.bos_token_id}, eos {c.eos_token_id})",
+    ]
+    if c.quantization_config or c.expert_dtype:
+        lines.append(f"quantization {c.quantization_config or {}} expert_dtype={c.expert_dtype}")
+    lines.append("tensors by group:")
+    for group in sorted(params):
+        kinds = ", ".join(f"{n} x {d}" for d, n in sorted(dtypes[group].items()))
+        lines.append(f"  {group:<16} {params[group]:>14,}  {kinds}")
+    return "\n".join(lines)
