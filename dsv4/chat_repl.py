@@ -25,7 +25,7 @@ class ChatSession:
                  out: TextIO | None = None):
         self.llm, self.params, self.thinking, self.system = llm, params, thinking, system
         self.out = out or sys.stdout
-        self.color = out.isatty()
+        self.color = self.out.isatty()
         self.history: list[dict] = []
 
     def reset(self) -> None:
