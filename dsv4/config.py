@@ -202,9 +202,9 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"no config file at {path}")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a JSON object")
         try:
@@ -245,7 +245,7 @@ _IGNORED = {
     "initializer_range", "hidden_act", "attention_bias", "mlp_bias", "attention_dropout",
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "tie_word_embeddings",
     "pad_token_id", "num_key_value_heads", "norm_topk_prob", "auto_map", "max_batch_size",
-    "partial_rotary_factor", "rope_parameters", "kv_lora_rank", "inter_dim", "n_dense_layers",
+    "kv_lora_rank", "inter_dim", "n_dense_layers",
     "n_expert_groups", "n_limited_groups", "topk_group", "n_group", "first_k_dense_replace",
     "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "topk_method", "scale_fmt",
     "qk_nope_head_dim", "v_head_dim", "intermediate_size", "num_local_experts", "mscale",
@@ -255,17 +255,28 @@ _IGNORED = {
 
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
-    cfg = {}
+    cfg: dict[str, Any] = {}
+    source: dict[str, str] = {}  # HF name -> the raw key it came from
     for key, value in raw.items():
         hf = _ALIASES.get(key, key)
         if hf in cfg and cfg[hf] != value:
-            raise ConfigError(f"config fields `{key}` and `{hf}` disagree ({value!r} vs {cfg[hf]!r})")
-        cfg[hf] = value
+            raise ConfigError(f"config fields `{source[hf]}` and `{key}` disagree ({cfg[hf]!r} vs {value!r})")
+        cfg[hf], source[hf] = value, key
     if "quantization_config" in cfg and "expert_dtype" not in cfg:
         qc = cfg["quantization_config"]
         if isinstance(qc, dict) and "expert_dtype" in qc:
             cfg["expert_dtype"] = qc["expert_dtype"]
 
+    yarn = _parse_yarn(cfg)
+    factor = cfg.pop("partial_rotary_factor", None)
+    if factor is not None:
+        head_dim = cfg.get("head_dim", ModelConfig.head_dim)
+        if not isinstance(factor, (int, float)) or not 0 < factor <= 1 or not isinstance(head_dim, int):
+            raise ConfigError(f"config field `partial_rotary_factor` must be in (0, 1], got {factor!r}")
+        rope_dim = round(head_dim * factor)
+        if cfg.setdefault("qk_rope_head_dim", rope_dim) != rope_dim:
+            raise ConfigError(f"config fields `partial_rotary_factor` ({factor}) and `qk_rope_head_dim` "
+                              f"({cfg['qk_rope_head_dim']}) disagree")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     out: dict[str, Any] = {}
     for name in fields - {"layer_kinds", "compress_ratios", "hash_layers", "yarn", "mtp_layer_kind",
@@ -283,9 +294,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
 
     out.update(_parse_layer_kinds(cfg, n, n_mtp))
     out["hash_layers"] = _parse_hash_layers(cfg, n)
-    out["yarn"] = _parse_yarn(cfg)
-    if "compress_rope_theta" not in out and "rope_theta" in out and out["yarn"] is None:
-        pass
+    out["yarn"] = yarn
     for name in ("hc_eps", "rms_norm_eps", "routed_scaling_factor", "swiglu_limit", "rope_theta",
                  "compress_rope_theta"):
         if name in out:
@@ -369,10 +378,32 @@ def _parse_hash_layers(cfg: dict[str, Any], n: int) -> list[bool]:
 
 
 def _parse_yarn(cfg: dict[str, Any]) -> YarnConfig | None:
-    """YaRN parameters from `rope_scaling` (HF) or `rope_factor`/`original_seq_len` (official)."""
+    """YaRN parameters of the compressed layers' RoPE.
+
+    Sources, in order: ``rope_parameters`` as transformers >= 5.23 saves it (``{"main": {...},
+    "compress": {...}}``, also giving both thetas, or a flat dict), ``rope_scaling`` (HF; an
+    explicit ``null`` means no YaRN), the official ``rope_factor``/``original_seq_len``/``beta_*``.
+    A config with none of them gets DeepSeek-V4's default YaRN.
+    """
+    params = cfg.pop("rope_parameters", None)
+    has_scaling = "rope_scaling" in cfg
     scaling = cfg.pop("rope_scaling", None)
     official = {k: cfg.pop(k) for k in ("rope_factor", "original_seq_len", "beta_fast", "beta_slow")
                 if k in cfg}
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError("config field `rope_parameters` must be an object")
+        if isinstance(params.get("compress"), dict):
+            main, compress = params.get("main") or {}, params["compress"]
+            for key, sub, field_name in (("rope_theta", main, "rope_theta"),
+                                         ("rope_theta", compress, "compress_rope_theta")):
+                if key in sub:
+                    cfg.setdefault(field_name, sub[key])
+            scaling, has_scaling = compress, True
+        elif scaling is None and params.get("rope_type", params.get("type")) is not None:
+            scaling, has_scaling = params, True
+    if has_scaling and scaling is None and not official:
+        return None
     if scaling is None and not official:
         return YarnConfig()
     if scaling is not None:
@@ -386,6 +417,9 @@ def _parse_yarn(cfg: dict[str, Any]) -> YarnConfig | None:
         src = {"factor": scaling.get("factor"),
                "original_max_position_embeddings": scaling.get("original_max_position_embeddings"),
                "beta_fast": scaling.get("beta_fast"), "beta_slow": scaling.get("beta_slow")}
+        if scaling.get("mscale") not in (None, 1, 1.0) or scaling.get("attention_factor") not in (None, 1, 1.0):
+            raise ConfigError("config field `rope_scaling`: DeepSeek-V4 applies no mscale/attention_factor "
+                              "to cos/sin; refusing a config that asks for one")
     else:
         src = {"factor": official.get("rope_factor"),
                "original_max_position_embeddings": official.get("original_seq_len"),

@@ -95,6 +95,9 @@ def _official_name(name: str) -> str:
     """Official name of an on-disk tensor name (HF names mapped; companions follow their weight)."""
     if not is_hf_name(name):
         return name
+    mapped = hf_to_official(name)
+    if mapped is not None:
+        return mapped
     split = split_name(name)
     if split is not None and split[1] != "weight":
         mapped = hf_to_official(split[0] + ".weight")
@@ -116,7 +119,8 @@ def _index_shards(shards: list[Path]) -> dict[str, set[str]]:
             split = split_name(_official_name(disk_name))
             if split is not None:
                 parts.setdefault(split[0], set()).add(split[1])
-    return {base: p for base, p in parts.items() if p != {"weight"}}
+    # a quantized group is a weight plus at least one companion (a lone `x.scale` is a parameter)
+    return {base: p for base, p in parts.items() if "weight" in p and len(p) > 1}
 
 
 def _check_tensor(name: str, t: torch.Tensor, expected: torch.Tensor, file: Path, n_experts: int
@@ -129,9 +133,11 @@ def _check_tensor(name: str, t: torch.Tensor, expected: torch.Tensor, file: Path
         if not t.dtype.is_floating_point or t.dtype.itemsize == 1:
             raise CheckpointError(f"{file.name}: tensor `{name}` has dtype {t.dtype}; expected a 16/32-bit float "
                                   "(quantized weights need their scale tensors)")
+        t = t.to(expected.dtype)
         if not torch.isfinite(t).all():
-            raise CheckpointError(f"{file.name}: tensor `{name}` contains NaN or Inf")
-        return t.to(expected.dtype)
+            raise CheckpointError(f"{file.name}: tensor `{name}` contains NaN or Inf "
+                                  f"(after conversion to {expected.dtype})")
+        return t
     if t.dtype.is_floating_point or t.dtype == torch.bool:
         raise CheckpointError(f"{file.name}: tensor `{name}` has dtype {t.dtype}; expected integers")
     if name.endswith("tid2eid") and t.numel() and (int(t.min()) < 0 or int(t.max()) >= n_experts):
@@ -153,6 +159,9 @@ class _Collector:
 
     def add(self, disk_name: str, tensor: torch.Tensor, file: Path) -> None:
         if HF_FUSED_EXPERTS.match(disk_name):
+            if tensor.dim() != 3 or tensor.shape[0] != self.config.n_routed_experts:
+                raise CheckpointError(f"{file.name}: fused expert tensor `{disk_name}` has shape "
+                                      f"{tuple(tensor.shape)}; expected [{self.config.n_routed_experts}, N, K]")
             for name, t in split_hf_experts(disk_name, tensor).items():
                 self._add_plain(name, t, file, disk_name)
             return

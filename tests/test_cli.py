@@ -1,0 +1,229 @@
+"""The ``dsv4`` command in-process (``dsv4.cli.main``) and once through a real subprocess."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dsv4.cli import main
+from dsv4.engine.runner import Runner
+from dsv4.text.tokenizer import Tokenizer
+from dsv4.weights.loader import load_model
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture
+def cache(tiny_checkpoint, monkeypatch):
+    """DSV4_CACHE pointing at the session's tiny checkpoint (so no --model means the tiny model)."""
+    monkeypatch.setenv("DSV4_CACHE", str(tiny_checkpoint.parent))
+    return tiny_checkpoint
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def generate_json(capsys, *extra: str, prompt: str | None = PROMPT) -> dict:
+    argv = ["generate"] + ([prompt] if prompt is not None else []) + ["--max-new-tokens", "8", "--json", *extra]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out  # one JSON object, nothing else on stdout
+    return json.loads(lines[0])
+
+
+def no_traceback(err: str) -> None:
+    assert "Traceback" not in err, err
+
+
+# --------------------------------------------------------------------------- generate --json
+
+def test_generate_json_object(cache, capsys):
+    obj = generate_json(capsys, "--temperature", "0")
+    for key in ("prompt_token_ids", "token_ids", "text", "finish_reason", "time_to_first_token_s",
+                "decode_tokens_per_s", "total_s"):
+        assert key in obj, key
+    tok = Tokenizer.from_dir(cache)
+    assert obj["prompt_token_ids"] == tok.encode(PROMPT, add_bos=True)
+    assert obj["prompt_token_ids"][0] == 0
+    assert isinstance(obj["text"], str)
+    ids = obj["token_ids"]
+    assert 1 <= len(ids) <= 8 and all(isinstance(t, int) and 0 <= t < 512 for t in ids)
+    assert obj["finish_reason"] in ("length", "stop")
+    assert len(ids) == 8 or obj["finish_reason"] == "stop"
+    for key in ("time_to_first_token_s", "decode_tokens_per_s", "total_s"):
+        assert isinstance(obj[key], (int, float)) and obj[key] >= 0, key
+    assert obj["total_s"] >= obj["time_to_first_token_s"] > 0
+
+
+def test_greedy_is_deterministic_and_is_the_argmax_chain(cache, capsys):
+    a = generate_json(capsys, "--temperature", "0")
+    b = generate_json(capsys, "--temperature", "0", "--seed", "99")  # the seed does not matter when greedy
+    assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+    # the same chain computed directly from the checkpoint
+    model, _ = load_model(cache, dtype=torch.float32, progress=False)
+    runner = Runner(model, max_slots=1, max_context=4096)
+    logits = runner.prefill(0, a["prompt_token_ids"])
+    chain = []
+    for _ in range(len(a["token_ids"])):
+        chain.append(int(logits.argmax()))
+        logits = runner.decode([0], torch.tensor([chain[-1]]))[0]
+    assert chain == a["token_ids"]
+
+
+def test_seeded_sampling(cache, capsys):
+    runs = {seed: generate_json(capsys, "--temperature", "1.0", "--seed", str(seed))["token_ids"]
+            for seed in (1, 2, 3)}
+    again = generate_json(capsys, "--temperature", "1.0", "--seed", "1")["token_ids"]
+    assert again == runs[1]
+    assert len({tuple(v) for v in runs.values()}) > 1, runs
+
+
+def test_prompt_from_stdin(cache, capsys, monkeypatch):
+    direct = generate_json(capsys, "--temperature", "0")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    piped = generate_json(capsys, "--temperature", "0", prompt=None)
+    assert piped["prompt_token_ids"] == direct["prompt_token_ids"]
+    assert piped["token_ids"] == direct["token_ids"]
+
+
+def test_explicit_model_dir(tiny_checkpoint, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV4_CACHE", str(tmp_path / "empty-cache"))  # the default model is NOT used
+    obj = generate_json(capsys, "--temperature", "0", "--model", str(tiny_checkpoint))
+    assert len(obj["token_ids"]) >= 1
+    assert not (tmp_path / "empty-cache" / "tiny-v1").exists()
+
+
+# --------------------------------------------------------------------------- streaming
+
+def test_streaming_prints_text_and_stats(cache, capsys):
+    ref = generate_json(capsys, "--temperature", "0")
+    rc, out, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "8", "--temperature", "0")
+    assert rc == 0, err
+    assert out == ref["text"] + "\n"
+    stats = re.search(r"\[(\d+) tokens, ttft ([\d.]+) ms, ([\d.]+) tok/s decode", err)
+    assert stats, err
+    assert int(stats.group(1)) == len(ref["token_ids"])
+    assert float(stats.group(2)) > 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+def test_inspect(cache, capsys):
+    rc, out, err = run(capsys, "inspect", str(cache))
+    assert rc == 0, err
+    assert "layers: sliding, csa, hca, csa" in out
+    assert "MTP layer: sliding" in out
+    assert "4 layers (+1 MTP)" in out
+    total = 0
+    with safe_open(str(cache / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            n = 1
+            for d in f.get_slice(name).get_shape():
+                n *= d
+            total += n
+    m = re.search(r"parameters\s+([\d,]+)", out)
+    assert m, out
+    assert int(m.group(1).replace(",", "")) == total
+    rc2, out2, _ = run(capsys, "inspect")  # default: the embedded tiny model from DSV4_CACHE
+    assert rc2 == 0 and out2 == out
+
+
+# --------------------------------------------------------------------------- errors
+
+def _assert_clean_error(rc: int, err: str, *words: str) -> None:
+    assert rc == 2, err
+    no_traceback(err)
+    lines = [l for l in err.splitlines() if "error" in l]
+    assert lines, err
+    for w in words:
+        assert any(w in l for l in lines), (w, err)
+
+
+def test_bad_model_directory(capsys, tmp_path):
+    missing = tmp_path / "no-such-model"
+    rc, _, err = run(capsys, "generate", PROMPT, "--model", str(missing))
+    _assert_clean_error(rc, err, str(missing))
+
+
+def test_corrupt_checkpoint_directory(tiny_checkpoint, capsys, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "2", "--model", str(bad))
+    _assert_clean_error(rc, err, "model.safetensors")
+    rc, _, err = run(capsys, "inspect", str(bad))
+    _assert_clean_error(rc, err, "model.safetensors")
+
+
+def test_checkpoint_without_config(tiny_checkpoint, capsys, tmp_path):
+    bad = tmp_path / "noconfig"
+    shutil.copytree(tiny_checkpoint, bad)
+    (bad / "config.json").unlink()
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "2", "--model", str(bad))
+    _assert_clean_error(rc, err, str(bad / "config.json"))
+
+
+def test_inspect_missing_path(capsys, tmp_path):
+    rc, _, err = run(capsys, "inspect", str(tmp_path / "nothing-here"))
+    _assert_clean_error(rc, err, "nothing-here")
+
+
+BAD_FLAGS = [
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-k", "-1"], "top_k"),
+    (["--min-p", "2"], "min_p"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--top-p", "abc"], "--top-p"),  # argparse: not a number
+    (["--dtype", "fp8"], "dtype"),
+    (["--max-context", "0"], "max_context"),
+]
+
+
+@pytest.mark.parametrize("flags,word", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_invalid_flag_values(cache, capsys, flags, word):
+    rc, out, err = run(capsys, "generate", PROMPT, *flags)
+    alt = word.replace("_", "-") if not word.startswith("--") else word
+    assert rc == 2, err
+    no_traceback(err)
+    assert word in err or alt in err, err
+    assert out == ""
+
+
+# --------------------------------------------------------------------------- real entry point
+
+def test_console_script_entry_point():
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("dsv4") == "dsv4.cli:main"
+
+
+def test_subprocess_end_to_end(cache, capsys):
+    env = dict(os.environ, DSV4_CACHE=str(cache.parent))
+    argv = ["generate", PROMPT, "--max-new-tokens", "4", "--temperature", "0", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "dsv4.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(proc.stdout)
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0
+    assert obj["token_ids"] == json.loads(out)["token_ids"]
+    assert obj["prompt_token_ids"][0] == 0
