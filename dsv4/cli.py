@@ -16,7 +16,8 @@ from .config import ConfigError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", help="checkpoint directory, or tiny / tiny:nvfp4 / tiny:bf16 "
+                                   "(default: the embedded tiny model, stored like DeepSeek's FP8+MXFP4 release)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--qat-sim", default="auto", choices=["auto", "on", "off"],
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ins = sub.add_parser("inspect", help="summarise a checkpoint directory")
     ins.add_argument("path", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
+
+    from .quant_cli import add_parsers
+    add_parsers(sub)
     return parser
 
 
@@ -93,10 +97,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .weights.inspect import describe
-    if args.path is None:
-        from .tiny import ensure_tiny
-        args.path = ensure_tiny()
-    print(describe(Path(args.path)))
+    from .tiny import resolve_model
+    print(describe(resolve_model(args.path)))
     return 0
 
 
@@ -107,7 +109,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat}
+    from .quant_cli import HANDLERS
+    handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
     from .weights.loader import CheckpointError
     try:
         return handlers[args.command](args)

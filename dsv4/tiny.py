@@ -1,9 +1,12 @@
 """The embedded tiny model: a real checkpoint directory built once from deterministic weights.
 
 ``dsv4 generate`` without ``--model`` uses it, so anyone can run the engine on a CPU with no
-download. It is written under ``$DSV4_CACHE`` (default ``~/.cache/dsv4``) as ``config.json`` +
-``model.safetensors`` + a byte-level ``tokenizer.json``, then loaded through the same loader as any
-checkpoint. The directory is written to a temporary name and renamed when complete, so an
+download. It is stored like a real release (DSV4_FACTS section 4): FP8-block attention and shared
+expert, MXFP4 routed experts with ue8m0 scales (DeepSeek's layout; ``tiny:nvfp4`` gives NVIDIA's
+MIXED_PRECISION layout with NVFP4 experts, ``tiny:bf16`` a plain BF16 checkpoint), and BF16/FP32
+precision-floor tensors. It is written under ``$DSV4_CACHE`` (default ``~/.cache/dsv4``) as
+``config.json`` + ``model.safetensors`` + a byte-level ``tokenizer.json``, then loaded through the
+same loader as any checkpoint. The directory is written to a temporary name and renamed when complete, so an
 interrupted build never leaves a half-written model behind.
 """
 
@@ -23,8 +26,9 @@ from .config import preset
 from .model.init import init_random
 from .model.transformer import Transformer
 
-TINY_NAME = "tiny-v1"
+TINY_NAME = "tiny-v2"
 TINY_SEED = 1234
+TINY_VARIANTS = ("mxfp4", "nvfp4", "bf16")
 
 
 def cache_dir() -> Path:
@@ -40,20 +44,33 @@ def write_checkpoint(model: Transformer, directory: Path) -> None:
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
 
 
-def build_tiny(directory: Path) -> None:
+def build_tiny(directory: Path, variant: str = "mxfp4") -> None:
     """Build the tiny checkpoint (weights, config, tokenizer) into ``directory``."""
     from .text.tiny_tokenizer import write_tiny_tokenizer
+    from .weights.quantize import layout_of, quant_config_for, quantize_tensors
 
     config = preset("tiny")
     model = init_random(Transformer(config, torch.bfloat16), seed=TINY_SEED)
-    write_checkpoint(model, directory)
+    if variant == "bf16":
+        write_checkpoint(model, directory)
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = quantize_tensors(model.state_dict(), config, variant, policy="floor", dense_format="fp8")
+        updates, hf_quant = quant_config_for(variant, "floor", "fp8", "ue8m0", layout_of(tensors))
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps({**config.to_dict(), **updates}, indent=2))
+        if hf_quant is not None:
+            (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
     write_tiny_tokenizer(directory, config.vocab_size)
 
 
-def ensure_tiny(root: Path | None = None) -> Path:
-    """Path of the tiny checkpoint, building it first if it is not in the cache yet."""
+def ensure_tiny(root: Path | None = None, variant: str = "mxfp4") -> Path:
+    """Path of the tiny checkpoint ``variant``, building it first if it is not in the cache yet."""
+    if variant not in TINY_VARIANTS:
+        raise ValueError(f"unknown tiny model variant {variant!r}; known: {', '.join(TINY_VARIANTS)}")
     root = root or cache_dir()
-    target = root / TINY_NAME
+    target = root / f"{TINY_NAME}-{variant}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file() \
             and (target / "tokenizer.json").is_file():
         return target
@@ -61,7 +78,7 @@ def ensure_tiny(root: Path | None = None) -> Path:
     print(f"building the embedded tiny model in {target} (once)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}-", dir=root))
     try:
-        build_tiny(tmp)
+        build_tiny(tmp, variant)
         if target.exists():  # a concurrent build finished first
             shutil.rmtree(tmp)
         else:
@@ -70,3 +87,14 @@ def ensure_tiny(root: Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A checkpoint path from a ``--model`` value: a directory, or ``tiny`` / ``tiny:<variant>``
+    (also the default when ``model`` is None)."""
+    if model is None:
+        return ensure_tiny()
+    text = str(model)
+    if not Path(text).exists() and (text == "tiny" or text.startswith("tiny:")):
+        return ensure_tiny(variant=text.partition(":")[2] or "mxfp4")
+    return Path(model)

@@ -34,14 +34,10 @@ def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: 
     return init_random(Transformer(config, dtype, with_mtp=with_mtp), seed=seed).eval()
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    # The reference path runs thousands of tiny ops; one thread avoids OpenMP wake-up costs
-    # that dominate on a 2-core CI machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# The reference path runs thousands of tiny ops: one thread avoids OpenMP wake-up costs that
+# dominate on a 2-core CI machine, and makes CPU reductions bitwise repeatable between tests and
+# module-scoped fixtures whatever the machine's core count.
+torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, distribution, entry_points
 
 import pytest
 import torch
@@ -78,7 +78,8 @@ def test_greedy_is_deterministic_and_is_the_argmax_chain(cache, capsys):
     assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
     # the same chain computed directly from the checkpoint
     model, _ = load_model(cache, dtype=torch.float32, progress=False)
-    runner = Runner(model, max_slots=1, max_context=4096)
+    from dsv4.engine.llm import resolve_qat_sim
+    runner = Runner(model, max_slots=1, max_context=4096, qat_sim=resolve_qat_sim("auto", model.config))
     logits = runner.prefill(0, a["prompt_token_ids"])
     chain = []
     for _ in range(len(a["token_ids"])):
@@ -212,6 +213,10 @@ def test_invalid_flag_values(cache, capsys, flags, word):
 # --------------------------------------------------------------------------- real entry point
 
 def test_console_script_entry_point():
+    try:
+        distribution("dsv4")
+    except PackageNotFoundError:
+        pytest.skip("dsv4 is importable but not pip-installed here (no entry points to check)")
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
     assert scripts.get("dsv4") == "dsv4.cli:main"
 

@@ -124,14 +124,14 @@ class _Request:
 
 
 class LLM:
-    """A loaded model ready to generate. ``model=None`` uses the embedded tiny model."""
+    """A loaded model ready to generate. ``model`` is a checkpoint directory, or ``None`` / ``"tiny"``
+    / ``"tiny:nvfp4"`` / ``"tiny:bf16"`` for the embedded tiny model."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str | torch.dtype = "auto",
                  qat_sim: str | bool = "auto", max_slots: int = 4, max_context: int = 4096,
                  load_mtp: bool = False, progress: bool = True):
-        if model is None:
-            from ..tiny import ensure_tiny
-            model = ensure_tiny()
+        from ..tiny import resolve_model
+        model = resolve_model(model)
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but torch sees no CUDA GPU")

@@ -1,0 +1,203 @@
+"""How much a quantized layout costs: next-token distributions of each variant vs the source.
+
+For every (format, policy) the source checkpoint is quantized with
+:func:`~dsv4.weights.quantize.quantize_checkpoint`, loaded, and run over held-out sequences next
+to the source. Per variant, and per tensor group quantized alone (attention incl.
+``indexer.wq_b``, routed experts, shared expert; for policy ``all`` also head, router and the
+compressor/indexer helpers), it reports:
+
+    mean_kl        mean over all positions of KL(source || variant) of the next-token softmax
+    top1_agree     fraction of positions whose argmax token agrees
+    max_logit_err  max |logit_source - logit_variant| over all positions and tokens
+    bytes          tensor bytes of the variant checkpoint
+
+A group's numbers do not depend on the policy (its format is the same in both), so each is
+measured once per format and reported under every policy that quantizes it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..engine.runner import Runner
+from .loader import INDEX_FILE, list_shards, load_model
+from .quantize import check_args, linear_group, quantize_checkpoint
+
+__all__ = ["eval_quant", "held_out_sequences", "model_logits", "compare_logits", "format_table",
+           "write_csv", "CSV_FIELDS"]
+
+CSV_FIELDS = ("format", "policy", "group", "mean_kl", "top1_agree", "max_logit_err", "bytes")
+BASE_GROUPS = ("attention", "routed_experts", "shared_expert")
+ALL_ONLY_GROUPS = ("head", "router", "helpers")
+TOTAL = "total"
+
+# Held-out text (written for this project) used when the checkpoint has a tokenizer.
+_TEXT = """\
+The lighthouse keeper wrote down the weather every morning at six: wind from the north-west,
+a low grey sky, the sea running high against the rocks below the tower. In forty-one years he had
+missed only three entries, and each of those was marked with a small red cross and a note.
+Ships passed less often now. Satellite navigation had made the light almost ornamental, yet the
+harbour board kept paying for the lamp, the paint and the keeper, because nobody wanted to be the
+one who switched it off. On clear nights he counted the stars he could still name: Vega, Deneb,
+Altair, the summer triangle; Capella and Aldebaran in winter. His granddaughter, who studied
+mathematics in the city, sent him puzzles by post. The last one asked how many ways there are to
+tile a strip of length ten with squares and dominoes; he solved it on the back of a tide table and
+mailed the answer, 89, with a drawing of the tower. In spring the gulls returned, loud and
+quarrelsome, and the first tourists climbed the 217 steps to take photographs of the view.
+"""
+
+
+def held_out_sequences(src: Path, vocab_size: int, n_seqs: int, seq_len: int, seed: int) -> list[torch.Tensor]:
+    """``n_seqs`` int64 sequences of ``seq_len`` tokens: windows of the embedded text (BOS first)
+    when ``src`` has a tokenizer whose ids fit the vocabulary, else seeded random ids in [2, vocab)."""
+    gen = torch.Generator().manual_seed(seed)
+    if (src / "tokenizer.json").is_file():
+        from ..text.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(src)
+        ids = tok.encode(_TEXT)
+        if ids and max(ids) < vocab_size and tok.bos_id < vocab_size:
+            ids = ids * (seq_len // len(ids) + 2)  # long enough for any window
+            starts = torch.randint(0, len(ids) - seq_len, (n_seqs,), generator=gen).tolist()
+            return [torch.tensor([tok.bos_id] + ids[s:s + seq_len - 1], dtype=torch.int64) for s in starts]
+    return [torch.randint(2, vocab_size, (seq_len,), generator=gen, dtype=torch.int64) for _ in range(n_seqs)]
+
+
+def model_logits(path: Path, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 logits ``[seq_len, vocab]`` of every position of each sequence, checkpoint at ``path``
+    loaded in float32 (quantized weights stay packed)."""
+    model, _ = load_model(path, dtype=torch.float32, progress=False)
+    runner = Runner(model, max_slots=1, max_context=max(len(s) for s in seqs) + 8)
+    out = []
+    for ids in seqs:
+        runner.reset([0])
+        out.append(runner.prefill(0, ids, all_logits=True).float())
+    return out
+
+
+def compare_logits(ref: Sequence[torch.Tensor], test: Sequence[torch.Tensor]) -> dict[str, float]:
+    """``mean_kl`` (KL(ref || test), mean over all positions), ``top1_agree``, ``max_logit_err``."""
+    r, t = torch.cat(list(ref)).double(), torch.cat(list(test)).double()  # [P, V]
+    logp, logq = torch.log_softmax(r, -1), torch.log_softmax(t, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0)  # [P]; >= 0 up to rounding
+    return {"mean_kl": float(kl.mean()),
+            "top1_agree": float((r.argmax(-1) == t.argmax(-1)).double().mean()),
+            "max_logit_err": float((r - t).abs().max())}
+
+
+def _checkpoint_bytes(path: Path) -> int:
+    index = path / INDEX_FILE
+    if index.is_file():
+        return int(json.loads(index.read_text())["metadata"]["total_size"])
+    return sum(f.stat().st_size for f in list_shards(path))
+
+
+def _source_groups(src: Path) -> set[str]:
+    """Linear groups present in the source checkpoint."""
+    groups = set()
+    for file in list_shards(src):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            groups.update(linear_group(n[: -len(".weight")]) for n in f.keys() if n.endswith(".weight"))
+    return groups
+
+
+class _Evaluator:
+    """Quantizes one variant at a time into ``work``, measures it against the source, removes it."""
+
+    def __init__(self, src: Path, work: Path, seqs: list[torch.Tensor], dense_format: str, verbose: bool):
+        self.src, self.work, self.seqs, self.dense_format, self.verbose = src, work, seqs, dense_format, verbose
+        self.ref = model_logits(src, seqs)
+        self.source_bytes = _checkpoint_bytes(src)
+
+    def measure(self, fmt: str, policy: str, only_groups: set[str] | None) -> dict[str, float]:
+        label = f"{fmt}-{policy}-{'-'.join(sorted(only_groups)) if only_groups else TOTAL}"
+        dst = self.work / label
+        if self.verbose:
+            print(f"eval-quant: {label}", file=sys.stderr)
+        try:
+            quantize_checkpoint(self.src, dst, fmt, policy, self.dense_format, progress=False,
+                                overwrite=True, only_groups=only_groups)
+            metrics = compare_logits(self.ref, model_logits(dst, self.seqs))
+            metrics["bytes"] = _checkpoint_bytes(dst)
+        finally:
+            shutil.rmtree(dst, ignore_errors=True)
+        return metrics
+
+
+def eval_quant(src: Path, formats: list[str], policies: list[str], n_seqs: int = 4, seq_len: int = 64,
+               seed: int = 0, dense_format: str = "fp8", csv_path: Path | None = None,
+               work_dir: Path | None = None, verbose: bool = True) -> list[dict]:
+    """Measure every (format, policy) variant of checkpoint ``src`` against it (see module doc).
+
+    Returns one row per (format, policy, group) with the keys of :data:`CSV_FIELDS`; group
+    ``total`` is the variant itself. Prints the table to stdout when ``verbose`` and writes the
+    rows to ``csv_path`` if given. Variants are written under ``work_dir`` (default: a temporary
+    directory), one at a time, and removed after measuring.
+    """
+    src = Path(src)
+    for fmt in formats:
+        for policy in policies:
+            check_args(fmt, policy, dense_format, "ue8m0")
+    if n_seqs <= 0 or seq_len <= 1:
+        raise ValueError(f"need at least one sequence of >= 2 tokens, got {n_seqs} x {seq_len}")
+    config = ModelConfig.from_file(src / "config.json")
+    seqs = held_out_sequences(src, config.vocab_size, n_seqs, seq_len, seed)
+    present = _source_groups(src)
+    if work_dir is not None:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dsv4-eval-quant-", dir=work_dir) as work:
+        ev = _Evaluator(src, Path(work), seqs, dense_format, verbose)
+        rows: list[dict] = []
+        per_group: dict[tuple[str, str], dict[str, float]] = {}
+        for fmt in formats:
+            for policy in policies:
+                rows.append({"format": fmt, "policy": policy, "group": TOTAL, **ev.measure(fmt, policy, None)})
+                groups = BASE_GROUPS + (ALL_ONLY_GROUPS if policy == "all" else ())
+                for group in groups:
+                    if group not in present:
+                        continue
+                    if (fmt, group) not in per_group:
+                        # a group's format does not depend on the policy: measure it once, under "all"
+                        per_group[fmt, group] = ev.measure(fmt, "all", {group})
+                    rows.append({"format": fmt, "policy": policy, "group": group, **per_group[fmt, group]})
+        source_bytes = ev.source_bytes
+    if verbose:
+        print(format_table(rows, source_bytes, n_seqs, seq_len))
+    if csv_path is not None:
+        write_csv(rows, Path(csv_path))
+    return rows
+
+
+def format_table(rows: Sequence[dict], source_bytes: int | None = None, n_seqs: int | None = None,
+                 seq_len: int | None = None) -> str:
+    """The rows as an aligned text table."""
+    head = f"{'format':<7} {'policy':<6} {'group':<15} {'mean KL':>10} {'top-1':>7} {'max|dlogit|':>12} {'MiB':>9}"
+    lines = []
+    if source_bytes is not None:
+        lines.append(f"source: {source_bytes / 2**20:.2f} MiB"
+                     + (f"; {n_seqs} sequences x {seq_len} tokens" if n_seqs else ""))
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['format']:<7} {r['policy']:<6} {r['group']:<15} {r['mean_kl']:>10.3e} "
+                     f"{r['top1_agree']:>7.3f} {r['max_logit_err']:>12.4f} {r['bytes'] / 2**20:>9.2f}")
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[dict], path: Path) -> None:
+    """Write ``rows`` with the columns of :data:`CSV_FIELDS` (a header line first)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
