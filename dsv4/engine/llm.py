@@ -93,13 +93,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 class _Request:
-    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer):
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
+                 eos_id: int):
         self.index, self.params = index, params
         self.out = CompletionOutput(prompt_token_ids=prompt_ids)
         if params.logprobs is not None:
             self.out.logprobs, self.out.top_logprobs = [], []
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
-        self.stops = StopChecker.from_params(params, tokenizer.eos_id)
+        # a checkpoint without a tokenizer still generates token ids (text stays empty)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True) if tokenizer else None
+        self.stops = StopChecker.from_params(params, eos_id)
         self.t0 = time.perf_counter()
 
     def take(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
@@ -111,11 +113,12 @@ class _Request:
         if out.logprobs is not None:
             out.logprobs.append(logprob)
             out.top_logprobs.append(top or [])
-        emit, stopped, reason = self.stops.check(self.detok.push(token), token)
+        detok = self.detok
+        emit, stopped, reason = self.stops.check(detok.push(token) if detok else "", token)
         if not stopped and context_full:
-            emit, stopped, reason = emit + self.detok.flush() + self.stops.finish(), True, "length"
-        elif stopped and reason == "length":
-            emit += self.detok.flush()
+            emit, stopped, reason = emit + (detok.flush() if detok else "") + self.stops.finish(), True, "length"
+        elif stopped and reason == "length" and detok:
+            emit += detok.flush()
         out.text += emit
         if stopped:
             out.finish_reason = reason
@@ -136,7 +139,8 @@ class LLM:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but torch sees no CUDA GPU")
         self.path = Path(model)
-        self.tokenizer = Tokenizer.from_dir(self.path)
+        has_tokenizer = (self.path / "tokenizer.json").is_file()
+        self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
         net, self.load_report = load_model(self.path, dev, resolve_dtype(dtype, dev), load_mtp=load_mtp,
                                            progress=progress)
         self.model: torch.nn.Module = net
@@ -146,9 +150,14 @@ class LLM:
         self.load_report: LoadReport
 
     # ------------------------------------------------------------------ inputs
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json: pass prompts as token ids")
+        return self.tokenizer
+
     def _prompt_ids(self, prompt: str | Sequence[int], index: int) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_bos=True)
+            ids = self._require_tokenizer().encode(prompt, add_bos=True)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -168,7 +177,7 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        requests = [_Request(i, self._prompt_ids(p, i), sp, self.tokenizer)
+        requests = [_Request(i, self._prompt_ids(p, i), sp, self.tokenizer, self.config.eos_token_id)
                     for i, (p, sp) in enumerate(zip(prompts, params))]
         for lo in range(0, len(requests), self.runner.max_slots):
             yield from self._wave(requests[lo:lo + self.runner.max_slots])
@@ -233,7 +242,7 @@ class LLM:
 
         prompt = encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
                                  response_format=response_format)
-        ids = self.tokenizer.encode(prompt)
+        ids = self._require_tokenizer().encode(prompt)
         raw = self._raw_params(params)
         out = self.generate([ids], raw)[0]
         parsed = parse_completion(self.tokenizer.decode(out.token_ids), thinking=thinking)
@@ -248,7 +257,7 @@ class LLM:
 
         prompt = encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
                                  response_format=response_format)
-        ids = self.tokenizer.encode(prompt)
+        ids = self._require_tokenizer().encode(prompt)
         parser = StreamingParser(thinking=thinking)
         detok = IncrementalDetokenizer(self.tokenizer, ids)
         for event in self.stream(ids, self._raw_params(params)):

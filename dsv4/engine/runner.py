@@ -83,6 +83,8 @@ class Runner:
         """One token for each of ``slots`` (any mix of positions) -> fp32 logits ``[B, vocab]``."""
         if len(set(slots)) != len(slots):
             raise ValueError(f"decode got a slot twice: {list(slots)}")
+        if token_ids.numel() != len(slots):
+            raise ValueError(f"decode got {token_ids.numel()} token ids for {len(slots)} slots")
         for s in slots:
             self._reserve(s, 1)
         slot_t = torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)

@@ -62,15 +62,29 @@ def is_hf_name(name: str) -> bool:
     return name.startswith("model.") or name == "lm_head.weight"
 
 
+# transformers' `save_pretrained` writes its model back through the reverse of its conversion
+# rules, which yields official names behind a "model." prefix except for these leftovers (and
+# `attn.kv_norm` comes out as `attn.norm`, the reverse of its compressor `.norm.` rule).
+_HF_SAVED_TOP = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn",
+                 "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+_HF_SAVED_KV_NORM = re.compile(r"^(layers\.\d+\.attn)\.norm\.weight$")
+
+
 def hf_to_official(name: str) -> str | None:
-    """Official name of an HF tensor name; None for fused expert stacks (see :func:`split_hf_experts`)
-    and for names this table does not know."""
+    """Official name of an HF tensor name (as in HF modules, or as `save_pretrained` writes it);
+    None for fused expert stacks (see :func:`split_hf_experts`) and for names no rule knows."""
     for off, hf in _TOP_NAMES:
         if name == hf:
             return off
     match = _HF_LAYER.match(name)
     if match and match.group(2) in _HF_TO_OFFICIAL:
         return f"layers.{match.group(1)}.{_HF_TO_OFFICIAL[match.group(2)]}"
+    if name.startswith("model."):
+        rest = name[len("model."):]
+        if rest in _HF_SAVED_TOP:
+            return _HF_SAVED_TOP[rest]
+        if rest == "norm.weight" or rest.startswith(("layers.", "mtp.")):
+            return _HF_SAVED_KV_NORM.sub(r"\1.kv_norm.weight", rest)
     return None
 
 
