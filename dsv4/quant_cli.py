@@ -14,6 +14,12 @@ from pathlib import Path
 
 from .weights.quantize import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
 
+
+def _src(value: str) -> Path:
+    """SRC: a checkpoint directory, or ``tiny:bf16`` (etc.) for the embedded tiny model."""
+    from .tiny import resolve_model
+    return resolve_model(value)
+
 __all__ = ["add_parsers", "cmd_quantize", "cmd_eval_quant", "HANDLERS"]
 
 
@@ -64,7 +70,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     if args.shard_gb <= 0:
         raise ValueError(f"--shard-gb must be positive, got {args.shard_gb}")
-    quantize_checkpoint(Path(args.src), Path(args.dst), args.format, args.policy, args.dense_format,
+    quantize_checkpoint(_src(args.src), Path(args.dst), args.format, args.policy, args.dense_format,
                         args.scale_fmt, progress=True, overwrite=args.overwrite, device=args.device,
                         max_shard_bytes=int(args.shard_gb * 2**30))
     print(f"wrote {args.dst} (experts {args.format}, policy {args.policy}, dense {args.dense_format}, "
@@ -80,7 +86,7 @@ def cmd_eval_quant(args: argparse.Namespace) -> int:
     policies = _comma_list(args.policies, POLICIES, "--policies")
     if args.sequences <= 0 or args.length < 2:
         raise ValueError(f"--sequences must be >= 1 and --length >= 2, got {args.sequences}, {args.length}")
-    eval_quant(Path(args.src), formats, policies, n_seqs=args.sequences, seq_len=args.length, seed=args.seed,
+    eval_quant(_src(args.src), formats, policies, n_seqs=args.sequences, seq_len=args.length, seed=args.seed,
                dense_format=args.dense_format, csv_path=Path(args.csv) if args.csv else None,
                work_dir=Path(args.work_dir) if args.work_dir else None)
     return 0
