@@ -8,6 +8,7 @@ text never contains half a UTF-8 character or the beginning of a stop string.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,8 @@ class LLM:
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
         net, self.load_report = load_model(self.path, dev, resolve_dtype(dtype, dev), load_mtp=load_mtp,
                                            progress=progress)
+        if progress:
+            print(self.load_report.one_line(), file=sys.stderr)
         self.model: torch.nn.Module = net
         self.config: ModelConfig = net.config
         self.qat_sim = resolve_qat_sim(qat_sim, self.config)

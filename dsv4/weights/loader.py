@@ -51,6 +51,17 @@ class LoadReport:
         counts = self.groups.setdefault(tensor_group(name), {})
         counts[fmt] = counts.get(fmt, 0) + 1
 
+    def one_line(self) -> str:
+        """``loaded N tensors, X MiB in T s: 120 x mxfp4, 45 x fp8_e4m3_block, ...``."""
+        totals: dict[str, int] = {}
+        for counts in self.groups.values():
+            for fmt, n in counts.items():
+                totals[fmt] = totals.get(fmt, 0) + n
+        formats = ", ".join(f"{n} x {f}" for f, n in sorted(totals.items(), key=lambda kv: -kv[1]))
+        notes = "".join(f"; {n}" for n in self.notes)
+        return (f"loaded {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB in {self.seconds:.2f} s: "
+                f"{formats}{notes}")
+
     def summary(self) -> str:
         lines = [f"loaded {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB in {self.seconds:.2f} s "
                  f"from {self.path}"]
@@ -255,6 +266,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     raise CheckpointError(f"{file.name}: cannot read tensor `{disk_name}`: {e}") from None
                 bar.update(tensor.numel() * tensor.element_size())
                 collect.add(disk_name, tensor, file)
+                bar.set_postfix(tensors=report.tensors, refresh=False)
     bar.update(total - bar.n)
     bar.close()
     collect.finish()
