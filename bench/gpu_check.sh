@@ -18,4 +18,7 @@ python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype fp32 --max
   | tee "$OUT/tiny_cuda_fp32.json" || status=1
 echo "== test suite (GPU tests included) =="
 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+echo "== decode benchmark (reference ops; baseline for the kernels to come) =="
+python3 bench/decode_bench.py --preset flash --layers 2 --batch 1 8 --context 1024 --steps 10 \
+  | tee "$OUT/decode_bench.txt" || status=1
 exit $status
