@@ -45,24 +45,22 @@ def write_checkpoint(model: Transformer, directory: Path) -> None:
 
 
 def build_tiny(directory: Path, variant: str = "mxfp4") -> None:
-    """Build the tiny checkpoint (weights, config, tokenizer) into ``directory``."""
+    """Build the tiny checkpoint (weights, config, tokenizer) into ``directory``: a BF16 checkpoint,
+    then (unless ``variant == "bf16"``) ``dsv4 quantize`` with the precision-floor policy."""
     from .text.tiny_tokenizer import write_tiny_tokenizer
-    from .weights.quantize import layout_of, quant_config_for, quantize_tensors
+    from .weights.quantize import quantize_checkpoint
 
     config = preset("tiny")
     model = init_random(Transformer(config, torch.bfloat16), seed=TINY_SEED)
     if variant == "bf16":
         write_checkpoint(model, directory)
-    else:
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = quantize_tensors(model.state_dict(), config, variant, policy="floor", dense_format="fp8")
-        updates, hf_quant = quant_config_for(variant, "floor", "fp8", "ue8m0", layout_of(tensors))
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
-        (directory / "config.json").write_text(json.dumps({**config.to_dict(), **updates}, indent=2))
-        if hf_quant is not None:
-            (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
-    write_tiny_tokenizer(directory, config.vocab_size)
+        write_tiny_tokenizer(directory, config.vocab_size)
+        return
+    with tempfile.TemporaryDirectory(dir=directory.parent) as src:
+        write_checkpoint(model, Path(src))
+        write_tiny_tokenizer(src, config.vocab_size)
+        quantize_checkpoint(Path(src), directory, variant, policy="floor", dense_format="fp8", scale_fmt="ue8m0",
+                            progress=False, overwrite=True)
 
 
 def ensure_tiny(root: Path | None = None, variant: str = "mxfp4") -> Path:
@@ -71,8 +69,7 @@ def ensure_tiny(root: Path | None = None, variant: str = "mxfp4") -> Path:
         raise ValueError(f"unknown tiny model variant {variant!r}; known: {', '.join(TINY_VARIANTS)}")
     root = root or cache_dir()
     target = root / f"{TINY_NAME}-{variant}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file() \
-            and (target / "tokenizer.json").is_file():
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     print(f"building the embedded tiny model in {target} (once)", file=sys.stderr)

@@ -241,13 +241,10 @@ class LLM:
              reasoning_effort: str | None = None, tools: list[dict] | None = None,
              response_format: dict | None = None) -> ChatOutput:
         """Answer a conversation; returns reasoning, content and tool calls."""
-        from ..text.chat import encode_messages, parse_completion
+        from ..text.chat import parse_completion
 
-        prompt = encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
-                                 response_format=response_format)
-        ids = self._require_tokenizer().encode(prompt)
-        raw = self._raw_params(params)
-        out = self.generate([ids], raw)[0]
+        ids = self._chat_ids(messages, thinking, reasoning_effort, tools, response_format)
+        out = self.generate([ids], params or SamplingParams())[0]
         parsed = parse_completion(self.tokenizer.decode(out.token_ids), thinking=thinking)
         reason = parsed.finish_reason if out.finish_reason == "stop" else out.finish_reason
         return ChatOutput(parsed.reasoning, parsed.content, parsed.tool_calls, reason, parsed.error, out)
@@ -256,22 +253,26 @@ class LLM:
                     reasoning_effort: str | None = None, tools: list[dict] | None = None,
                     response_format: dict | None = None) -> Iterator:
         """Stream a chat answer as parser events (reasoning deltas, content deltas, tool calls)."""
-        from ..text.chat import StreamingParser, encode_messages
+        from ..text.chat import StreamingParser
 
-        prompt = encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
-                                 response_format=response_format)
-        ids = self._require_tokenizer().encode(prompt)
+        ids = self._chat_ids(messages, thinking, reasoning_effort, tools, response_format)
         parser = StreamingParser(thinking=thinking)
+        # the parser needs the special tokens (</think>, EOS, DSML) in the text it reads
         detok = IncrementalDetokenizer(self.tokenizer, ids)
-        for event in self.stream(ids, self._raw_params(params)):
+        for event in self.stream(ids, params or SamplingParams()):
             yield from parser.feed(detok.push(event.token_id))
             if event.finished:
                 yield from parser.feed(detok.flush())
                 yield from parser.finish()
 
-    def _raw_params(self, params: SamplingParams | None) -> SamplingParams:
-        """Chat decoding keeps special tokens in the text the parser sees; EOS still stops."""
-        return params or SamplingParams()
+    def _chat_ids(self, messages: list[dict], thinking: bool, reasoning_effort: str | None,
+                  tools: list[dict] | None, response_format: dict | None) -> list[int]:
+        """Prompt token ids of a conversation (DSV4 chat encoding, special tokens by string)."""
+        from ..text.chat import encode_messages
+
+        prompt = encode_messages(messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
+                                 response_format=response_format)
+        return self._require_tokenizer().encode(prompt)
 
 
 def _as_list(prompts: str | Sequence) -> list:

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 FP8_E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -132,14 +131,10 @@ def fp8_sim(x: torch.Tensor, block: int = 64, pow2_scale: bool = True) -> torch.
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values (already scaled into [-6, 6]) to the nearest e2m1 value, ties to the even code."""
-    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=x.device)
-    mag = x.float().abs().clamp(max=E2M1_MAX)
-    lo = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 7)  # largest grid value <= mag
-    hi = (lo + 1).clamp(max=7)
-    d_lo, d_hi = mag - grid[lo], grid[hi] - mag
-    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
-    return torch.copysign(grid[torch.where(take_hi, hi, lo)], x.float())
+    """Round fp32 values (already scaled into [-6, 6]) to the nearest e2m1 value, ties to the even code,
+    saturating at +-6 (the same rounding the FP4 weight quantizer uses)."""
+    from ..weights.formats import round_to_e2m1
+    return round_to_e2m1(x)
 
 
 def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
