@@ -143,3 +143,26 @@ def test_truncated_quantized_file_is_named(source, tmp_path):
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(path, dtype=torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("packed_as", [torch.int8, getattr(torch, "float4_e2m1fn_x2", torch.int8)])
+@pytest.mark.parametrize("e8m0_as_u8", [False, True])
+def test_every_on_disk_spelling_of_the_same_bits_loads_the_same(source, tmp_path, fmt, packed_as, e8m0_as_u8):
+    """Packed FP4 as U8/I8/F4 and e8m0 scales as F8_E8M0/U8 are the same bits: same model."""
+    config, t = _quantized(source, fmt)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    reference, _ = load_model(_write(tmp_path / "a", config, t, fmt), dtype=torch.float32, progress=False)
+    respelled = {}
+    for name, v in t.items():
+        if v.dtype == torch.uint8 and name.endswith(".weight"):
+            v = v.view(packed_as)
+        if e8m0_as_u8 and v.dtype == getattr(torch, "float8_e8m0fnu", None):
+            v = v.view(torch.uint8)
+        respelled[name] = v
+    model, _ = load_model(_write(tmp_path / "b", config, respelled, fmt), dtype=torch.float32, progress=False)
+    ids = list(range(2, 30))
+    a = Runner(reference, 1, 32).prefill(0, ids, all_logits=True)
+    b = Runner(model, 1, 32).prefill(0, ids, all_logits=True)
+    assert torch.equal(a, b)
