@@ -527,3 +527,20 @@ def test_moe_experts():
         exp.append(acc)
     close(out, exp, atol=1e-5)
     assert ops.moe_experts(x.bfloat16(), weights, ids, experts, limit).dtype == torch.bfloat16
+
+
+def test_moe_experts_unselected_expert_overflow_does_not_reach_the_token():
+    from dsv4.model.moe import Expert
+    torch.manual_seed(0)
+    experts = [Expert(8, 4, 10.0, torch.float32) for _ in range(3)]
+    for ex in experts:
+        for proj in (ex.w1, ex.w2, ex.w3):
+            proj.weight.data.normal_()
+    experts[2].w2.weight.data.fill_(float("inf"))  # expert 2 overflows for every token
+    x = torch.randn(4, 8)
+    ids = torch.tensor([[0, 1]] * 4)
+    w = torch.full((4, 2), 0.5)
+    out = ops.moe_experts(x, w, ids, experts, 10.0)
+    assert torch.isfinite(out).all()
+    expected = sum(0.5 * experts[e](x) for e in (0, 1))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

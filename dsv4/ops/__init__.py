@@ -147,5 +147,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     out = torch.zeros_like(xf)
     for e, expert in enumerate(experts):
         h = reference.swiglu(linear(xf, expert.w1.weight), linear(xf, expert.w3.weight), limit)
-        out += dense[:, e:e + 1] * linear(h, expert.w2.weight)
+        weight = dense[:, e:e + 1]
+        # where, not a plain product: an unselected expert's inf/NaN must not reach the token (0 * inf)
+        out += torch.where(weight != 0, weight * linear(h, expert.w2.weight), 0.0)
     return out.to(x.dtype)
