@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
 
 from dsv4.chat_repl import ChatSession, run_chat
 from dsv4.engine.llm import LLM, resolve_qat_sim

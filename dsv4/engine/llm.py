@@ -142,15 +142,14 @@ class LLM:
         self.path = Path(model)
         has_tokenizer = (self.path / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
-        net, self.load_report = load_model(self.path, dev, resolve_dtype(dtype, dev), load_mtp=load_mtp,
-                                           progress=progress)
+        net, report = load_model(self.path, dev, resolve_dtype(dtype, dev), load_mtp=load_mtp, progress=progress)
+        self.load_report: LoadReport = report
         if progress:
             print(self.load_report.one_line(), file=sys.stderr)
         self.model: torch.nn.Module = net
         self.config: ModelConfig = net.config
         self.qat_sim = resolve_qat_sim(qat_sim, self.config)
         self.runner = Runner(net, max_slots=max_slots, max_context=max_context, qat_sim=self.qat_sim)
-        self.load_report: LoadReport
 
     # ------------------------------------------------------------------ inputs
     def _require_tokenizer(self) -> Tokenizer:

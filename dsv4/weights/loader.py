@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from ..model.transformer import Transformer
 from ..model.moe import MoE
 from .formats import QuantWeight, WeightFormatError
