@@ -25,6 +25,7 @@ _HF_LAYER_TYPES = {
 }
 _HF_MLP_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+SCALE_FMTS = (None, "ue8m0", "fp32")
 
 
 class ConfigError(ValueError):
@@ -88,6 +89,9 @@ class ModelConfig:
     #: quantization facts read from config.json, kept for the loader to cross-check
     quantization_config: dict | None = None
     expert_dtype: str | None = None
+    #: FP8 scale format of the release (`ue8m0`: power-of-two scales, as every DeepSeek release);
+    #: also the scale format of the simulated FP8 KV cache and activation quantization
+    scale_fmt: str | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -146,10 +150,18 @@ class ModelConfig:
                                   "two (the indexer applies a Walsh-Hadamard rotation over it)")
         if self.rms_norm_eps <= 0 or self.hc_eps <= 0:
             raise ConfigError("config fields `rms_norm_eps` and `hc_eps` must be positive")
+        if self.scale_fmt not in SCALE_FMTS:
+            raise ConfigError(f"config field `scale_fmt` is {self.scale_fmt!r}; supported: ue8m0, fp32 or null")
         if self.yarn is not None and self.yarn.factor <= 0:
             raise ConfigError(f"config field `rope_scaling.factor` must be positive, got {self.yarn.factor}")
 
     # ------------------------------------------------------------------ derived
+    @property
+    def kv_scale_pow2(self) -> bool:
+        """Power-of-two (ue8m0) scales for the simulated FP8 KV cache and activation quantization:
+        what `scale_fmt` says, and ue8m0 (every release's setting) when the config is silent."""
+        return self.scale_fmt in (None, "ue8m0")
+
     @property
     def rope_dim(self) -> int:
         return self.qk_rope_head_dim
@@ -183,7 +195,7 @@ class ModelConfig:
         d["mlp_layer_types"] = ["hash_moe" if h else "moe" for h in d.pop("hash_layers")]
         yarn = d.pop("yarn")
         d["rope_scaling"] = None if yarn is None else {"type": "yarn", **yarn}
-        for key in ("quantization_config", "expert_dtype"):
+        for key in ("quantization_config", "expert_dtype", "scale_fmt"):
             if d[key] is None:
                 d.pop(key)
         return d
@@ -247,7 +259,7 @@ _IGNORED = {
     "pad_token_id", "num_key_value_heads", "norm_topk_prob", "auto_map", "max_batch_size",
     "kv_lora_rank", "inter_dim", "n_dense_layers",
     "n_expert_groups", "n_limited_groups", "topk_group", "n_group", "first_k_dense_replace",
-    "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "topk_method", "scale_fmt",
+    "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "topk_method",
     "qk_nope_head_dim", "v_head_dim", "intermediate_size", "num_local_experts", "mscale",
     "_name_or_path", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
     "rope_type", "bos_token", "eos_token", "attn_implementation", "_attn_implementation",
@@ -266,6 +278,12 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         qc = cfg["quantization_config"]
         if isinstance(qc, dict) and "expert_dtype" in qc:
             cfg["expert_dtype"] = qc["expert_dtype"]
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("scale_fmt") is not None:
+        if cfg.get("scale_fmt") not in (None, qc["scale_fmt"]):
+            raise ConfigError(f"config fields `scale_fmt` ({cfg['scale_fmt']!r}) and "
+                              f"`quantization_config.scale_fmt` ({qc['scale_fmt']!r}) disagree")
+        cfg["scale_fmt"] = qc["scale_fmt"]
 
     yarn = _parse_yarn(cfg)
     factor = cfg.pop("partial_rotary_factor", None)

@@ -39,7 +39,7 @@ def write_checkpoint(model: Transformer, directory: Path) -> None:
     """Write ``model`` as an official-named checkpoint, each tensor in its in-memory dtype (a BF16
     model keeps norms, mHC, sinks and other precision-floor tensors in fp32)."""
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
+    tensors = {name: t.contiguous() for name, t in model.official_state_dict().items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
 

@@ -136,7 +136,7 @@ def test_v4_flash_geometry():
     assert c.mtp_layer_kind == "sliding" and c.mtp_compress_ratio == 0 and c.num_nextn_predict_layers == 1
     assert c.hash_layers == [True] * 3 + [False] * 40
     assert c.expert_dtype == "fp4" and c.quantization_config["quant_method"] == "fp8"
-    assert dataclasses.replace(c, quantization_config=None, expert_dtype=None) == preset("flash")
+    assert dataclasses.replace(c, quantization_config=None, expert_dtype=None, scale_fmt=None) == preset("flash")
 
 
 def test_v4_pro_geometry_official_names():
@@ -154,7 +154,8 @@ def test_v4_pro_geometry_official_names():
     assert c.hash_layers == [True] * 3 + [False] * 58
     assert c.yarn == YarnConfig(16.0, 65536, 32.0, 1.0)
     assert c.expert_dtype == "fp4"
-    assert dataclasses.replace(c, expert_dtype=None) == preset("pro")
+    assert c.scale_fmt == "ue8m0" and c.kv_scale_pow2
+    assert dataclasses.replace(c, expert_dtype=None, scale_fmt=None) == preset("pro")
 
 
 # --------------------------------------------------------------------------- official short names

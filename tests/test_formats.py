@@ -1,4 +1,4 @@
-"""Bit-level tests of the weight formats (DSV4_FACTS section 4) and the reference quant_linear.
+"""Bit-level tests of the weight formats (DSV4_FACTS section 4) and the reference linear.
 
 Expected values of hand-built tensors are decoded here from the bit definitions with Python
 arithmetic, independently of dsv4's lookup tables.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dsv4.ops.quant_reference import quant_linear
+from dsv4.ops import reference
 from dsv4.weights.formats import (
     Bf16Weight, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, WeightFormatError, e8m0_to_float,
     float_to_e8m0, pack_fp4, round_to_e2m1, unpack_fp4,
@@ -380,53 +380,56 @@ def test_nvfp4_stacked_constructor_broadcasts_scalar_scales() -> None:
         Nvfp4Weight(packed, bs, torch.tensor([1.0, 2.0, 3.0]), name=NAME)
 
 
-# ----------------------------------------------------------------------------- quant_linear
+# ----------------------------------------------------------------------------- reference linear
 
 @pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
-@pytest.mark.parametrize("tile_rows", [1, 100, 128, 1024])
-def test_quant_linear_matches_dequantized_matmul(fmt: str, tile_rows: int) -> None:
+def test_reference_linear_matches_dequantized_matmul(fmt: str) -> None:
     g = torch.Generator().manual_seed(5)
     w = QUANTIZERS[fmt](torch.randn(300, 160, generator=g))
+    w = w.weight if fmt == "bf16" else w
     x = torch.randn(2, 3, 160, generator=g)
-    seen = []
-    if fmt != "bf16":
-        orig = w.dequantize_rows
-        w.dequantize_rows = lambda a, b, dt: (seen.append((a, b)), orig(a, b, dt))[1]
-    y = quant_linear(x, w, tile_rows=tile_rows)
-    calls = list(seen)  # dequantize() below goes through dequantize_rows too
-    want = x @ w.dequantize(torch.float32).T
+    dense = w.float() if fmt == "bf16" else w.dequantize(torch.float32)
+    y = reference.linear(x, w)
     assert y.shape == (2, 3, 300) and y.dtype == x.dtype
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-    if fmt != "bf16":
-        assert sorted(calls) == [(a, min(a + tile_rows, 300)) for a in range(0, 300, tile_rows)]
-    yb = quant_linear(x.bfloat16(), w, tile_rows=tile_rows)
+    torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-5)
+    yb = reference.linear(x.bfloat16(), w)
     assert yb.dtype == torch.bfloat16
-    torch.testing.assert_close(yb.float(), x.bfloat16().float() @ w.dequantize(torch.float32).T,
-                               rtol=2e-2, atol=2e-2)
+    want = x.bfloat16().float() @ dense.T   # weight dequantized to bf16, bf16 result: bf16-level error
+    torch.testing.assert_close(yb.float(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
+    y32 = reference.linear(x.bfloat16(), w, out_dtype=torch.float32)   # fp32 accumulation and result
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32, x.bfloat16().float() @ dense.bfloat16().float().T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
-def test_quant_linear_stacked(fmt: str) -> None:
+def test_dequantize_equals_row_dequantize(fmt: str) -> None:
+    """The whole-weight path (broadcast tiles) and the row path agree bit for bit, ragged too."""
+    g = torch.Generator().manual_seed(9)
+    for shape in ((256, 384), (300, 160), (2, 130, 96)):
+        w = QUANTIZERS[fmt](torch.randn(*shape, generator=g))
+        for dt in (torch.float32, torch.bfloat16):
+            assert torch.equal(w.dequantize(dt), w.dequantize_rows(0, w.out_features, dt)), (shape, dt)
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
+def test_select_experts_and_tensors_round_trip(fmt: str) -> None:
     g = torch.Generator().manual_seed(6)
-    w = QUANTIZERS[fmt](torch.randn(3, 40, 64, generator=g))
-    x = torch.randn(3, 5, 64, generator=g)
-    y = quant_linear(x, w, tile_rows=16)
-    assert y.shape == (3, 5, 40)
-    for e in range(3):
-        torch.testing.assert_close(y[e], x[e] @ w.expert(e).dequantize(torch.float32).T,
-                                   rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="stacked"):
-        quant_linear(x[:2], w)
+    w = QUANTIZERS[fmt](torch.randn(4, 40, 64, generator=g))
+    ids = torch.tensor([3, 0, 3])
+    sel = w.select_experts(ids)
+    assert sel.shape == (3, 40, 64)
+    for i, e in enumerate(ids.tolist()):
+        assert torch.equal(sel.expert(i).dequantize(torch.float32), w.expert(e).dequantize(torch.float32))
+    again = w.with_tensors({k: t.clone() for k, t in w.tensors().items()})
+    assert type(again) is type(w) and torch.equal(again.dequantize(torch.float32), w.dequantize(torch.float32))
+    assert torch.equal(w.slice_experts(1, 3).dequantize(torch.float32), w.dequantize(torch.float32)[1:3])
 
 
-def test_quant_linear_plain_tensor_and_mismatch() -> None:
-    w = torch.randn(6, 8)
-    x = torch.randn(4, 8)
-    torch.testing.assert_close(quant_linear(x, w), x @ w.T)
+def test_reference_linear_shape_mismatch_names_the_weight() -> None:
     q = Mxfp4Weight.quantize(torch.randn(6, 64), name=NAME)
     with pytest.raises(ValueError) as info:
-        quant_linear(torch.randn(4, 32), q)
+        reference.linear(torch.randn(4, 32), q)
     msg = str(info.value)
     assert "(4, 32)" in msg and "(6, 64)" in msg and NAME in msg
     with pytest.raises(ValueError, match=r"\(6, 8\)"):
-        quant_linear(torch.randn(4, 7), w)
+        reference.linear(torch.randn(4, 7), torch.randn(6, 8))

@@ -109,8 +109,9 @@ def _ctz(v: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qat", [False, True])
 def test_qat_simulation_rounds_cache_and_indexer(model, qat):
-    """QAT on: the KV ring's non-rope dims and compressed entries lie on the FP8 e4m3 grid (3 mantissa
-    bits), the indexer keys on the FP4 e2m1 grid (1 bit); off: they use the full fp32 mantissa."""
+    """QAT on: the KV ring and compressed entries are stored as FP8 e4m3 (non-rope dims, 3 mantissa
+    bits) + rope dims in the activation dtype, the indexer keys as packed FP4 e2m1 (1 bit); off:
+    everything in the activation dtype with the full fp32 mantissa."""
     runner = Runner(model, 1, 64, qat_sim=qat)
     runner.prefill(0, _tokens(40, 9))
     c = model.config
@@ -118,13 +119,24 @@ def test_qat_simulation_rounds_cache_and_indexer(model, qat):
     csa = c.layer_kinds.index("csa")
     layer = runner.state.layers[csa]
     n = 40 // c.compress_ratios[csa]
-    checks = [(layer.ring[0, :, :nope], 3), (layer.compressor.entries[0, :n, :nope], 3),
-              (layer.indexer.entries[0, :n], 1)]
+    zero = torch.zeros(1, 1, dtype=torch.int64)
+    ring = layer.ring.read(zero, torch.arange(c.sliding_window).view(1, -1))[0]
+    entries = layer.compressor.entries.read(zero, torch.arange(n).view(1, -1))[0]
+    keys = layer.indexer.entries.read(zero, torch.arange(n).view(1, -1))[0]
+    checks = [(ring[:, :nope], 3), (entries[:, :nope], 3), (keys, 1)]
     for values, bits in checks:
         if qat:
             assert _mantissa_bits_used(values) <= bits
         else:
             assert _mantissa_bits_used(values) > 10
+    assert _mantissa_bits_used(ring[:, nope:]) > 10        # rope dims are never rounded
+    if qat:
+        assert layer.ring.data.dtype == torch.float8_e4m3fn and layer.ring.scale.dtype == torch.uint8
+        assert layer.ring.rope.dtype == model.dtype and layer.indexer.entries.layout == "fp4"
+        assert layer.indexer.entries.data.dtype == torch.uint8
+    else:
+        assert layer.ring.layout == layer.compressor.entries.layout == layer.indexer.entries.layout == "plain"
+        assert layer.ring.data.dtype == model.dtype
 
 
 def test_context_overflow_is_refused_before_any_state_change(model):
@@ -149,13 +161,15 @@ def test_bad_slot_arguments(model):
         runner.prefill(0, [])
 
 
-def test_decode_step_reads_no_device_value_on_host(model, monkeypatch):
-    """The decode forward must not call .item()/.tolist()/bool() on tensors (graph-capturable)."""
-    runner = Runner(model, max_slots=2, max_context=64)
+@pytest.mark.parametrize("qat", [False, True])
+def test_decode_step_reads_no_device_value_on_host(model, monkeypatch, qat):
+    """The decode forward must not call .item()/.tolist()/bool() on tensors (graph-capturable),
+    with the QAT simulation (FP8 KV, FP4 indexer, activation quantization) on and off."""
+    runner = Runner(model, max_slots=2, max_context=64, qat_sim=qat)
     runner.prefill(0, _tokens(12, 13))
     runner.prefill(1, _tokens(5, 14))
     calls = []
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero", "__index__"):
         original = getattr(torch.Tensor, name)
 
         def spy(self, *a, _name=name, _orig=original, **k):
@@ -165,6 +179,6 @@ def test_decode_step_reads_no_device_value_on_host(model, monkeypatch):
     ids = torch.tensor([3, 4])
     with torch.inference_mode():
         start = runner.state.positions[torch.tensor([0, 1])]
-        model(ids.view(-1, 1), torch.tensor([0, 1]), start, runner.state)
+        model(ids.view(-1, 1), torch.tensor([0, 1]), start, runner.state.layers, qat)
     monkeypatch.undo()
     assert calls == []

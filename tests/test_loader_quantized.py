@@ -23,7 +23,7 @@ ATTN = "layers.1.attn.wq_a"
 def source():
     config = parity_config()
     model = random_model(config, torch.bfloat16, seed=4)
-    return config, {k: v for k, v in model.state_dict().items()}
+    return config, {k: v for k, v in model.official_state_dict().items()}
 
 
 def _write(tmp_path, config, tensors, fmt, extra_config=None, hf_quant=True):
@@ -46,16 +46,21 @@ def test_formats_stay_packed_and_experts_are_stacked(source, tmp_path, fmt, expe
     config, tensors = _quantized(source, fmt)
     model, report = load_model(_write(tmp_path, config, tensors, fmt), dtype=torch.float32, progress=False)
     moe = model.layers[2].ffn
-    assert isinstance(moe.experts[3].w1.weight, expert_type)
-    assert isinstance(model.layers[1].attn.wq_a.weight, Fp8BlockWeight)
-    assert isinstance(model.head.weight, torch.Tensor)                     # precision floor
-    assert isinstance(model.layers[1].attn.indexer.weights_proj.weight, torch.Tensor)
-    stacked = moe.stacked["w1"]
+    assert moe.stacked
+    assert isinstance(moe.experts.w1.w, expert_type)
+    assert isinstance(model.layers[1].attn.wq_a.w, Fp8BlockWeight)
+    assert isinstance(model.head.w, torch.Tensor)                          # precision floor
+    assert isinstance(model.layers[1].attn.indexer.weights_proj.w, torch.Tensor)
+    stacked = moe.experts.w1.w
     assert stacked.shape == (config.n_routed_experts, config.moe_intermediate_size, config.hidden_size)
-    first = moe.experts[3].w1.weight
-    packed = first.packed if hasattr(first, "packed") else first.weight
-    stacked_data = stacked.packed if hasattr(stacked, "packed") else stacked.weight
-    assert packed.data_ptr() == stacked_data[3].data_ptr()                  # a view: memory held once
+    # the packed tensors are module buffers under their on-disk names: .to(), state_dict() see them
+    buffers = dict(moe.experts.w1.named_buffers())
+    assert set(buffers) == set(stacked.tensors()) and "weight" in buffers
+    assert all(buffers[k] is t for k, t in stacked.tensors().items())
+    sd = model.state_dict()
+    assert "layers.2.ffn.experts.w1.weight" in sd and "layers.1.attn.wq_a.scale" in sd
+    official = model.official_state_dict()
+    assert torch.equal(official["layers.2.ffn.experts.3.w1.weight"], tensors["layers.2.ffn.experts.3.w1.weight"])
     assert any(fmt in f or (fmt == "fp8" and "fp8" in f) for f in report.groups["routed experts"])
     logits = Runner(model, 1, 64, qat_sim=True).prefill(0, list(range(2, 40)), all_logits=True)
     assert torch.isfinite(logits).all()

@@ -17,8 +17,9 @@ def _setup(seed=6):
 
 
 def _main_streams(model, state, ids, start, slot=0):
-    ctx = model.context(ids, torch.tensor([slot]), torch.tensor([start]), qat_sim=False)
-    return ctx, model.hidden_streams(ctx, state)
+    ctx = model.context(ids, torch.tensor([slot]), torch.tensor([start]), qat_sim=False,
+                        context_bound=start + ids.shape[1])
+    return ctx, model.hidden_streams(ctx, state.layers)
 
 
 @torch.inference_mode()
@@ -71,6 +72,6 @@ def test_main_model_logits_do_not_depend_on_the_mtp_block():
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
     ids = torch.randint(2, 512, (1, 20), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        a, _ = model(ids, torch.tensor([0]), torch.tensor([0]), GenerationState(config, 1, 32, torch.float32, "cpu"))
-        b, _ = plain(ids, torch.tensor([0]), torch.tensor([0]), GenerationState(config, 1, 32, torch.float32, "cpu"))
+        a, _ = model(ids, torch.tensor([0]), torch.tensor([0]), GenerationState(config, 1, 32, torch.float32, "cpu").layers)
+        b, _ = plain(ids, torch.tensor([0]), torch.tensor([0]), GenerationState(config, 1, 32, torch.float32, "cpu").layers)
     torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -36,7 +36,7 @@ def _ours(model, prompts, continuations) -> list[torch.Tensor]:
 def test_prefill_and_decode_match_transformers(seed):
     config = parity_config()
     model = random_model(config, seed=seed)
-    hf = hf_model(config, model.state_dict())
+    hf = hf_model(config, model.official_state_dict())
     g = torch.Generator().manual_seed(100 + seed)
     prompts = [torch.randint(2, config.vocab_size, (n,), generator=g).tolist() for n in (37, 11)]
     conts = [torch.randint(2, config.vocab_size, (STEPS,), generator=g).tolist() for _ in prompts]
@@ -61,7 +61,7 @@ def test_cuda_matches_transformers(dtype):
     """Our model on the GPU (fp32: same bound as on CPU; bf16: bf16-sized bound) vs HF fp32 on CPU."""
     config = parity_config()
     cpu_model = random_model(config, seed=5)
-    hf = hf_model(config, cpu_model.state_dict())
+    hf = hf_model(config, cpu_model.official_state_dict())
     model = random_model(config, dtype, seed=5).cuda()
     model.init_rope("cuda")
     g = torch.Generator().manual_seed(105)

@@ -263,7 +263,12 @@ def test_quantized_checkpoint_loads_close_to_source(src: Path, variants, fmt: st
         dense[f"{b}.weight"] = w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)
     with torch.no_grad():
         for name, p in ref_model.named_parameters():
-            if name in dense:
+            head, sep, tail = name.partition(".experts.w")
+            if sep:   # stacked routed experts [E, N, K]: one dequantized matrix per expert
+                per_expert = [dense.get(f"{head}.experts.{e}.w{tail}") for e in range(p.shape[0])]
+                if all(t is not None for t in per_expert):
+                    p.copy_(torch.stack(per_expert))
+            elif name in dense:
                 p.copy_(dense[name])
     simulated = _logits(ref_model, seqs)
     assert max(float((a - b).abs().max()) for a, b in zip(simulated, got)) < 2e-3

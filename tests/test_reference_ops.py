@@ -1,5 +1,5 @@
-"""Unit tests for every public function of ``dsv4.ops.reference`` and for ``dsv4.ops.linear``,
-``grouped_linear`` and ``moe_experts``.
+"""Unit tests for every public function of ``dsv4.ops.reference`` / ``dsv4.ops.numerics`` and for
+the dispatch in ``dsv4.ops``.
 
 Every expected value is computed independently of the function under test: naive Python loops
 written from DSV4_FACTS section 2, hand-enumerated number grids, or an outside implementation
@@ -15,7 +15,9 @@ import torch
 
 from dsv4 import ops
 from dsv4.config import YarnConfig
+from dsv4.ops import numerics
 from dsv4.ops import reference as ref
+from dsv4.model.cache import RowStore
 
 
 def gen(seed: int) -> torch.Generator:
@@ -210,7 +212,7 @@ def test_fp8_sim_pow2_ragged():
     x = randn(2, 3, 150, seed=8, scale=5.0)
     x[0, 1, 128:] *= 1e-3                                       # ragged last block, much smaller
     x[1, 0, 64:128] = 0.0                                       # an all-zero block
-    out = ref.fp8_sim(x, block=64, pow2_scale=True)
+    out = ref.fp8_sim(x, block=64, pow2=True)
     assert out.shape == x.shape and out.dtype == torch.float32
     grid = set(E4M3) | {-v for v in E4M3}
     for idx in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]:
@@ -229,7 +231,7 @@ def test_fp8_sim_pow2_ragged():
 
 def test_fp8_sim_non_pow2():
     x = randn(3, 100, seed=9, scale=2.0)
-    out = ref.fp8_sim(x, block=32, pow2_scale=False)
+    out = ref.fp8_sim(x, block=32, pow2=False)
     for r in range(3):
         exp, _ = fp8_expected(x[r], 32, False)
         close(out[r], exp, rtol=1e-6, atol=0)
@@ -238,34 +240,72 @@ def test_fp8_sim_non_pow2():
         blk, oblk = x[:, b0:b0 + 32], out[:, b0:b0 + 32]
         i = blk.abs().argmax(-1, keepdim=True)
         close(oblk.gather(-1, i), blk.gather(-1, i), rtol=1e-6)
-    assert not torch.equal(out, ref.fp8_sim(x, block=32, pow2_scale=True))
+    assert not torch.equal(out, ref.fp8_sim(x, block=32, pow2=True))
 
 
 def test_round_e2m1_hand_cases():
     cases = {0.0: 0.0, 0.1: 0.0, 0.25: 0.0, 0.26: 0.5, 0.74: 0.5, 0.75: 1.0, 1.25: 1.0, 1.3: 1.5,
              1.75: 2.0, 2.5: 2.0, 2.6: 3.0, 3.5: 4.0, 4.9: 4.0, 5.0: 4.0, 5.1: 6.0, 6.0: 6.0, 7.0: 6.0,
              -0.75: -1.0, -1.25: -1.0, -2.5: -2.0, -3.5: -4.0, -5.0: -4.0, -5.5: -6.0, -100.0: -6.0}
-    out = ref.round_e2m1(torch.tensor(list(cases)))
+    out = numerics.round_e2m1(torch.tensor(list(cases)))
     assert out.tolist() == list(cases.values())
     x = randn(500, seed=10, scale=2.5).clamp(-6, 6)
-    out = ref.round_e2m1(x)
+    out = numerics.round_e2m1(x)
     assert out.tolist() == [nearest(v, E2M1) for v in x.tolist()]
 
 
 def test_fp4_sim():
-    x = randn(2, 80, seed=11, scale=3.0)
+    x = randn(3, 80, seed=11, scale=3.0)
     x[1, 64:] *= 1e-2                                           # ragged last block, own scale
+    x[2, :32] *= 1e-7                                           # amax below 1e-4: floored at 6 * 2^-126 only
     out = ref.fp4_sim(x, block=32)
     grid = set(E2M1) | {-v for v in E2M1}
-    for r in range(2):
+    for r in range(3):
         exp = []
         for b0 in range(0, 80, 32):
             blk = x[r, b0:b0 + 32].tolist()
-            s = 2.0 ** math.ceil(math.log2(max(max(abs(v) for v in blk), 1e-4) / 6.0))
+            s = 2.0 ** math.ceil(math.log2(max(max(abs(v) for v in blk), 6 * 2.0 ** -126) / 6.0))
             exp += [nearest(v / s, E2M1) * s for v in blk]
             assert all(o / s in grid for o in out[r, b0:b0 + 32].tolist())
         close(out[r], exp, rtol=1e-6, atol=0)
     assert ref.fp4_sim(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_pow2_ceil_is_exact_just_above_a_power_of_two():
+    """2^ceil(log2 v) from the float's bits: exp2(ceil(log2(v))) in floating point lands one step
+    low just above a power of two (DSV4_FACTS 2b)."""
+    for k in (-20, -3, 0, 1, 7):
+        p = 2.0 ** k
+        above = torch.tensor([p], dtype=torch.float32).nextafter(torch.tensor([math.inf]))
+        assert numerics.pow2_ceil(torch.tensor([p])).item() == p
+        assert numerics.pow2_ceil(above).item() == 2 * p
+        assert numerics.pow2_ceil(torch.tensor([1.5 * p])).item() == 2 * p
+    v = torch.rand(1000, generator=gen(12)) * 1000 + 1e-3
+    got = numerics.pow2_ceil(v).tolist()
+    for a, b in zip(v.tolist(), got):
+        m, e = math.frexp(a)                                    # a = m * 2^e, m in [0.5, 1)
+        assert b == (a if m == 0.5 else 2.0 ** e)
+
+
+def test_e2m1_codes_decode_and_pack_round_trip():
+    codes = torch.arange(16, dtype=torch.uint8)
+    values = numerics.e2m1_decode(codes)
+    assert values.tolist() == list(numerics.E2M1_VALUES)
+    assert torch.equal(numerics.e2m1_codes(values)[values != 0], codes[values != 0])
+    packed = numerics.pack_e2m1(codes)
+    assert packed.tolist() == [c0 | (c1 << 4) for c0, c1 in zip(range(0, 16, 2), range(1, 16, 2))]
+    assert torch.equal(numerics.unpack_e2m1(packed), codes)
+
+
+def test_act_quant_sim_is_deepseeks_act_quant():
+    """Blocks of 128, amax floored at 1e-4, power-of-two (ue8m0) or plain amax/448 scales."""
+    x = randn(2, 300, seed=13, scale=4.0)
+    x[1, 128:256] = 0.0
+    for pow2 in (True, False):
+        out = numerics.act_quant_sim(x, 128, pow2)
+        for r in range(2):
+            exp, _ = fp8_expected(x[r], 128, pow2)
+            close(out[r], exp, rtol=1e-6, atol=0)
 
 
 # ----------------------------------------------------------------------------- mHC
@@ -336,6 +376,17 @@ def test_mhc_pre_split_order():
     close(comb[0], sinkhorn_py(raw, 1, 0.0))
 
 
+def test_mhc_post_mixes_in_fp32():
+    """The post/comb weights stay fp32 and the mix runs in fp32, cast once (DeepSeek's code)."""
+    h, out = randn(2, 4, 16, seed=14).bfloat16(), randn(2, 16, seed=15).bfloat16()
+    post, comb = torch.rand(2, 4, generator=gen(16)) * 2, torch.rand(2, 4, 4, generator=gen(17))
+    got = ref.mhc_post(out, h, post, comb)
+    exp = (post.double().unsqueeze(-1) * out.double().unsqueeze(-2)
+           + comb.double().transpose(-1, -2) @ h.double())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), exp.bfloat16().double(), rtol=0, atol=0)
+
+
 def test_mhc_post_uses_comb_transposed():
     T, nc, D = 3, 4, 5
     out, h = randn(T, D, seed=18), randn(T, nc, D, seed=19)
@@ -363,26 +414,72 @@ def test_hc_head():
 
 
 # ----------------------------------------------------------------------------- attention
-def test_sparse_attention():
-    B, S, H, K, hd, scale = 2, 3, 2, 5, 8, 8 ** -0.5
-    q, kv = randn(B, S, H, hd, seed=25), randn(B, K, hd, seed=26)
-    valid = torch.rand(B, S, K, generator=gen(27)) > 0.4
-    valid[0, 0] = False                                         # a query with no visible key
-    valid[1, 2] = True
+def _store(values: torch.Tensor) -> RowStore:
+    """A plain row store holding ``values [slots, rows, dim]``."""
+    st = RowStore.allocate("plain", values.shape[0], values.shape[1], values.shape[2], values.dtype, "cpu")
+    st.data.copy_(values)
+    return st
+
+
+def _attention_py(q, keys_per_query, sink, scale):
+    """Naive attention of one query (``q [H, hd]``) over a list of key=value rows, with a sink."""
+    H, hd = q.shape
+    out = torch.zeros(H, hd, dtype=torch.float64)
+    for hh in range(H):
+        logits = [dot(q[hh].tolist(), k.tolist()) * scale for k in keys_per_query]
+        probs = softmax(logits + [sink[hh].item()])[:-1]        # the sink's value is zero
+        for p, k in zip(probs, keys_per_query):
+            out[hh] += p * k.double()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_sparse_attention(kind):
+    """Window ring + this forward's rows + compressed entries by index (CSA) or length (HCA),
+    against a loop over the keys each query sees, positions computed from first principles."""
+    B, S, H, hd, W, n_ent, scale = 2, 3, 2, 8, 4, 6, 8 ** -0.5
+    slots_total = 3
+    slots = torch.tensor([2, 0])
+    start = torch.tensor([9, 2])                                # slot 2 wrapped its ring, slot 0 did not
+    q, kv_new = randn(B, S, H, hd, seed=25), randn(B, S, hd, seed=26)
+    ring_vals = randn(slots_total, W, hd, seed=27)
+    ent_vals = randn(slots_total, n_ent + 1, hd, seed=28)
     sink = torch.tensor([0.5, -1.0])
-    out = ref.sparse_attention(q, kv, valid, sink, scale)
-    exp = torch.zeros(B, S, H, hd, dtype=torch.float64)
+    comp = dict()
+    idx = torch.tensor([[[0, -1, 2], [1, 0, -1], [-1, -1, -1]],
+                        [[0, 3, -1], [3, -1, 1], [2, 2, -1]]])   # -1 = none (a duplicate counts twice)
+    length = torch.tensor([[2, 2, 3], [0, 1, 1]])
+    if kind == "csa":
+        comp = dict(comp=_store(ent_vals), comp_idx=idx)
+    elif kind == "hca":
+        comp = dict(comp=_store(ent_vals), comp_len=length, comp_bound=3)
+    out = ref.sparse_attention(q, kv_new, _store(ring_vals), slots, start, W, sink, scale, **comp)
     for b in range(B):
+        st, sl = start[b].item(), slots[b].item()
         for s in range(S):
-            keys = [k for k in range(K) if valid[b, s, k]]
-            for hh in range(H):
-                logits = [dot(q[b, s, hh].tolist(), kv[b, k].tolist()) * scale for k in keys]
-                probs = softmax(logits + [sink[hh].item()])[:-1]  # the sink's value is zero
-                for p, k in zip(probs, keys):
-                    exp[b, s, hh] += p * kv[b, k].double()
-    close(out, exp, atol=1e-6)
-    assert (out[0, 0] == 0).all()
-    assert ref.sparse_attention(q.bfloat16(), kv.bfloat16(), valid, sink, scale).dtype == torch.bfloat16
+            t = st + s
+            keys = [ring_vals[sl, p % W] for p in range(max(0, t - W + 1), st)]   # stored before this call
+            keys += [kv_new[b, j] for j in range(S) if st + j <= t and st + j > t - W]
+            if kind == "csa":
+                keys += [ent_vals[sl, i] for i in idx[b, s].tolist() if i >= 0]
+            elif kind == "hca":
+                keys += [ent_vals[sl, i] for i in range(length[b, s].item())]
+            close(out[b, s], _attention_py(q[b, s], keys, sink, scale), atol=1e-6)
+    bf = ref.sparse_attention(q.bfloat16(), kv_new.bfloat16(), _store(ring_vals.bfloat16()), slots, start, W,
+                              sink, scale)
+    assert bf.dtype == torch.bfloat16
+
+
+def test_sparse_attention_query_chunks_equal_one_pass(monkeypatch):
+    B, S, H, hd, W = 1, 7, 2, 8, 4
+    q, kv_new = randn(B, S, H, hd, seed=60), randn(B, S, hd, seed=61)
+    ents = _store(randn(1, 9, hd, seed=62))
+    idx = torch.randint(-1, 8, (B, S, 5), generator=gen(63))
+    args = (q, kv_new, _store(randn(1, W, hd, seed=64)), torch.tensor([0]), torch.tensor([5]), W,
+            torch.tensor([0.1, 0.2]), 0.3, ents, idx)
+    one = ref.sparse_attention(*args)
+    monkeypatch.setattr(ref, "ATTENTION_GATHER_ELEMENTS", 1)   # one query per chunk
+    torch.testing.assert_close(ref.sparse_attention(*args), one, rtol=1e-6, atol=1e-6)
 
 
 def test_compress_windows_hca():
@@ -421,11 +518,25 @@ def test_compress_windows_csa_overlap():
 
 def test_indexer_scores():
     B, S, nI, d, C = 2, 3, 4, 8, 5
-    q, keys, w = randn(B, S, nI, d, seed=34), randn(B, C, d, seed=35), randn(B, S, nI, seed=36)
-    out = ref.indexer_scores(q, keys, w)
-    exp = [[[sum(w[b, s, hh].item() * max(0.0, dot(q[b, s, hh].tolist(), keys[b, c].tolist())) for hh in range(nI))
-             for c in range(C)] for s in range(S)] for b in range(B)]
+    q, w = randn(B, S, nI, d, seed=34), randn(B, S, nI, seed=36)
+    keys = randn(3, C + 1, d, seed=35)
+    slots = torch.tensor([1, 2])
+    out = ref.indexer_scores(q, _store(keys), slots, w, C)
+    exp = [[[sum(w[b, s, hh].item() * max(0.0, dot(q[b, s, hh].tolist(), keys[slots[b], c].tolist()))
+              for hh in range(nI)) for c in range(C)] for s in range(S)] for b in range(B)]
     close(out, exp, atol=1e-5)
+    assert ref.indexer_scores(q, _store(keys), slots, w, 2).shape == (B, S, 2)   # reads only `bound` entries
+
+
+def test_topk_indices_breaks_exact_ties_by_lowest_index():
+    scores = torch.tensor([[0.0, 2.0, -0.0, 2.0, -math.inf, 0.0, -1.0, 2.0]])
+    assert ref.topk_indices(scores, 8).tolist() == [[1, 3, 7, 0, 2, 5, 6, 4]]
+    assert ref.topk_indices(scores, 4).tolist() == [[1, 3, 7, 0]]
+    x = torch.randn(4, 50, generator=gen(38)).round()          # many exact ties
+    got = ref.topk_indices(x, 20)
+    for r in range(4):
+        order = sorted(range(50), key=lambda i: (-x[r, i].item(), i))[:20]
+        assert got[r].tolist() == order
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -487,7 +598,7 @@ def test_swiglu(limit):
 # ----------------------------------------------------------------------------- ops dispatch
 def test_linear():
     x, w = randn(2, 3, 5, seed=42), randn(4, 5, seed=43).bfloat16()
-    out = ops.linear(x, w)
+    out = ops.linear(x, w.float())
     assert out.dtype == torch.float32
     wl = w.float().tolist()
     close(out, [[[dot(r, wr) for wr in wl] for r in mat] for mat in x.tolist()], atol=1e-5)
@@ -502,45 +613,152 @@ def test_grouped_linear():
     close(out, exp, atol=1e-5)
 
 
-def test_moe_experts():
-    from dsv4.model.moe import Expert
+def _experts(E, D, inter, seed, scale=0.8):
+    """Stacked plain expert weights ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``."""
+    return (randn(E, inter, D, seed=seed, scale=scale), randn(E, inter, D, seed=seed + 1, scale=scale),
+            randn(E, D, inter, seed=seed + 2, scale=scale))
+
+
+def _moe_py(x, ids, weights, w1, w3, w2, limit):
+    exp = []
+    for t in range(x.shape[0]):
+        xt, acc = x[t].tolist(), [0.0] * x.shape[1]
+        for j in range(ids.shape[1]):
+            e = ids[t, j].item()
+            if e < 0:
+                continue
+            hidden = [swiglu_py(dot(xt, a), dot(xt, b), limit) * weights[t, j].item()
+                      for a, b in zip(w1[e].tolist(), w3[e].tolist())]
+            acc = [c + v for c, v in zip(acc, [dot(hidden, r) for r in w2[e].tolist()])]
+        exp.append(acc)
+    return exp
+
+
+def test_moe():
     T, D, inter, E, k, limit = 6, 8, 6, 5, 2, 1.5
-    experts = []
-    for e in range(E):
-        ex = Expert(D, inter, limit, torch.float32)
-        for i, lin in enumerate((ex.w1, ex.w2, ex.w3)):
-            lin.weight.copy_(randn(*lin.weight.shape, seed=100 + 3 * e + i, scale=0.8))
-        experts.append(ex)
+    w1, w3, w2 = _experts(E, D, inter, 100)
     x = randn(T, D, seed=46, scale=2.0)
     ids = torch.stack([torch.randperm(E, generator=gen(200 + t))[:k] for t in range(T)])
+    ids[2, 1] = -1                                              # no expert (another rank's)
     weights = torch.rand(T, k, generator=gen(47))
-    out = ops.moe_experts(x, weights, ids, experts, limit)
-    exp = []
-    for t in range(T):
-        xt, acc = x[t].tolist(), [0.0] * D
-        for j in range(k):
-            ex = experts[ids[t, j].item()]
-            hidden = [swiglu_py(dot(xt, w1r), dot(xt, w3r), limit)
-                      for w1r, w3r in zip(ex.w1.weight.tolist(), ex.w3.weight.tolist())]
-            y = [dot(hidden, w2r) for w2r in ex.w2.weight.tolist()]
-            acc = [c + weights[t, j].item() * v for c, v in zip(acc, y)]
-        exp.append(acc)
-    close(out, exp, atol=1e-5)
-    assert ops.moe_experts(x.bfloat16(), weights, ids, experts, limit).dtype == torch.bfloat16
+    out = ref.moe(x, ids, weights, w1, w3, w2, limit)
+    close(out, _moe_py(x, ids, weights, w1, w3, w2, limit), atol=1e-5)
+    assert ref.moe(x.bfloat16(), ids, weights, w1, w3, w2, limit).dtype == torch.bfloat16
 
 
-def test_moe_experts_unselected_expert_overflow_does_not_reach_the_token():
-    from dsv4.model.moe import Expert
-    torch.manual_seed(0)
-    experts = [Expert(8, 4, 10.0, torch.float32) for _ in range(3)]
-    for ex in experts:
-        for proj in (ex.w1, ex.w2, ex.w3):
-            proj.weight.data.normal_()
-    experts[2].w2.weight.data.fill_(float("inf"))  # expert 2 overflows for every token
-    x = torch.randn(4, 8)
+def test_moe_grouped_path_equals_gather_path(monkeypatch):
+    T, D, inter, E, k = 40, 16, 8, 6, 3
+    w1, w3, w2 = _experts(E, D, inter, 110)
+    x = randn(T, D, seed=48)
+    ids = torch.stack([torch.randperm(E, generator=gen(300 + t))[:k] for t in range(T)])
+    ids[::7, 0] = -1
+    weights = torch.rand(T, k, generator=gen(49))
+    gather = ref.moe(x, ids, weights, w1, w3, w2, 2.0)
+    monkeypatch.setattr(ref, "MOE_GATHER_PAIRS", 4)            # prefill path: tokens grouped by expert
+    grouped = ref.moe(x, ids, weights, w1, w3, w2, 2.0)
+    torch.testing.assert_close(grouped, gather, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(ref, "MOE_GATHER_PAIRS", 10_000)
+    monkeypatch.setattr(ref, "MOE_GATHER_BYTES", 1)            # gather one pair at a time
+    torch.testing.assert_close(ref.moe(x, ids, weights, w1, w3, w2, 2.0), gather, rtol=1e-6, atol=1e-6)
+
+
+def test_moe_reads_only_the_selected_experts():
+    """An unselected expert is never touched: its inf/NaN weights cannot reach any token."""
+    w1, w3, w2 = _experts(3, 8, 4, 120)
+    w2[2] = float("inf")
+    w1[2] = float("nan")
+    x = torch.randn(4, 8, generator=gen(50))
     ids = torch.tensor([[0, 1]] * 4)
-    w = torch.full((4, 2), 0.5)
-    out = ops.moe_experts(x, w, ids, experts, 10.0)
+    out = ref.moe(x, ids, torch.full((4, 2), 0.5), w1, w3, w2, 10.0)
     assert torch.isfinite(out).all()
-    expected = sum(0.5 * experts[e](x) for e in (0, 1))
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    close(out, _moe_py(x, ids, torch.full((4, 2), 0.5), w1, w3, w2, 10.0), atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+def test_moe_packed_experts_equal_their_dequantized_weights(fmt):
+    from dsv4.weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+    quant = {"fp8": lambda w: Fp8BlockWeight.quantize(w, ue8m0=True), "mxfp4": Mxfp4Weight.quantize,
+             "nvfp4": Nvfp4Weight.quantize}[fmt]
+    w1, w3, w2 = (quant(w) for w in _experts(4, 64, 32, 130))
+    x = randn(5, 64, seed=51)
+    ids = torch.tensor([[0, 3], [3, 3], [1, 2], [2, -1], [0, 1]])
+    weights = torch.rand(5, 2, generator=gen(52))
+    got = ref.moe(x, ids, weights, w1, w3, w2, 3.0)
+    dense = [w.dequantize(torch.float32) for w in (w1, w3, w2)]
+    close(got, _moe_py(x, ids, weights, *dense, 3.0), atol=1e-4)
+
+
+def _act_quant_py(row: list[float], pow2: bool = True) -> list[float]:
+    """DeepSeek's act_quant of one row, values (blocks of 128, amax floor 1e-4)."""
+    return fp8_expected(torch.tensor(row), 128, pow2)[0]
+
+
+def test_linear_w8a8_is_the_blockwise_fp8_product():
+    """QAT on: y = sum_kb (q . w) * s_x * s_w per 128-block, both operands on the FP8 grid."""
+    from dsv4.weights.formats import Fp8BlockWeight
+    x = randn(3, 256, seed=53, scale=3.0)
+    w = Fp8BlockWeight.quantize(randn(130, 256, seed=54), ue8m0=True)
+    got = ref.linear(x, w, act_quant=True)
+    wd = w.dequantize(torch.float32).double()
+    for r in range(3):
+        xq = torch.tensor(_act_quant_py(x[r].tolist()), dtype=torch.float64)
+        close(got[r], wd @ xq, rtol=1e-5, atol=1e-5)
+    off = ref.linear(x, w)                                      # weight-only without the simulation
+    close(off, x.double() @ wd.T, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(got, off)
+
+
+def test_linear_act_quant_skips_plain_weights():
+    x, w = randn(2, 256, seed=55), randn(8, 256, seed=56)
+    assert torch.equal(ref.linear(x, w, act_quant=True), ref.linear(x, w))
+
+
+def test_moe_act_quant_rounds_inputs_with_the_routing_weight_inside():
+    from dsv4.weights.formats import Mxfp4Weight
+    E, D, inter = 2, 128, 128
+    w1, w3, w2 = (Mxfp4Weight.quantize(w) for w in _experts(E, D, inter, 140))
+    x = randn(2, D, seed=57, scale=2.0)
+    ids, weights = torch.tensor([[1, 0], [0, -1]]), torch.tensor([[0.3, 0.7], [1.2, 0.5]])
+    got = ref.moe(x, ids, weights, w1, w3, w2, 10.0, act_quant=True)
+    d1, d3, d2 = (w.dequantize(torch.float64) for w in (w1, w3, w2))
+    for t in range(2):
+        xq = torch.tensor(_act_quant_py(x[t].tolist()), dtype=torch.float64)
+        acc = torch.zeros(D, dtype=torch.float64)
+        for j in range(2):
+            e = ids[t, j].item()
+            if e < 0:
+                continue
+            g, u = d1[e] @ xq, d3[e] @ xq
+            h = torch.tensor([swiglu_py(a, b, 10.0) * weights[t, j].item() for a, b in zip(g.tolist(), u.tolist())])
+            acc += d2[e] @ torch.tensor(_act_quant_py(h.float().tolist()), dtype=torch.float64)
+        close(got[t], acc, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- dispatch
+def test_dispatch_is_keyed_by_device_and_format():
+    """A kernel registered for one weight format runs only for that format; the others keep
+    their reference; ``reference_only`` turns every kernel off."""
+    from dsv4.weights.formats import Fp8BlockWeight, Mxfp4Weight
+    calls = []
+
+    @ops.register("linear", "cpu", Mxfp4Weight)
+    def fake(x, w, act_quant, pow2, out_dtype):
+        calls.append(type(w).__name__)
+        return torch.zeros(*x.shape[:-1], w.shape[0])
+    try:
+        x = randn(2, 64, seed=58)
+        mx = Mxfp4Weight.quantize(randn(4, 64, seed=59))
+        f8 = Fp8BlockWeight.quantize(randn(4, 64, seed=59))
+        assert torch.equal(ops.linear(x, mx), torch.zeros(2, 4)) and calls == ["Mxfp4Weight"]
+        close(ops.linear(x, f8), ref.linear(x, f8))
+        close(ops.linear(x, randn(4, 64, seed=60)), ref.linear(x, randn(4, 64, seed=60)))
+        with ops.reference_only():
+            close(ops.linear(x, mx), ref.linear(x, mx))
+        assert calls == ["Mxfp4Weight"]
+        with pytest.raises(ValueError, match="format"):
+            ops.register("moe", "cpu")
+        with pytest.raises(ValueError, match="unknown op"):
+            ops.register("nope", "cpu")
+    finally:
+        ops.unregister("linear", "cpu", Mxfp4Weight)
+    assert ops.implementation("linear", torch.device("cpu"), Mxfp4Weight) is ref.linear

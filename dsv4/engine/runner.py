@@ -27,7 +27,7 @@ class Runner:
         self.model, self.qat_sim, self.prefill_chunk = model, qat_sim, prefill_chunk
         device = model.embed.weight.device
         self.device = device
-        self.state = GenerationState(model.config, max_slots, max_context, model.dtype, device)
+        self.state = GenerationState(model.config, max_slots, max_context, model.dtype, device, qat_sim=qat_sim)
         self.lengths = [0] * max_slots  # host mirror of state.positions
 
     @property
@@ -72,7 +72,9 @@ class Runner:
         for lo in range(0, n, self.prefill_chunk):
             chunk = ids[lo:lo + self.prefill_chunk].unsqueeze(0)
             begin = torch.tensor([start + lo], device=self.device)
-            logits, _ = self.model(chunk, slots, begin, self.state, self.qat_sim, last_only=not all_logits)
+            bound = start + lo + chunk.shape[1]   # host-known: the longest context this chunk sees
+            logits, _ = self.model(chunk, slots, begin, self.state.layers, self.qat_sim,
+                                   last_only=not all_logits, context_bound=bound)
             outs.append(logits[0])
         self.lengths[slot] = start + n
         self.state.positions[slot] = start + n
@@ -90,7 +92,8 @@ class Runner:
         slot_t = torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
         ids = token_ids.to(self.device, torch.int64).view(-1, 1)
         start = self.state.positions[slot_t]
-        logits, _ = self.model(ids, slot_t, start, self.state, self.qat_sim)
+        bound = max(self.lengths[s] for s in slots) + 1
+        logits, _ = self.model(ids, slot_t, start, self.state.layers, self.qat_sim, context_bound=bound)
         self.state.positions[slot_t] = start + 1
         for s in slots:
             self.lengths[s] += 1

@@ -1,10 +1,11 @@
-"""Fixed-shape generation state (DESIGN decision 3, DSV4_FACTS section 3).
+"""Allocating and resetting the fixed-shape generation state (DESIGN decision 3).
 
-Every buffer is allocated once from ``max_slots x max_context`` and never grows: a ring of the last
-``sliding_window`` K=V rows per layer, the compressed entries of CSA/HCA layers (and the indexer's
-keys on CSA layers), and each compressor's open-window rows. A slot's position lives in
-``positions`` on the device; forwards read and write the buffers by slot index with device-side
-masks, so a decode step has no host branch on device values and is CUDA-graph capturable.
+The layout of what each layer keeps lives with the model (:mod:`dsv4.model.cache`); the engine
+decides how many slots and positions, allocates every buffer once, and resets slots for new
+sequences. A slot's position lives in ``positions`` on the device; forwards read and write the
+buffers by slot index with device-side masks, so a decode step has no host branch on device values
+and is CUDA-graph capturable. :func:`state_layout` tells the cost per token before anything is
+allocated.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..model.cache import CompressorState, LayerCache, RowStore
 
 
 class ContextOverflowError(ValueError):
@@ -21,85 +23,116 @@ class ContextOverflowError(ValueError):
 
 
 @dataclass
-class CompressorState:
-    """One compressor's buffers (main KV compressor or the indexer's).
+class StateLayout:
+    """Bytes of state for one slot: ``fixed`` (window rings, open compressor windows) plus
+    ``per_token`` (compressed entries and indexer keys grow with the context), by layer kind."""
 
-    ``entries [slots, max_entries + 1, dim]``: emitted entries (after norm/RoPE); the extra last row
-    is a write sink for windows that did not close, so writes never need a host branch.
-    ``win_kv/win_gate [slots, ratio, width]`` fp32: the open window's ``C`` and ``Z + ape`` rows,
-    row ``pos % ratio``. ``prev_kv/prev_gate [slots, ratio, dim]`` fp32 (overlap only): the last
-    closed window's ``a`` halves; the gate is ``-inf`` before the first window closes.
-    """
+    fixed: dict[str, float]
+    per_token: dict[str, float]
+    layers: dict[str, int]
 
-    ratio: int
-    entries: torch.Tensor
-    win_kv: torch.Tensor
-    win_gate: torch.Tensor
-    prev_kv: torch.Tensor | None
-    prev_gate: torch.Tensor | None
+    def bytes(self, slots: int, context: int) -> int:
+        per_slot = sum(self.fixed.values()) + sum(self.per_token.values()) * context
+        return int(slots * per_slot)
 
-    @property
-    def max_entries(self) -> int:
-        return self.entries.shape[1] - 1
+    def max_context(self, budget_bytes: int, slots: int = 1) -> int:
+        """The longest context whose state fits ``budget_bytes`` for ``slots`` sequences."""
+        per_token = sum(self.per_token.values())
+        spare = budget_bytes / max(slots, 1) - sum(self.fixed.values())
+        return max(0, int(spare / per_token)) if per_token else (1 << 62 if spare >= 0 else 0)
 
-    @classmethod
-    def allocate(cls, slots: int, max_context: int, ratio: int, dim: int, overlap: bool,
-                 dtype: torch.dtype, device: torch.device) -> "CompressorState":
-        width = 2 * dim if overlap else dim
-        f32 = dict(dtype=torch.float32, device=device)
-        return cls(
-            ratio=ratio,
-            entries=torch.zeros(slots, max_context // ratio + 1, dim, dtype=dtype, device=device),
-            win_kv=torch.zeros(slots, ratio, width, **f32),
-            win_gate=torch.zeros(slots, ratio, width, **f32),
-            prev_kv=torch.zeros(slots, ratio, dim, **f32) if overlap else None,
-            prev_gate=torch.full((slots, ratio, dim), float("-inf"), **f32) if overlap else None,
-        )
-
-    def reset(self, slots: torch.Tensor) -> None:
-        if self.prev_gate is not None:
-            self.prev_gate.index_fill_(0, slots, float("-inf"))
+    def describe(self) -> str:
+        lines = []
+        for kind, n in self.layers.items():
+            lines.append(f"  {kind:<8} x{n:<3} {self.per_token[kind] / max(n, 1):9.1f} B/token/layer, "
+                         f"{self.fixed[kind] / max(n, 1) / 1024:8.1f} KiB fixed/layer")
+        return "\n".join(lines)
 
 
-@dataclass
-class LayerState:
-    """One layer's state: the sliding ring ``[slots, window, hd]`` and optional compressors."""
+def _layer_layouts(config: ModelConfig, layer: int, qat_sim: bool, dtype: torch.dtype
+                   ) -> tuple[str, str]:
+    kv = "fp8" if qat_sim else "plain"
+    keys = "fp4" if qat_sim else "plain"
+    return kv, keys
 
-    ring: torch.Tensor
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
+
+def state_layout(config: ModelConfig, dtype: torch.dtype, qat_sim: bool, include_mtp: bool = False
+                 ) -> StateLayout:
+    """Bytes per slot of every layer's state, by layer kind (allocates nothing)."""
+    fixed: dict[str, float] = {}
+    per_token: dict[str, float] = {}
+    layers: dict[str, int] = {}
+    for i in range(_n_layers(config, include_mtp)):
+        cache = _allocate_layer(config, i, 1, 1, dtype, "meta", qat_sim)
+        kind = config.layer_kind(i)
+        ring = cache.ring.nbytes_per_row() * config.sliding_window
+        windows = entries = 0.0
+        for comp in (cache.compressor, cache.indexer):
+            if comp is not None:
+                entries += comp.entries.nbytes_per_row() / comp.ratio
+                windows += sum(t[0].numel() * t.element_size() for t in comp.tensors()[len(comp.entries.tensors()):])
+        fixed[kind] = fixed.get(kind, 0.0) + ring + windows
+        per_token[kind] = per_token.get(kind, 0.0) + entries
+        layers[kind] = layers.get(kind, 0) + 1
+    return StateLayout(fixed, per_token, layers)
+
+
+def _n_layers(config: ModelConfig, include_mtp: bool) -> int:
+    return config.num_hidden_layers + int(bool(config.num_nextn_predict_layers) and include_mtp)
+
+
+def _allocate_layer(config: ModelConfig, layer: int, slots: int, max_context: int, dtype: torch.dtype,
+                    device: torch.device | str, qat_sim: bool) -> LayerCache:
+    c, kind = config, config.layer_kind(layer)
+    kv_layout, key_layout = _layer_layouts(config, layer, qat_sim, dtype)
+    pow2 = config.kv_scale_pow2
+    ring = RowStore.allocate(kv_layout, slots, c.sliding_window, c.head_dim, dtype, device, c.rope_dim, pow2)
+    cache = LayerCache(ring=ring)
+    if kind != "sliding":
+        ratio = c.layer_ratio(layer)
+        entries = RowStore.allocate(kv_layout, slots, max_context // ratio + 1, c.head_dim, dtype, device,
+                                    c.rope_dim, pow2)
+        cache.compressor = _compressor(entries, slots, ratio, c.head_dim, kind == "csa", device)
+        if kind == "csa":
+            keys = RowStore.allocate(key_layout, slots, max_context // ratio + 1, c.index_head_dim, dtype,
+                                     device)
+            cache.indexer = _compressor(keys, slots, ratio, c.index_head_dim, True, device)
+    return cache
+
+
+def _compressor(entries: RowStore, slots: int, ratio: int, dim: int, overlap: bool,
+                device: torch.device | str) -> CompressorState:
+    width = 2 * dim if overlap else dim
+    f32 = dict(dtype=torch.float32, device=device)
+    return CompressorState(
+        ratio=ratio, entries=entries,
+        win_kv=torch.zeros(slots, ratio, width, **f32),
+        win_gate=torch.zeros(slots, ratio, width, **f32),
+        prev_kv=torch.zeros(slots, ratio, dim, **f32) if overlap else None,
+        prev_gate=torch.full((slots, ratio, dim), float("-inf"), **f32) if overlap else None)
 
 
 class GenerationState:
-    """All layers' buffers for ``max_slots`` sequences of up to ``max_context`` positions."""
+    """All layers' buffers for ``max_slots`` sequences of up to ``max_context`` positions.
+
+    ``qat_sim`` picks the storage: FP8 K=V rows and entries plus FP4 indexer keys (the QAT
+    simulation, stored as simulated) or the activation dtype.
+    """
 
     def __init__(self, config: ModelConfig, max_slots: int, max_context: int, dtype: torch.dtype,
-                 device: torch.device | str, include_mtp: bool = False):
+                 device: torch.device | str, include_mtp: bool = False, qat_sim: bool = False):
         if max_slots <= 0 or max_context <= 0:
             raise ValueError(f"max_slots ({max_slots}) and max_context ({max_context}) must be positive")
         device = torch.device(device)
         self.config, self.max_slots, self.max_context = config, max_slots, max_context
-        self.dtype, self.device = dtype, device
-        n = config.num_hidden_layers + (config.num_nextn_predict_layers > 0 and include_mtp)
-        self.layers = [self._allocate_layer(i) for i in range(n)]
+        self.dtype, self.device, self.qat_sim = dtype, device, qat_sim
+        self.layers = [_allocate_layer(config, i, max_slots, max_context, dtype, device, qat_sim)
+                       for i in range(_n_layers(config, include_mtp))]
         self.positions = torch.zeros(max_slots, dtype=torch.int64, device=device)
-
-    def _allocate_layer(self, layer: int) -> LayerState:
-        c, kind = self.config, self.config.layer_kind(layer)
-        ring = torch.zeros(self.max_slots, c.sliding_window, c.head_dim, dtype=self.dtype, device=self.device)
-        state = LayerState(ring=ring)
-        if kind != "sliding":
-            ratio = c.layer_ratio(layer)
-            state.compressor = CompressorState.allocate(self.max_slots, self.max_context, ratio, c.head_dim,
-                                                        kind == "csa", self.dtype, self.device)
-            if kind == "csa":
-                state.indexer = CompressorState.allocate(self.max_slots, self.max_context, ratio,
-                                                         c.index_head_dim, True, self.dtype, self.device)
-        return state
 
     def reset(self, slots: list[int] | torch.Tensor) -> None:
         """Make ``slots`` empty (position 0) so they can take a new sequence."""
-        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        slots = torch.as_tensor(slots, dtype=torch.int64).to(self.device)
         self.positions.index_fill_(0, slots, 0)
         for layer in self.layers:
             for comp in (layer.compressor, layer.indexer):
@@ -107,12 +140,7 @@ class GenerationState:
                     comp.reset(slots)
 
     def nbytes(self) -> int:
-        total = self.positions.numel() * 8
+        total = self.positions.numel() * self.positions.element_size()
         for layer in self.layers:
-            total += layer.ring.numel() * layer.ring.element_size()
-            for comp in (layer.compressor, layer.indexer):
-                if comp is not None:
-                    for t in (comp.entries, comp.win_kv, comp.win_gate, comp.prev_kv, comp.prev_gate):
-                        if t is not None:
-                            total += t.numel() * t.element_size()
+            total += sum(t.numel() * t.element_size() for t in layer.tensors())
         return total

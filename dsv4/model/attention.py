@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
-from ..engine.state import LayerState
+from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm, fp32_param
 from .compressor import Compressor
 from .indexer import Indexer
@@ -45,72 +45,48 @@ class Attention(nn.Module):
         if self.kind == "csa":
             self.indexer = Indexer(c, self.ratio, dtype)
 
-    def _kv_qat(self, kv: torch.Tensor, qat: bool) -> torch.Tensor:
-        """QAT simulation of the KV cache: FP8 rounding of the non-rope dims."""
-        if not qat:
-            return kv
-        nope = self.head_dim - self.rope_dim
-        return torch.cat([ops.fp8_sim(kv[..., :nope]), kv[..., nope:]], dim=-1)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: LayerState) -> torch.Tensor:
-        """``x [B, S, D]`` (attention-normed block input) -> ``[B, S, D]``; updates ``state``."""
-        B, S, _ = x.shape
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
+        """``x [B, S, D]`` (attention-normed block input) -> ``[B, S, D]``; updates ``cache``."""
         rope = ctx.rope[self.rope_kind]
         cos_h, sin_h = rope.cos.unsqueeze(2), rope.sin.unsqueeze(2)    # broadcast over heads
+        q8, p2 = ctx.qat_sim, ctx.pow2
 
-        qr = self.q_norm(ops.linear(x, self.wq_a.weight))
-        q = ops.linear(qr, self.wq_b.weight).unflatten(-1, (self.n_heads, self.head_dim))
+        qr = self.q_norm(ops.linear(x, self.wq_a.w, q8, p2))
+        q = ops.linear(qr, self.wq_b.w, q8, p2).unflatten(-1, (self.n_heads, self.head_dim))
         q = ops.apply_rope(ops.rms_norm_unweighted(q, self.eps), cos_h, sin_h)      # [B, S, H, hd]
-        kv = self.kv_norm(ops.linear(x, self.wkv.weight))
-        kv = self._kv_qat(ops.apply_rope(kv, rope.cos, rope.sin), ctx.qat_sim)      # [B, S, hd]
+        kv = self.kv_norm(ops.linear(x, self.wkv.w, q8, p2))
+        kv = cache.ring.round_trip(ops.apply_rope(kv, rope.cos, rope.sin))        # [B, S, hd] as stored
 
-        keys, valid = self._window_keys(kv, ctx, state)
+        comp = dict(comp=None)
         if self.kind != "sliding":
-            comp_keys, comp_valid = self._compressed_keys(x, qr, ctx, state)
-            keys = torch.cat([keys, comp_keys], dim=1)
-            valid = torch.cat([valid, comp_valid], dim=2)
-
-        o = ops.sparse_attention(q, keys, valid, self.attn_sink, self.head_dim ** -0.5)  # [B, S, H, hd]
+            comp = self._compressed(x, qr, ctx, cache)
+        o = ops.sparse_attention(q, kv, cache.ring, ctx.slots, ctx.start, self.window, self.attn_sink,
+                                 self.head_dim ** -0.5, **comp)                      # [B, S, H, hd]
+        self._store_window(kv, ctx, cache)
         o = ops.apply_rope(o, cos_h, sin_h, inverse=True)
-        o = ops.grouped_linear(o.flatten(2).unflatten(-1, (self.groups, -1)), self.wo_a.weight, self.groups)
-        return ops.linear(o.flatten(2), self.wo_b.weight)
+        o = ops.grouped_linear(o.flatten(2).unflatten(-1, (self.groups, -1)), self.wo_a.w, self.groups)
+        return ops.linear(o.flatten(2), self.wo_b.w, q8, p2)
 
-    def _window_keys(self, kv: torch.Tensor, ctx: ForwardContext, state: LayerState
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[B, W + S, hd]`` (ring then new rows) and their mask ``[B, S, W + S]``; then store
-        the newest ``min(S, W)`` rows in the ring at ``pos % W``."""
+    def _store_window(self, kv: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
+        """Store the newest ``min(S, W)`` K=V rows in the ring at row ``pos % W`` (after attention:
+        the chunk's older queries still need the rows these overwrite)."""
         W, S = self.window, kv.shape[1]
-        dev = kv.device
-        ring = state.ring[ctx.slots]                                       # [B, W, hd]
-        start, t = ctx.start.unsqueeze(1), ctx.positions                   # [B, 1], [B, S]
-        r = torch.arange(W, device=dev)
-        ring_pos = start - 1 - torch.remainder(start - 1 - r, W)          # [B, W] newest pos in row r
-        ring_ok = (ring_pos >= 0).unsqueeze(1) & (ring_pos.unsqueeze(1) > t.unsqueeze(2) - W)
-        s = torch.arange(S, device=dev)
-        new_ok = (s.view(1, -1) <= s.view(-1, 1)) & (s.view(1, -1) > s.view(-1, 1) - W)  # [S, S]
-        valid = torch.cat([ring_ok, new_ok.unsqueeze(0).expand(kv.shape[0], -1, -1)], dim=2)
-        keys = torch.cat([ring, kv.to(ring.dtype)], dim=1)
-
         keep = min(S, W)
-        rows = torch.remainder(t[:, S - keep:], W)                         # [B, keep]
-        state.ring[ctx.slots.unsqueeze(1), rows] = kv[:, S - keep:].to(ring.dtype)
-        return keys, valid
+        rows = torch.remainder(ctx.positions[:, S - keep:], W)                      # [B, keep]
+        cache.ring.write(ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
 
-    def _compressed_keys(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, state: LayerState
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the compressor (and indexer) on the new tokens; return all entries ``[B, n, hd]`` of
-        the slots and which of them each query attends to ``[B, S, n]``."""
+    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
+        """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments
+        of :func:`dsv4.ops.sparse_attention`: the store and the indexer's picks (CSA) or each
+        query's visible length (HCA)."""
         def finish(entry: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             cos, sin = ctx.rope_at("compress", pos)
-            return self._kv_qat(ops.apply_rope(entry, cos, sin), ctx.qat_sim)
+            return ops.apply_rope(entry, cos, sin)
 
-        comp = state.compressor
+        comp = cache.compressor
         self.compressor(x, ctx, comp, finish)
-        n = comp.max_entries
-        keys = comp.entries[ctx.slots, :n]
+        bound = ctx.entry_bound(self.ratio, comp.max_entries)
         if self.kind == "csa":
-            valid = self.indexer(x, qr, ctx, state.indexer)
-        else:
-            visible = (ctx.positions + 1) // self.ratio
-            valid = torch.arange(n, device=x.device) < visible.unsqueeze(-1)
-        return keys, valid
+            return dict(comp=comp.entries, comp_idx=self.indexer(x, qr, ctx, cache.indexer))
+        visible = (ctx.positions + 1) // self.ratio                                # [B, S]
+        return dict(comp=comp.entries, comp_len=visible, comp_bound=bound)

@@ -1,7 +1,8 @@
 """Building blocks shared by the model modules: weight-holding Linear, RMSNorm, forward context.
 
 Module attribute names follow DeepSeek's official checkpoint names, so ``state_dict()`` keys are
-the official tensor names (``layers.0.attn.wq_a.weight``) and loading needs no renaming.
+the official tensor names (``layers.0.attn.wq_a.weight``, ``layers.0.attn.wq_a.scale``) and
+loading needs no renaming.
 """
 
 from __future__ import annotations
@@ -16,32 +17,87 @@ from ..config import ModelConfig
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T`` where ``W`` is a tensor or a packed quantized weight object.
+    """Holds one linear weight ``[out, in]`` in its checkpoint format (DESIGN decision 2).
 
-    The weight keeps its checkpoint format (DESIGN decision 2): :meth:`set_weight` swaps in an
-    ``Fp8BlockWeight`` / ``Mxfp4Weight`` / ``Nvfp4Weight`` and :func:`dsv4.ops.linear` consumes it.
+    A plain weight is the parameter ``weight``. A packed one (``Fp8BlockWeight``, ``Mxfp4Weight``,
+    ``Nvfp4Weight``, or a stack of experts ``[E, out, in]``) is registered as buffers under its
+    on-disk names (``weight`` + ``scale``, or ModelOpt's ``weight_scale``/``weight_scale_2``/
+    ``input_scale``), so ``.to()``, ``state_dict()`` and ``named_buffers()`` see every byte;
+    :attr:`w` is the typed weight the ops consume, rebound whenever the buffers move.
     """
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16,
+                 experts: int = 0):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.in_features, self.out_features, self.experts = in_features, out_features, experts
+        shape = (experts, out_features, in_features) if experts else (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+        self.packed: object | None = None  # the typed weight when the checkpoint format is packed
+
+    @property
+    def w(self) -> object:
+        """The weight as the ops consume it: a tensor, or a typed packed weight."""
+        return self.packed if self.packed is not None else self.weight
+
+    @property
+    def format_name(self) -> str:
+        return self.packed.dtype_name if self.packed is not None else str(self.weight.dtype).removeprefix("torch.")
 
     def set_weight(self, weight: object) -> None:
-        """Replace the weight with a tensor or a quantized weight of the same ``[out, in]`` shape."""
-        shape = tuple(weight.shape)[-2:]
-        if shape != (self.out_features, self.in_features):
-            raise ValueError(f"weight shape {shape} != expected {(self.out_features, self.in_features)}")
+        """Replace the weight with a tensor or a packed weight of the same logical shape."""
+        want = (self.experts, self.out_features, self.in_features) if self.experts else \
+            (self.out_features, self.in_features)
+        if tuple(weight.shape) != want:
+            raise ValueError(f"weight shape {tuple(weight.shape)} != expected {want}")
+        self._drop_weight()
+        self.__dict__.pop("weight", None)
         if isinstance(weight, torch.Tensor):
-            self._parameters.pop("weight", None)
-            self.__dict__.pop("weight", None)
+            self.packed = None
             self.weight = nn.Parameter(weight, requires_grad=False)
-        else:
-            self._parameters.pop("weight", None)
-            object.__setattr__(self, "weight", weight)
+            return
+        self.packed = weight
+        for name, t in weight.tensors().items():
+            self.register_buffer(name, t)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+    def _drop_weight(self) -> None:
+        """Unregister the weight: the parameter, or the packed weight's buffers (other buffers of
+        subclasses, such as the router's ``tid2eid``, stay)."""
+        if self.packed is not None:
+            for name in self.packed.tensors():
+                self._buffers.pop(name, None)
+        self._parameters.pop("weight", None)
+        self.packed = None
+
+    def release(self) -> None:
+        """Drop the weight's storage (it moved elsewhere, e.g. into a stacked expert weight)."""
+        self._drop_weight()
+
+    def _rebind(self) -> None:
+        if self.packed is not None:
+            self.packed = self.packed.with_tensors({k: self._buffers[k] for k in self.packed.tensors()})
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), ... move the buffers: follow them
+        names = list(self.packed.tensors()) if self.packed is not None else []
+        before = {k: self._buffers[k].dtype for k in names}
+        super()._apply(fn, recurse)
+        if self.packed is not None:
+            changed = [k for k in names if self._buffers[k].dtype != before[k]]
+            if changed:
+                raise TypeError(f"a packed {self.packed.dtype_name} weight cannot change dtype "
+                                f"(buffers {changed}); move it with .to(device) only")
+            self._rebind()
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._rebind()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._parameters.values(), *self._buffers.values())
+                   if t is not None)
+
+    def forward(self, x: torch.Tensor, act_quant: bool = False, pow2: bool = True) -> torch.Tensor:
+        return ops.linear(x, self.w, act_quant, pow2)
 
 
 class RMSNorm(nn.Module):
@@ -74,6 +130,10 @@ class ForwardContext:
 
     ``start [B]`` is each row's first position (a device tensor: decode never reads it on the host);
     ``positions [B, S] = start + arange(S)``; ``slots [B]`` indexes the generation state's buffers.
+    ``context_bound`` is a host-known bound on ``positions + 1`` over the batch (the longest
+    context any row can see this forward; a captured graph uses the state's full length), which
+    bounds how many compressed entries the ops read. ``qat_sim`` turns on the QAT simulation
+    (FP8 KV and activations of FP8/FP4 linears, FP4 indexer); ``pow2`` is its scale format.
     """
 
     config: ModelConfig
@@ -84,10 +144,19 @@ class ForwardContext:
     rope: dict[str, RopeTables]  # "main" (sliding layers) and "compress" (CSA/HCA layers)
     inv_freq: dict[str, torch.Tensor]
     qat_sim: bool
+    context_bound: int
+
+    @property
+    def pow2(self) -> bool:
+        return self.config.kv_scale_pow2
 
     def rope_at(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for other positions (compressed entries sit at their window's first position)."""
-        return ops.reference.rope_cos_sin(positions, self.inv_freq[kind])
+        return ops.rope_cos_sin(positions, self.inv_freq[kind])
+
+    def entry_bound(self, ratio: int, max_entries: int) -> int:
+        """How many compressed entries (ratio ``ratio``) any query of this forward can see, >= 1."""
+        return max(1, min(max_entries, self.context_bound // ratio))
 
     @property
     def seq_len(self) -> int:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..engine.state import CompressorState
+from .cache import CompressorState
 from .common import ForwardContext, Linear, RMSNorm, fp32_param
 
 
@@ -40,14 +40,15 @@ class Compressor(nn.Module):
                 finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         """Consume ``x [B, S, D]`` at ``ctx.positions``; write closed windows' entries into ``state``.
 
-        ``finish(entry [B, W, dim] fp32, window_start_pos [B, W]) -> entry`` applies RoPE and the QAT
-        simulation of the consumer (attention cache or indexer keys).
+        ``finish(entry [B, W, dim] fp32, window_start_pos [B, W]) -> entry`` applies RoPE (and the
+        indexer's rotation); the entry store then rounds the entry as it keeps it (FP8 / FP4 under
+        the QAT simulation).
         """
         m, slots = self.ratio, ctx.slots
         B, S, _ = x.shape
-        xf = x.float()
-        kv = ops.linear(xf, self.wkv.weight)                                   # [B, S, width]
-        gate = ops.linear(xf, self.wgate.weight) + self.ape[ctx.positions % m]  # [B, S, width]
+        f32 = torch.float32
+        kv = ops.linear(x, self.wkv.w, ctx.qat_sim, ctx.pow2, out_dtype=f32)                # [B, S, width]
+        gate = ops.linear(x, self.wgate.w, ctx.qat_sim, ctx.pow2, out_dtype=f32) + self.ape[ctx.positions % m]
 
         # Aligned buffer: row j holds position w0*m + j, w0 = the slot's open window.
         n_win = (m - 1 + S) // m + 1            # windows that can close, +1 for the next open one
@@ -73,7 +74,7 @@ class Compressor(nn.Module):
         n_closed = (offset + S) // m                                          # [B]
         closed = torch.arange(n_win, device=x.device).unsqueeze(0) < n_closed.unsqueeze(1)
         target = torch.where(closed, index, torch.full_like(index, state.max_entries))
-        state.entries[slots.unsqueeze(1), target] = entry.to(state.entries.dtype)
+        state.entries.write(slots.unsqueeze(1), target, entry)
 
         # The new open window is window n_closed of the buffer; the last closed one feeds the overlap.
         pick = n_closed.view(B, 1, 1, 1).expand(-1, 1, m, win_kv.shape[-1])

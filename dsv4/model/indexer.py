@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
-from ..engine.state import CompressorState
+from .cache import CompressorState
 from .common import ForwardContext, Linear
 from .compressor import Compressor
 
@@ -32,35 +32,31 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(c.hidden_size, c.index_n_heads, dtype)
         self.compressor = Compressor(c.hidden_size, c.index_head_dim, ratio, True, c.rms_norm_eps, dtype)
 
-    def _rotate(self, x: torch.Tensor, qat: bool) -> torch.Tensor:
-        """Hadamard rotation over the head dim, then the FP4 QAT simulation."""
-        x = ops.hadamard(x)
-        return ops.fp4_sim(x) if qat else x
-
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, state: CompressorState
                 ) -> torch.Tensor:
-        """Update the indexer keys with ``x [B, S, D]`` and return the selection mask
-        ``[B, S, max_entries]`` bool (True where the query attends to that compressed entry)."""
+        """Update the indexer keys with ``x [B, S, D]`` and return each query's picks
+        ``[B, S, k]`` int64: compressed-entry indices, ``-1`` where fewer than ``k`` are visible.
+
+        ``k = min(index_topk, bound)`` with ``bound`` the entries this forward can see at most.
+        """
         rope = ctx.rope["compress"]
 
         def finish(entry: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
             cos, sin = ctx.rope_at("compress", pos)
-            return self._rotate(ops.apply_rope(entry, cos, sin), ctx.qat_sim)
+            return ops.hadamard(ops.apply_rope(entry, cos, sin))   # the key store rounds to FP4 (QAT)
 
         self.compressor(x, ctx, state, finish)
 
-        B, S, _ = x.shape
-        q = ops.linear(qr, self.wq_b.weight).unflatten(-1, (self.n_heads, self.dim))   # [B, S, nI, d]
-        q = self._rotate(ops.apply_rope(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2)), ctx.qat_sim)
-        w = ops.linear(x, self.weights_proj.weight).float() * (self.dim ** -0.5 * self.n_heads ** -0.5)
-        n = state.max_entries
-        keys = state.entries[ctx.slots, :n]                                          # [B, n, d]
-        scores = ops.indexer_scores(q, keys, w)                                      # [B, S, n]
-        visible = (ctx.positions + 1) // self.ratio                                  # [B, S]
-        entry_ids = torch.arange(n, device=x.device)
-        scores = scores.masked_fill(entry_ids >= visible.unsqueeze(-1), float("-inf"))
-        picks = scores.topk(min(self.topk, n), dim=-1).indices                      # [B, S, k]
-        picks = torch.where(picks < visible.unsqueeze(-1), picks, torch.full_like(picks, n))
-        mask = torch.zeros(B, S, n + 1, dtype=torch.bool, device=x.device)
-        mask.scatter_(-1, picks, True)
-        return mask[..., :n]
+        q = ops.linear(qr, self.wq_b.w, ctx.qat_sim, ctx.pow2).unflatten(-1, (self.n_heads, self.dim))
+        q = ops.hadamard(ops.apply_rope(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2)))  # [B, S, nI, d]
+        if ctx.qat_sim:
+            q = ops.fp4_sim(q)
+        w = ops.linear(x, self.weights_proj.w, ctx.qat_sim, ctx.pow2, out_dtype=torch.float32)
+        w = w * (self.dim ** -0.5 * self.n_heads ** -0.5)
+        bound = ctx.entry_bound(self.ratio, state.max_entries)
+        scores = ops.indexer_scores(q, state.entries, ctx.slots, w, bound)              # [B, S, bound]
+        visible = ((ctx.positions + 1) // self.ratio).unsqueeze(-1)                      # [B, S, 1]
+        entry_ids = torch.arange(bound, device=x.device)
+        scores = scores.masked_fill(entry_ids >= visible, float("-inf"))
+        picks = ops.topk_indices(scores, min(self.topk, bound))                        # [B, S, k]
+        return torch.where(picks < visible, picks, torch.full_like(picks, -1))

@@ -12,7 +12,8 @@ from torch import nn
 
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Fill every parameter and buffer of ``model`` from ``seed`` (independent of device)."""
+    """Fill every parameter and buffer of ``model`` from ``seed`` (independent of device), then stack
+    the routed experts (the values are drawn per expert, in the official-name order)."""
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -32,8 +33,8 @@ def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
             value = 0.5 * randn(*p.shape)
         elif name == "embed.weight":
             value = randn(*p.shape)
-        elif p.dim() == 2:
-            value = randn(*p.shape) / p.shape[1] ** 0.5
+        elif p.dim() >= 2:
+            value = randn(*p.shape) / p.shape[-1] ** 0.5
         else:
             value = randn(*p.shape)
         p.copy_(value.to(p.dtype))
@@ -42,6 +43,8 @@ def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
             vocab, k = b.shape
             n_experts = _n_experts(model, name)
             b.copy_(torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(vocab)]).to(b.dtype))
+    if hasattr(model, "stack_experts"):
+        model.stack_experts()
     return model
 
 

@@ -4,6 +4,11 @@ DSV4_FACTS section 2, "MoE". Router in fp32: ``s = score(x gate^T)``; hash layer
 ``tid2eid[token_id]``, the others ``topk(s + bias)`` (the bias only selects); the selected scores,
 normalised to sum 1 and times ``routed_scaling_factor``, weight the experts' outputs. Each expert is
 ``w2(silu(min(x w1^T, L)) * clamp(x w3^T, -L, L))``; the shared expert is the same and always on.
+
+The routed experts are built per expert under their official names (``experts.{e}.w1``, what a
+checkpoint holds) and, once loaded or initialised, stacked by :meth:`MoE.stack_experts` into one
+``[E, N, K]`` weight per projection (``experts.w1``, ...) in its packed format: the form
+:func:`dsv4.ops.moe` consumes, reading only the selected experts' bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
-from .common import Linear, fp32_param
+from .common import ForwardContext, Linear, fp32_param
 
 
 class Expert(nn.Module):
@@ -26,10 +31,23 @@ class Expert(nn.Module):
         self.w2 = Linear(inter, hidden, dtype)
         self.w3 = Linear(hidden, inter, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        h = ops.swiglu(ops.linear(xf, self.w1.weight), ops.linear(xf, self.w3.weight), self.limit)
-        return ops.linear(h, self.w2.weight).to(x.dtype)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``x [T, D]`` -> ``[T, D]``: fp32 accumulation, SwiGLU in fp32, output in ``x.dtype``."""
+        q, p = ctx.qat_sim, ctx.pow2
+        g = ops.linear(x, self.w1.w, q, p, out_dtype=torch.float32)
+        u = ops.linear(x, self.w3.w, q, p, out_dtype=torch.float32)
+        h = ops.swiglu(g, u, self.limit).to(x.dtype)   # w2's input in the activation dtype, as DeepSeek's code
+        return ops.linear(h, self.w2.w, q, p, out_dtype=torch.float32).to(x.dtype)
+
+
+class StackedExperts(nn.Module):
+    """The routed experts of a layer as three stacked weights ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``."""
+
+    def __init__(self, hidden: int, inter: int, n_experts: int, dtype: torch.dtype):
+        super().__init__()
+        self.w1 = Linear(hidden, inter, dtype, experts=n_experts)
+        self.w2 = Linear(inter, hidden, dtype, experts=n_experts)
+        self.w3 = Linear(hidden, inter, dtype, experts=n_experts)
 
 
 class Gate(Linear):
@@ -39,60 +57,68 @@ class Gate(Linear):
         c = config
         super().__init__(c.hidden_size, c.n_routed_experts, dtype)
         self.is_hash, self.topk, self.func = is_hash, c.num_experts_per_tok, c.scoring_func
-        self.scale = c.routed_scaling_factor
+        self.route_scale = c.routed_scaling_factor
         if is_hash:
             self.register_buffer("tid2eid", torch.zeros(c.vocab_size, c.num_experts_per_tok, dtype=torch.int32))
         else:
             self.bias = fp32_param(c.n_routed_experts)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, D]``, ``token_ids [T]`` -> ``(weights [T, k] fp32, expert ids [T, k])``."""
-        scores = ops.router_scores(ops.linear(x.float(), self.weight), self.func)
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, D]``, ``token_ids [T]`` -> ``(weights [T, k] fp32, expert ids [T, k] int64)``."""
+        scores = ops.router_scores(ops.linear(x, self.w, out_dtype=torch.float32), self.func)
         if self.is_hash:
-            return ops.route(scores, self.topk, fixed_ids=self.tid2eid[token_ids], scale=self.scale)
-        return ops.route(scores, self.topk, bias=self.bias, scale=self.scale)
+            return ops.route(scores, self.topk, fixed_ids=self.tid2eid[token_ids], scale=self.route_scale)
+        return ops.route(scores, self.topk, bias=self.bias, scale=self.route_scale)
 
 
 class MoE(nn.Module):
-    """Official names: ``gate``, ``experts.{e}.w1/w2/w3``, ``shared_experts.w1/w2/w3``."""
+    """Official names: ``gate``, ``experts.{e}.w1/w2/w3`` (stacked: ``experts.w1``), ``shared_experts.*``."""
 
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
         c = config
         is_hash = layer < c.num_hidden_layers and c.hash_layers[layer]
-        self.limit = c.swiglu_limit
+        self.limit, self.dtype = c.swiglu_limit, dtype
         self.gate = Gate(c, is_hash, dtype)
-        self.experts = nn.ModuleList(Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
-                                     for _ in range(c.n_routed_experts))
+        self.experts: nn.Module = nn.ModuleList(
+            Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype) for _ in range(c.n_routed_experts))
         self.shared_experts = (Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
                                if c.n_shared_experts else None)
 
+    @property
+    def stacked(self) -> bool:
+        return isinstance(self.experts, StackedExperts)
+
     def stack_experts(self) -> None:
-        """Stack the routed experts' weights into ``[E, N, K]`` tensors / packed weights (for grouped
-        kernels) and make each expert's weight a view of its row, so memory is held once."""
-        from ..weights.formats import QuantWeight
-
-        self.stacked = {}
+        """Replace the per-expert modules by one stacked weight per projection (same format; the
+        per-expert tensors are released, so memory is held once). Idempotent."""
+        if self.stacked:
+            return
+        first = self.experts[0]
+        stacked = StackedExperts(first.w1.in_features, first.w1.out_features, len(self.experts), self.dtype)
         for proj in ("w1", "w2", "w3"):
-            ws = [getattr(e, proj).weight for e in self.experts]
-            if isinstance(ws[0], torch.Tensor):
-                stacked = torch.stack([w.data for w in ws])
-                views = list(stacked.unbind(0))
-            elif all(type(w) is type(ws[0]) for w in ws) and isinstance(ws[0], QuantWeight):
-                stacked = type(ws[0]).stack(ws, name=f"experts.{proj}")
-                views = [stacked.expert(e) for e in range(len(ws))]
+            ws = [getattr(e, proj).w for e in self.experts]
+            if all(isinstance(w, torch.Tensor) for w in ws):
+                weight = torch.stack([w.data for w in ws])
+            elif all(type(w) is type(ws[0]) for w in ws):
+                weight = type(ws[0]).stack(ws, name=f"experts.{proj}")
             else:
-                raise ValueError(f"routed experts mix weight formats in {proj}: "
-                                 f"{sorted({type(w).__name__ for w in ws})}")
-            for expert, view in zip(self.experts, views):
-                getattr(expert, proj).set_weight(view)
-            self.stacked[proj] = stacked
+                kinds = sorted({type(w).__name__ for w in ws})
+                raise ValueError(f"routed experts mix weight formats in {proj}: {kinds}")
+            getattr(stacked, proj).set_weight(weight)
+            for e in self.experts:   # release the per-expert tensors now: peak memory one projection
+                getattr(e, proj).release()
+        self.experts = stacked
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """``x [B, S, D]``, ``token_ids [B, S]`` -> ``[B, S, D]``."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``x [B, S, D]`` -> ``[B, S, D]``."""
+        if not self.stacked:
+            raise RuntimeError("MoE: routed experts are not stacked; call model.stack_experts() after "
+                               "loading or initialising the weights")
         flat = x.flatten(0, 1)
-        weights, ids = self.gate(flat, token_ids.flatten())
-        out = ops.moe_experts(flat, weights, ids, list(self.experts), self.limit)
+        weights, ids = self.gate.route(flat, ctx.token_ids.flatten())
+        ex = self.experts
+        out = ops.moe(flat, ids, weights, ex.w1.w, ex.w3.w, ex.w2.w, self.limit, ctx.qat_sim, ctx.pow2)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            out = out + self.shared_experts(flat, ctx)
         return out.view_as(x)

@@ -12,7 +12,7 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
-from ..engine.state import LayerState
+from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm
 from .mhc import add_head_params, collapse_head
 from .transformer import Block
@@ -31,12 +31,13 @@ class MTPBlock(Block):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         add_head_params(self, c.hc_mult, c.hidden_size)
 
-    def predict(self, h: torch.Tensor, next_embed: torch.Tensor, ctx: ForwardContext, state: LayerState,
+    def predict(self, h: torch.Tensor, next_embed: torch.Tensor, ctx: ForwardContext, cache: LayerCache,
                 head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``h [B, S, nc, D]`` main streams at ``ctx.positions``, ``next_embed [B, S, D]`` embedding of
         the next tokens -> (fp32 logits ``[B, S, vocab]`` for token ``t + 2``, MTP streams)."""
-        e = ops.linear(self.enorm(next_embed), self.e_proj.weight)
-        x = ops.linear(self.hnorm(h), self.h_proj.weight) + e.unsqueeze(2)
-        x = super().forward(x, ctx, state)
+        q8, p2 = ctx.qat_sim, ctx.pow2
+        e = ops.linear(self.enorm(next_embed), self.e_proj.w, q8, p2)
+        x = ops.linear(self.hnorm(h), self.h_proj.w, q8, p2) + e.unsqueeze(2)
+        x = super().forward(x, ctx, cache)
         y = self.norm(collapse_head(self, x, self.config))
-        return ops.linear(y.float(), head_weight), x
+        return ops.linear(y, head_weight, out_dtype=torch.float32), x

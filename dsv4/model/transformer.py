@@ -1,8 +1,9 @@
 """The DeepSeek-V4 network: embedding into ``nc`` streams, blocks, ``hc_head``, norm, fp32 head.
 
 DSV4_FACTS section 2. Written once; every hot operation goes through :mod:`dsv4.ops`. A forward
-runs ``B`` slots x ``S`` new tokens against a :class:`~dsv4.engine.state.GenerationState`
-(prefill chunks and batched decode are the same call with different ``S``).
+runs ``B`` slots x ``S`` new tokens against the generation state (a list of per-layer
+:class:`~dsv4.model.cache.LayerCache`; prefill chunks and batched decode are the same call with
+different ``S``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
-from ..engine.state import GenerationState, LayerState
+from .cache import LayerCache
 from .attention import Attention
 from .common import ForwardContext, Linear, RMSNorm, RopeTables
 from .mhc import Mixer, add_head_params, add_mixer_params, collapse_head
@@ -34,12 +35,12 @@ class Block(nn.Module):
         self._mix_attn = Mixer(self, "hc_attn", c)
         self._mix_ffn = Mixer(self, "hc_ffn", c)
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext, state: LayerState) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
         """``h [B, S, nc, D]`` -> ``[B, S, nc, D]``."""
         y, post, comb = self._mix_attn.pre(h)
-        h = Mixer.post(self.attn(self.attn_norm(y), ctx, state), h, post, comb)
+        h = Mixer.post(self.attn(self.attn_norm(y), ctx, cache), h, post, comb)
         y, post, comb = self._mix_ffn.pre(h)
-        return Mixer.post(self.ffn(self.ffn_norm(y), ctx.token_ids), h, post, comb)
+        return Mixer.post(self.ffn(self.ffn_norm(y), ctx), h, post, comb)
 
 
 class Transformer(nn.Module):
@@ -63,41 +64,76 @@ class Transformer(nn.Module):
     def init_rope(self, device: torch.device | str) -> None:
         """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build)."""
         c = self.config
-        inv = {"main": ops.reference.rope_inv_freq(c.rope_dim, c.rope_theta),
-               "compress": ops.reference.rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)}
+        inv = {"main": ops.rope_inv_freq(c.rope_dim, c.rope_theta),
+               "compress": ops.rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)}
         for kind, freqs in inv.items():
             self.register_buffer(f"inv_freq_{kind}", freqs.to(device), persistent=False)
 
-    def context(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qat_sim: bool
-                ) -> ForwardContext:
+    def stack_experts(self) -> "Transformer":
+        """Stack every MoE's routed experts into one weight per projection (after loading or
+        initialising; the form the MoE op consumes). Returns ``self``."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.stack_experts()
+        return self
+
+    def official_state_dict(self) -> dict[str, torch.Tensor]:
+        """``state_dict()`` under the checkpoint's official names: stacked routed experts
+        (``ffn.experts.w1.weight [E, ...]``) split back into ``ffn.experts.{e}.w1.weight``
+        (views), scale companions included."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.state_dict().items():
+            head, sep, tail = name.partition(".experts.w")
+            if not sep or not self.get_submodule(head).stacked:
+                out[name] = t
+                continue
+            proj, part = tail.split(".", 1)          # "1", "weight"
+            for e in range(t.shape[0]):
+                out[f"{head}.experts.{e}.w{proj}.{part}"] = t[e]
+        return out
+
+    def context(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qat_sim: bool,
+                context_bound: int) -> ForwardContext:
         """Positions and RoPE tables for ``token_ids [B, S]`` starting at ``start [B]`` in ``slots [B]``."""
         S = token_ids.shape[1]
         positions = start.unsqueeze(1) + torch.arange(S, device=token_ids.device)
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
-        rope = {k: RopeTables(*ops.reference.rope_cos_sin(positions, f)) for k, f in inv.items()}
-        return ForwardContext(self.config, token_ids, slots, start, positions, rope, inv, qat_sim)
+        rope = {k: RopeTables(*ops.rope_cos_sin(positions, f)) for k, f in inv.items()}
+        return ForwardContext(self.config, token_ids, slots, start, positions, rope, inv, qat_sim, context_bound)
 
-    def hidden_streams(self, ctx: ForwardContext, state: GenerationState) -> torch.Tensor:
+    def hidden_streams(self, ctx: ForwardContext, caches: list[LayerCache]) -> torch.Tensor:
         """Embed and run every block: final streams ``[B, S, nc, D]`` (MTP input)."""
         h = self.embed(ctx.token_ids)
         h = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        for layer, layer_state in zip(self.layers, state.layers):
-            h = layer(h, ctx, layer_state)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, ctx, cache)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams ``[..., nc, D]`` -> fp32 logits ``[..., vocab]``."""
         y = self.norm(collapse_head(self, h, self.config))
-        return ops.linear(y.float(), self.head.weight)
+        return ops.linear(y, self.head.w, out_dtype=torch.float32)
 
     def forward(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
-                state: GenerationState, qat_sim: bool = False, last_only: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                caches: list[LayerCache], qat_sim: bool = False, last_only: bool = False,
+                context_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``token_ids [B, S]`` at positions ``start [B] + arange(S)`` in ``slots [B]``.
 
-        Updates ``state`` (the caller advances ``state.positions``). Returns fp32 logits
-        ``[B, S, vocab]`` (``[B, 1, vocab]`` with ``last_only``) and the final streams.
+        ``caches`` is the per-layer state (``GenerationState.layers``), updated in place (the caller
+        advances positions). ``context_bound`` is a host-known bound on the positions + 1 of this
+        forward (default: the state's full length). Returns fp32 logits ``[B, S, vocab]``
+        (``[B, 1, vocab]`` with ``last_only``) and the final streams.
         """
-        ctx = self.context(token_ids, slots, start, qat_sim)
-        h = self.hidden_streams(ctx, state)
+        if context_bound is None:
+            context_bound = max_context_of(caches, self.config)
+        ctx = self.context(token_ids, slots, start, qat_sim, context_bound)
+        h = self.hidden_streams(ctx, caches)
         return self.logits(h[:, -1:] if last_only else h), h
+
+
+def max_context_of(caches: list[LayerCache], config: ModelConfig) -> int:
+    """The longest context the state holds (from its entry stores; the window when none)."""
+    for cache in caches:
+        if cache.compressor is not None:
+            return cache.compressor.max_entries * cache.compressor.ratio
+    return 1 << 62

@@ -1,153 +1,179 @@
 """The one dispatch point for every hot operation (DESIGN decision 1).
 
-The model calls ``dsv4.ops.<op>(...)`` and never knows which implementation runs. Each op picks
-an implementation from the tensors' device (and, for ``linear``, the weight's format type):
-a registered fast kernel for that device when there is one, else the plain-torch reference in
-:mod:`dsv4.ops.reference`. Kernels register themselves with :func:`register`; a kernel that
-cannot handle its inputs must raise, never fall back silently to different numerics.
+The model calls ``dsv4.ops.<op>(...)`` and never knows which implementation runs. Each call picks
+an implementation by ``(op, device type, weight format)``: a kernel registered for exactly that
+key, else the plain-torch reference in :mod:`dsv4.ops.reference` (the executable spec every kernel
+is tested against). The format is the type of the weight the op consumes (``torch.Tensor`` for
+plain BF16/FP32 weights, ``Fp8BlockWeight``, ``Mxfp4Weight``, ``Nvfp4Weight``); ops without a
+weight have format ``None``. A kernel registered for one format is never handed another. A kernel
+that cannot handle its inputs must raise, never fall back silently to different numerics.
+
+``with ops.reference_only():`` runs everything on the reference (benchmarks, debugging).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import threading
+from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
-from . import reference
+from . import numerics, reference
 
-_KERNELS: dict[tuple[str, str], Callable] = {}
+_KERNELS: dict[tuple[str, str, type | None], Callable] = {}
+_LOCAL = threading.local()
+
+#: ops whose implementation also depends on the weight format (keyed by the weight's type)
+FORMAT_OPS = ("linear", "grouped_linear", "moe")
 
 
-def register(op: str, device_type: str) -> Callable[[Callable], Callable]:
-    """Decorator: make ``fn`` the implementation of ``op`` for tensors on ``device_type``."""
+def register(op: str, device_type: str, fmt: type | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: make ``fn`` the implementation of ``op`` on ``device_type`` for weights of type
+    ``fmt`` (required for the ops in :data:`FORMAT_OPS`, ``None`` for the others)."""
+    if not hasattr(reference, op):
+        raise ValueError(f"register: unknown op {op!r}")
+    if (op in FORMAT_OPS) != (fmt is not None):
+        raise ValueError(f"register: op {op!r} " + ("needs a weight format" if op in FORMAT_OPS else
+                                                     "takes no weight format"))
+
     def wrap(fn: Callable) -> Callable:
-        _KERNELS[(op, device_type)] = fn
+        _KERNELS[(op, device_type, fmt)] = fn
         return fn
     return wrap
 
 
-def _pick(op: str, x: torch.Tensor) -> Callable:
-    return _KERNELS.get((op, x.device.type)) or getattr(reference, op)
+def unregister(op: str, device_type: str, fmt: type | None = None) -> None:
+    """Remove a registered kernel (tests)."""
+    _KERNELS.pop((op, device_type, fmt), None)
 
 
-def linear(x: torch.Tensor, weight: object) -> torch.Tensor:
-    """``x [..., K] @ weight.T -> [..., N]`` for a plain tensor or a quantized weight object.
-
-    A plain tensor is used in ``x``'s dtype. Quantized weights (``dsv4.weights.formats``) are
-    consumed in their packed form by the format's matmul, never expanded whole.
-    """
-    if isinstance(weight, torch.Tensor):
-        if weight.dtype != x.dtype:
-            weight = weight.to(x.dtype)
-        return F.linear(x, weight)
-    fn = _KERNELS.get(("linear", x.device.type))
-    if fn is not None:
-        return fn(x, weight)
-    from .quant_reference import quant_linear  # packed formats: tile-wise reference matmul
-    return quant_linear(x, weight)
+def implementation(op: str, device: torch.device, fmt: type | None = None) -> Callable:
+    """The function that runs ``op`` for tensors on ``device`` and weights of type ``fmt``."""
+    if not getattr(_LOCAL, "reference_only", False):
+        fn = _KERNELS.get((op, device.type, fmt))
+        if fn is not None:
+            return fn
+    return getattr(reference, op)
 
 
+@contextlib.contextmanager
+def reference_only() -> Iterator[None]:
+    """Within the block (this thread), every op runs its reference implementation."""
+    old = getattr(_LOCAL, "reference_only", False)
+    _LOCAL.reference_only = True
+    try:
+        yield
+    finally:
+        _LOCAL.reference_only = old
+
+
+def _fmt(w: object) -> type:
+    return torch.Tensor if isinstance(w, torch.Tensor) else type(w)
+
+
+# ----------------------------------------------------------------------------- weight ops
+def linear(x: torch.Tensor, w: object, act_quant: bool = False, pow2: bool = True,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [..., K] @ w.T -> [..., N]``; see :func:`reference.linear`."""
+    return implementation("linear", x.device, _fmt(w))(x, w, act_quant, pow2, out_dtype)
+
+
+def grouped_linear(x: torch.Tensor, w: object, groups: int) -> torch.Tensor:
+    """Grouped output projection ``[..., G, K] -> [..., G, r]``; see :func:`reference.grouped_linear`."""
+    return implementation("grouped_linear", x.device, _fmt(w))(x, w, groups)
+
+
+def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: object, w3: object,
+        w2: object, limit: float, act_quant: bool = False, pow2: bool = True) -> torch.Tensor:
+    """Routed experts over stacked weights; see :func:`reference.moe`."""
+    return implementation("moe", x.device, _fmt(w1))(x, topk_ids, topk_weights, w1, w3, w2, limit,
+                                                     act_quant, pow2)
+
+
+# ----------------------------------------------------------------------------- other ops
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _pick("rms_norm", x)(x, weight, eps)
+    return implementation("rms_norm", x.device)(x, weight, eps)
 
 
 def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return _pick("rms_norm_unweighted", x)(x, eps)
+    return implementation("rms_norm_unweighted", x.device)(x, eps)
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: object | None = None) -> torch.Tensor:
+    return reference.rope_inv_freq(rope_dim, theta, yarn)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return implementation("rope_cos_sin", positions.device)(positions, inv_freq)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    return _pick("apply_rope", x)(x, cos, sin, inverse)
+    return implementation("apply_rope", x.device)(x, cos, sin, inverse)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    return _pick("hadamard", x)(x)
+    return implementation("hadamard", x.device)(x)
 
 
-def fp8_sim(x: torch.Tensor, block: int = 64, pow2_scale: bool = True) -> torch.Tensor:
-    return _pick("fp8_sim", x)(x, block, pow2_scale)
+def fp8_sim(x: torch.Tensor, block: int = 64, pow2: bool = True) -> torch.Tensor:
+    return implementation("fp8_sim", x.device)(x, block, pow2)
 
 
 def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    return _pick("fp4_sim", x)(x, block)
+    return implementation("fp4_sim", x.device)(x, block)
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
             norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _pick("mhc_pre", h)(h, fn, base, scale, iters, norm_eps, hc_eps)
+    return implementation("mhc_pre", h.device)(h, fn, base, scale, iters, norm_eps, hc_eps)
 
 
 def mhc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    return _pick("mhc_post", h)(out, h, post, comb)
+    return implementation("mhc_post", h.device)(out, h, post, comb)
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
             hc_eps: float) -> torch.Tensor:
-    return _pick("hc_head", h)(h, fn, base, scale, norm_eps, hc_eps)
+    return implementation("hc_head", h.device)(h, fn, base, scale, norm_eps, hc_eps)
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    return _pick("sparse_attention", q)(q, kv, valid, sink, scale)
+def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
+                     start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
+                     comp: object | None = None, comp_idx: torch.Tensor | None = None,
+                     comp_len: torch.Tensor | None = None, comp_bound: int = 0) -> torch.Tensor:
+    return implementation("sparse_attention", q.device)(q, kv_new, ring, slots, start, window, sink, scale,
+                                                        comp, comp_idx, comp_len, comp_bound)
 
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None = None,
                      prev_gate: torch.Tensor | None = None) -> torch.Tensor:
-    return _pick("compress_windows", kv)(kv, gate, prev_kv, prev_gate)
+    return implementation("compress_windows", kv.device)(kv, gate, prev_kv, prev_gate)
 
 
-def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return _pick("indexer_scores", q)(q, keys, weights)
+def indexer_scores(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
+                   bound: int) -> torch.Tensor:
+    return implementation("indexer_scores", q.device)(q, keys, slots, weights, bound)
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    return implementation("topk_indices", scores.device)(scores, k)
 
 
 def router_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
-    return _pick("router_scores", logits)(logits, func)
+    return implementation("router_scores", logits.device)(logits, func)
 
 
 def route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
           fixed_ids: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    return _pick("route", scores)(scores, k, bias, fixed_ids, scale)
+    return implementation("route", scores.device)(scores, k, bias, fixed_ids, scale)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return _pick("swiglu", gate)(gate, up, limit)
+    return implementation("swiglu", gate.device)(gate, up, limit)
 
 
-def grouped_linear(x: torch.Tensor, weight: object, groups: int) -> torch.Tensor:
-    """Block-diagonal projection: group ``g`` of ``x [..., G, K]`` times rows ``g*r:(g+1)*r`` of
-    ``weight [G*r, K]`` (the grouped output projection ``wo_a``). Returns ``[..., G, r]``."""
-    if isinstance(weight, torch.Tensor):
-        w = weight.to(x.dtype).unflatten(0, (groups, -1))  # [G, r, K]
-        return torch.einsum("...gk,grk->...gr", x, w)
-    fn = _KERNELS.get(("grouped_linear", x.device.type))
-    if fn is not None:
-        return fn(x, weight, groups)
-    rows = weight.shape[-2] // groups
-    outs = [F.linear(x[..., g, :], weight.dequantize_rows(g * rows, (g + 1) * rows, x.dtype))
-            for g in range(groups)]
-    return torch.stack(outs, dim=-2)
-
-
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float
-                ) -> torch.Tensor:
-    """Routed experts: ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``.
-
-    ``x [T, D]``, ``weights [T, k]`` fp32, ``ids [T, k]``; ``experts[e]`` has ``w1, w2, w3`` weights.
-    Expert math in fp32 (``g = x w1^T``, ``u = x w3^T``, clamped SwiGLU, ``w2``).
-    The reference runs every expert over every token with a dense per-expert weight (zero where
-    not selected): no host read of the routing, so the step stays graph-capturable; fast kernels
-    gather only the selected tokens.
-    """
-    fn = _KERNELS.get(("moe_experts", x.device.type))
-    if fn is not None:
-        return fn(x, weights, ids, experts, limit)
-    dense = torch.zeros(x.shape[0], len(experts), dtype=torch.float32, device=x.device)
-    dense.scatter_add_(1, ids, weights.float())
-    xf = x.float()
-    out = torch.zeros_like(xf)
-    for e, expert in enumerate(experts):
-        h = reference.swiglu(linear(xf, expert.w1.weight), linear(xf, expert.w3.weight), limit)
-        weight = dense[:, e:e + 1]
-        # where, not a plain product: an unselected expert's inf/NaN must not reach the token (0 * inf)
-        out += torch.where(weight != 0, weight * linear(h, expert.w2.weight), 0.0)
-    return out.to(x.dtype)
+__all__ = ["register", "unregister", "implementation", "reference_only", "numerics", "reference", "FORMAT_OPS",
+           "linear", "grouped_linear", "moe", "rms_norm", "rms_norm_unweighted", "rope_inv_freq", "rope_cos_sin",
+           "apply_rope", "hadamard", "fp8_sim", "fp4_sim", "mhc_pre", "mhc_post", "hc_head", "sparse_attention",
+           "compress_windows", "indexer_scores", "topk_indices", "router_scores", "route", "swiglu"]

@@ -17,8 +17,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-FP8_E4M3_MAX = 448.0
-E2M1_MAX = 6.0
+from . import numerics
+from .numerics import act_quant_sim, fp4_sim, fp8_sim  # noqa: F401  (part of the reference API)
+
 
 
 # ----------------------------------------------------------------------------- norms
@@ -85,10 +86,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 @lru_cache(maxsize=8)
 def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float32)
+    # built on the device itself (no host->device copy), once per (n, device)
+    h = torch.ones(1, 1, dtype=torch.float32, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * n ** -0.5).to(device)
+    return h * n ** -0.5
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -97,52 +99,6 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"hadamard: last dim {n} is not a power of two")
     return (x.float() @ _hadamard_matrix(n, x.device)).to(x.dtype)
-
-
-# ----------------------------------------------------------------------------- QAT simulation
-def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.ceil(torch.log2(x)))
-
-
-def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
-    """``x [..., n]`` as fp32 blocks ``[..., ceil(n / block), block]``; a ragged last block is zero-padded
-    (zeros never change a block's amax)."""
-    n = x.shape[-1]
-    pad = -n % block
-    xf = F.pad(x.float(), (0, pad)) if pad else x.float()
-    return xf.unflatten(-1, (xf.shape[-1] // block, block)), n
-
-
-def fp8_sim(x: torch.Tensor, block: int = 64, pow2_scale: bool = True) -> torch.Tensor:
-    """Round ``x [..., n]`` through FP8 e4m3 with one scale per ``block`` values of the last dim.
-
-    (A ragged last block, as in tiny test geometries, gets its own scale.)
-
-    scale = amax / 448 (a power of two rounded up when ``pow2_scale``, as with ue8m0 scales);
-    returns the dequantized values in ``x.dtype``. This is the QAT simulation of the KV cache.
-    """
-    xb, n = _blocks(x, block)
-    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    scale = amax / FP8_E4M3_MAX
-    if pow2_scale:
-        scale = _pow2_ceil(scale)
-    q = (xb / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return (q * scale).flatten(-2)[..., :n].to(x.dtype)
-
-
-def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values (already scaled into [-6, 6]) to the nearest e2m1 value, ties to the even code,
-    saturating at +-6 (the same rounding the FP4 weight quantizer uses)."""
-    from ..weights.formats import round_to_e2m1
-    return round_to_e2m1(x)
-
-
-def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """Round ``x [..., n]`` through FP4 e2m1 with one power-of-two scale per ``block`` values."""
-    xb, n = _blocks(x, block)
-    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    scale = _pow2_ceil(amax / E2M1_MAX)
-    return (round_e2m1(xb / scale) * scale).flatten(-2)[..., :n].to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- mHC
@@ -184,11 +140,12 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
 def mhc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """mHC post: ``h_next[k] = post_k * out + sum_j comb[j, k] * h[j]``.
 
-    ``out [..., D]``, ``h [..., nc, D]``, ``post [..., nc]``, ``comb [..., nc, nc]``; result ``h.dtype``.
-    Mixing happens in the activation dtype, as in the reference.
+    ``out [..., D]``, ``h [..., nc, D]``, ``post [..., nc]`` fp32, ``comb [..., nc, nc]`` fp32. The
+    mixing weights stay fp32 and the mix is computed in fp32 (as DeepSeek's code does), then cast
+    to ``h.dtype``.
     """
-    dt = h.dtype
-    return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ h
+    mixed = post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + comb.float().transpose(-1, -2) @ h.float()
+    return mixed.to(h.dtype)
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -201,53 +158,174 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
 
 
-# ----------------------------------------------------------------------------- attention
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Multi-query attention with a per-query key mask and a per-head sink.
+# ----------------------------------------------------------------------------- matmuls
+def _dense(w: object, dtype: torch.dtype) -> torch.Tensor:
+    """A plain tensor cast to ``dtype``, or a packed weight dequantized to ``dtype`` (fp32 math)."""
+    return w.to(dtype) if isinstance(w, torch.Tensor) else w.dequantize(dtype)
 
-    ``q [B, S, H, hd]``; ``kv [B, K, hd]`` is both key and value (one shared head, K=V);
-    ``valid [B, S, K]`` bool says which keys each query sees (sliding window, visible compressed
-    entries, the indexer's top-k); ``sink [H]`` is an extra logit in the softmax denominator with a
-    zero value vector. Logits and softmax in fp32, scale ``scale``. A query with no valid key gets
-    zeros. Returns ``[B, S, H, hd]`` in ``q.dtype``.
+
+def _is_quantized(w: object) -> bool:
+    """FP8-block / MXFP4 / NVFP4 weights (the ones DeepSeek's code multiplies on the FP8 grid)."""
+    return not isinstance(w, torch.Tensor) and w.dtype_name not in ("bf16", "fp16", "fp32", "fp64")
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _mm_out_dtype_works(device: torch.device) -> bool:
+    """Whether ``torch.mm(..., out_dtype=float32)`` (half operands, fp32 accumulate and output)
+    runs on this device type; probed once per device type, on tiny tensors."""
+    if device.type not in _MM_OUT_DTYPE:
+        try:
+            a = torch.zeros(2, 2, dtype=torch.bfloat16, device=device)
+            torch.mm(a, a, out_dtype=torch.float32)
+            _MM_OUT_DTYPE[device.type] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[device.type] = False
+    return _MM_OUT_DTYPE[device.type]
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [..., K] @ w [N, K].T`` with operands in ``x.dtype`` and fp32 accumulation.
+
+    ``out_dtype`` (default ``x.dtype``) is the result dtype; an fp32 result from half operands
+    is exact products summed in fp32 (``torch.mm(out_dtype=)`` where the device has it, else the
+    operands are upcast, which computes the same thing).
     """
-    logits = torch.einsum("bshd,bkd->bshk", q.float(), kv.float()) * scale
-    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    sinks = sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
-    probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("bshk,bkd->bshd", probs, kv.float()).to(q.dtype)
+    out_dtype = out_dtype or x.dtype
+    w = w.to(x.dtype)
+    if out_dtype == x.dtype:
+        return F.linear(x, w)
+    if out_dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype_works(x.device):
+        y = torch.mm(x.reshape(-1, x.shape[-1]), w.T, out_dtype=torch.float32)
+        return y.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x.to(out_dtype), w.to(out_dtype))
 
 
-def compress_windows(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None = None,
-                     prev_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Pool one window of compressor rows into one entry (before norm/RoPE), fp32.
+def linear(x: torch.Tensor, w: object, act_quant: bool = False, pow2: bool = True,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [..., K] @ W.T -> [..., N]`` for a plain weight or a packed one, fp32 accumulation.
 
-    Without overlap (HCA): ``kv, gate [..., m, hd]``; entry = ``sum softmax_m(gate) * kv``.
-    With overlap (CSA): ``kv, gate [..., m, 2*hd]`` and the previous window's ``a`` halves
-    ``prev_kv, prev_gate [..., m, hd]``; the softmax runs over the ``2m`` slots
-    ``[prev a halves, this window's b halves]`` (a ``-inf`` prev gate gives those slots weight 0).
-    ``gate`` already includes the positional bias ``ape``.
+    ``w`` is a tensor ``[N, K]`` (BF16 checkpoints and the precision floor) or a packed weight
+    (``Fp8BlockWeight``, ``Mxfp4Weight``, ``Nvfp4Weight``), dequantized to the activation dtype
+    (never expanded at load time). With ``act_quant`` (the QAT simulation, DSV4_FACTS 2b) the input
+    of an FP8/FP4 weight is first rounded to e4m3 per 1x128 block (power-of-two scales when
+    ``pow2``): W8A8 / W4A8 numerics. Plain weights never quantize their input. The result is
+    ``out_dtype`` (default ``x.dtype``).
     """
-    kv, gate = kv.float(), gate.float()
-    if prev_kv is not None:
-        hd = prev_kv.shape[-1]
-        kv = torch.cat([prev_kv.float(), kv[..., hd:]], dim=-2)
-        gate = torch.cat([prev_gate.float(), gate[..., hd:]], dim=-2)
-    return (torch.softmax(gate, dim=-2) * kv).sum(-2)
+    if x.shape[-1] != w.shape[-1] or len(w.shape) != 2:
+        name = getattr(w, "name", None)
+        raise ValueError(f"linear: x has shape {tuple(x.shape)} but weight{' ' + name if name else ''} has "
+                         f"shape {tuple(w.shape)} (needs [N, {x.shape[-1]}])")
+    if act_quant and _is_quantized(w):
+        x = act_quant_sim(x, 128, pow2)
+    return matmul(x, _dense(w, x.dtype), out_dtype)
 
 
-def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Lightning-indexer scores ``sum_h w[b, s, h] * relu(q[b, s, h] . keys[b, c])``, fp32.
+def grouped_linear(x: torch.Tensor, w: object, groups: int) -> torch.Tensor:
+    """Block-diagonal projection (the grouped output projection ``wo_a``): group ``g`` of
+    ``x [..., G, K]`` times rows ``g*r:(g+1)*r`` of ``w [G*r, K]`` -> ``[..., G, r]`` in ``x.dtype``.
 
-    ``q [B, S, nI, d]``, ``keys [B, C, d]``, ``weights [B, S, nI]`` (already scaled by
-    ``d**-0.5 * nI**-0.5``). Returns ``[B, S, C]``.
+    No activation quantization: DeepSeek's code dequantizes ``wo_a`` to BF16 and runs a BF16 einsum.
     """
-    dots = torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu()
-    return (dots * weights.float().unsqueeze(-1)).sum(2)
+    wg = _dense(w, x.dtype).unflatten(0, (groups, -1))  # [G, r, K]
+    return torch.einsum("...gk,grk->...gr", x, wg)
 
 
 # ----------------------------------------------------------------------------- MoE
+#: routed (token, expert) pairs up to which the MoE reference gathers each pair's expert weights
+#: (no host sync: decode, graph capture); above it, tokens are grouped by expert (prefill).
+MOE_GATHER_PAIRS = 256
+#: bytes of dequantized expert weights the gather path holds at once
+MOE_GATHER_BYTES = 256 << 20
+
+
+def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: object, w3: object,
+        w2: object, limit: float, act_quant: bool = False, pow2: bool = True) -> torch.Tensor:
+    """Routed experts: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``.
+
+    ``x [T, D]``; ``topk_ids [T, k]`` int64 (``-1`` = no expert, e.g. another rank's); ``topk_weights
+    [T, k]`` fp32; ``w1``, ``w3`` ``[E, I, D]`` and ``w2`` ``[E, D, I]``: stacked plain tensors or
+    stacked packed weights. Expert: ``g = x w1^T``, ``u = x w3^T`` (fp32 accumulation and result),
+    ``h = silu(min(g, L)) * clamp(u, -L, L) * weight`` cast to ``x.dtype`` (the routing weight goes in
+    before ``w2``'s input is rounded), ``y = h w2^T``. With ``act_quant`` the inputs of FP8/FP4 experts are rounded
+    to e4m3 per 1x128 block first. Returns ``[T, D]`` in ``x.dtype``.
+
+    Only the selected experts are touched. Up to :data:`MOE_GATHER_PAIRS` pairs (and whenever a
+    CUDA graph is being captured) each pair's expert weights are gathered by index on the device:
+    no host read, fixed shapes. Above it (prefill) tokens are grouped by expert, which reads the
+    per-expert counts on the host once.
+    """
+    T, k = topk_ids.shape
+    pairs = T * k
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    expert = _expert_fn(w1, w3, w2, limit, act_quant, pow2, x.dtype)
+    ids = topk_ids.reshape(-1)
+    tok = torch.arange(T, device=x.device).repeat_interleave(k)
+    route_w = topk_weights.reshape(-1, 1).float()
+    y = torch.zeros(pairs, x.shape[1], dtype=torch.float32, device=x.device)
+    if pairs <= MOE_GATHER_PAIRS or capturing:
+        per_pair = _expert_bytes(w1, w3, w2, x.dtype)
+        chunk = max(1, min(pairs, MOE_GATHER_BYTES // max(per_pair, 1)))
+        for lo in range(0, pairs, chunk):
+            hi = min(lo + chunk, pairs)
+            sel = ids[lo:hi]
+            y[lo:hi] = expert(x[tok[lo:hi]], sel.clamp(min=0), route_w[lo:hi])
+    else:
+        order = torch.argsort(ids, stable=True)
+        counts = torch.bincount(ids + 1)[1:].tolist()   # per expert; host read, prefill only
+        offset = int((ids < 0).sum())                    # ids of -1 sort first
+        for e, n in enumerate(counts):
+            if n:
+                rows = order[offset:offset + n]
+                sel = torch.full((1,), e, dtype=torch.int64, device=x.device)
+                y[rows] = expert(x[tok[rows]].unsqueeze(0), sel, route_w[rows].unsqueeze(0)).squeeze(0)
+                offset += n
+    y = torch.where((ids >= 0).unsqueeze(-1), y, 0.0)
+    return y.view(T, k, -1).sum(1).to(x.dtype)
+
+
+def _expert_bytes(w1: object, w3: object, w2: object, dtype: torch.dtype) -> int:
+    """Bytes of one expert's three matrices dequantized to ``dtype``."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(w.shape[-1] * w.shape[-2] for w in (w1, w3, w2)) * size
+
+
+def _select(w: object, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Experts ``ids`` of a stacked weight as ``dtype`` ``[n, N, K]`` (only those bytes are read)."""
+    if isinstance(w, torch.Tensor):
+        return w.index_select(0, ids).to(dtype)
+    return w.select_experts(ids).dequantize(dtype)
+
+
+def _expert_fn(w1: object, w3: object, w2: object, limit: float, act_quant: bool, pow2: bool,
+               dtype: torch.dtype):
+    """``f(x [n, m, D] or [n, D], ids [n], route_w [n, m, 1] or [n, 1]) -> fp32 outputs`` of expert
+    ``ids[i]`` on row group ``i`` (``m`` rows share an expert in the grouped path)."""
+    def quant(w: object, v: torch.Tensor) -> torch.Tensor:
+        return act_quant_sim(v, 128, pow2) if act_quant and _is_quantized(w) else v
+
+    def run(xs: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
+        squeeze = xs.dim() == 2
+        if squeeze:
+            xs, route_w = xs.unsqueeze(1), route_w.unsqueeze(1)
+        W1, W3, W2 = (_select(w, ids, dtype) for w in (w1, w3, w2))  # [n, I, D], [n, I, D], [n, D, I]
+        g = _bmm_f32(quant(w1, xs), W1)
+        u = _bmm_f32(quant(w3, xs), W3)
+        h = (swiglu(g, u, limit) * route_w).to(dtype)   # the routing weight goes in before w2's rounding
+        y = _bmm_f32(quant(w2, h), W2)
+        return y.squeeze(1) if squeeze else y
+    return run
+
+
+def _bmm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [n, m, K] @ w[n].T -> [n, m, N]`` fp32, operands in ``x.dtype`` (exact products)."""
+    w = w.to(x.dtype)
+    if x.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype_works(x.device):
+        return torch.bmm(x, w.transpose(1, 2), out_dtype=torch.float32)
+    return torch.bmm(x.float(), w.float().transpose(1, 2))
+
+
 def router_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
     """Expert affinities from router logits (fp32): sqrt(softplus), sigmoid or softmax."""
     logits = logits.float()
@@ -284,3 +362,133 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         gate = gate.clamp(max=limit)
         up = up.clamp(-limit, limit)
     return F.silu(gate) * up
+
+
+# ----------------------------------------------------------------------------- attention
+#: elements of gathered compressed entries the attention reference holds at once (query chunks)
+ATTENTION_GATHER_ELEMENTS = 1 << 24
+
+
+def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
+                     start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
+                     comp: object | None = None, comp_idx: torch.Tensor | None = None,
+                     comp_len: torch.Tensor | None = None, comp_bound: int = 0) -> torch.Tensor:
+    """Multi-query attention over the sliding window and the compressed entries, with a sink.
+
+    ``q [B, S, H, hd]`` at positions ``start[b] + s``; ``kv_new [B, S, hd]`` this forward's K=V rows
+    (already rounded like the cache stores them); ``ring`` the slots' stored window rows (a
+    ``dsv4.model.cache.RowStore`` ``[slots, window, hd]``, row ``pos % window``, read-only here:
+    the caller stores ``kv_new`` after this call). Query ``t`` sees positions ``t - window + 1 .. t``.
+
+    Compressed entries (CSA/HCA layers) come from ``comp`` (a ``RowStore`` ``[slots, n, hd]``),
+    addressed either by ``comp_idx [B, S, k]`` (CSA: the indexer's picks, ``-1`` = none) or, dense,
+    by ``comp_len [B, S]`` (HCA: entries ``0 .. comp_len - 1``, ``comp_bound`` a host-known bound
+    on ``comp_len``). Work per query is O(window + k) (CSA) or O(comp_bound) (HCA).
+
+    Logits and softmax in fp32, scale ``scale``, plus the per-head sink logit ``sink [H]`` with a
+    zero value. Returns ``[B, S, H, hd]`` in ``q.dtype``.
+    """
+    B, S, H, hd = q.shape
+    dev = q.device
+    ring_rows = ring.read(slots.unsqueeze(1), torch.arange(window, device=dev).unsqueeze(0))  # [B, W, hd]
+    keys = torch.cat([ring_rows.float(), kv_new.float()], dim=1)                               # [B, W+S, hd]
+    valid = _window_mask(start, S, window)                                                       # [B, S, W+S]
+    dense = None
+    if comp is not None and comp_idx is None:
+        rows = torch.arange(comp_bound, device=dev)
+        dense = comp.read(slots.unsqueeze(1), rows.unsqueeze(0)).float()                         # [B, n, hd]
+        dense_ok = rows < comp_len.unsqueeze(-1)                                                 # [B, S, n]
+    k = comp_idx.shape[-1] if comp_idx is not None else 1
+    step = max(1, ATTENTION_GATHER_ELEMENTS // max(1, B * k * hd))
+    outs = []
+    for lo in range(0, S, step):
+        hi = min(S, lo + step)
+        qc = q[:, lo:hi].float()
+        logits = [torch.einsum("bshd,bkd->bshk", qc, keys) * scale]
+        masks = [valid[:, lo:hi]]
+        values = []
+        if comp_idx is not None:
+            idx = comp_idx[:, lo:hi]
+            ent = comp.read(slots.view(B, 1, 1), idx.clamp(min=0)).float()                     # [B, s, k, hd]
+            logits.append(torch.einsum("bshd,bskd->bshk", qc, ent) * scale)
+            masks.append(idx >= 0)
+            values.append(ent)
+        elif dense is not None:
+            logits.append(torch.einsum("bshd,bkd->bshk", qc, dense) * scale)
+            masks.append(dense_ok[:, lo:hi])
+        logit = torch.cat(logits, -1).masked_fill(~torch.cat(masks, -1).unsqueeze(2), float("-inf"))
+        sinks = sink.float().view(1, 1, -1, 1).expand(*logit.shape[:3], 1)
+        probs = torch.softmax(torch.cat([logit, sinks], dim=-1), dim=-1)[..., :-1]
+        nw = keys.shape[1]
+        out = torch.einsum("bshk,bkd->bshd", probs[..., :nw], keys)
+        if values:
+            out = out + torch.einsum("bshk,bskd->bshd", probs[..., nw:], values[0])
+        elif dense is not None:
+            out = out + torch.einsum("bshk,bkd->bshd", probs[..., nw:], dense)
+        outs.append(out)
+    return torch.cat(outs, dim=1).to(q.dtype)
+
+
+def _window_mask(start: torch.Tensor, S: int, window: int) -> torch.Tensor:
+    """Which of ``[ring rows (window), new rows (S)]`` each query sees: ``[B, S, window + S]``.
+
+    Ring row ``r`` holds the newest position ``p < start`` with ``p % window == r`` (if any); a
+    query at ``t`` sees positions in ``(t - window, t]``.
+    """
+    dev = start.device
+    t = start.unsqueeze(1) + torch.arange(S, device=dev)                                 # [B, S]
+    r = torch.arange(window, device=dev)
+    ring_pos = start.unsqueeze(1) - 1 - torch.remainder(start.unsqueeze(1) - 1 - r, window)  # [B, W]
+    ring_ok = (ring_pos >= 0).unsqueeze(1) & (ring_pos.unsqueeze(1) > t.unsqueeze(2) - window)
+    s = torch.arange(S, device=dev)
+    new_ok = (s.view(1, -1) <= s.view(-1, 1)) & (s.view(1, -1) > s.view(-1, 1) - window)  # [S, S]
+    return torch.cat([ring_ok, new_ok.unsqueeze(0).expand(start.shape[0], -1, -1)], dim=2)
+
+
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None = None,
+                     prev_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Pool one window of compressor rows into one entry (before norm/RoPE), fp32.
+
+    Without overlap (HCA): ``kv, gate [..., m, hd]``; entry = ``sum softmax_m(gate) * kv``.
+    With overlap (CSA): ``kv, gate [..., m, 2*hd]`` and the previous window's ``a`` halves
+    ``prev_kv, prev_gate [..., m, hd]``; the softmax runs over the ``2m`` slots
+    ``[prev a halves, this window's b halves]`` (a ``-inf`` prev gate gives those slots weight 0).
+    ``gate`` already includes the positional bias ``ape``.
+    """
+    kv, gate = kv.float(), gate.float()
+    if prev_kv is not None:
+        hd = prev_kv.shape[-1]
+        kv = torch.cat([prev_kv.float(), kv[..., hd:]], dim=-2)
+        gate = torch.cat([prev_gate.float(), gate[..., hd:]], dim=-2)
+    return (torch.softmax(gate, dim=-2) * kv).sum(-2)
+
+
+# ----------------------------------------------------------------------------- indexer
+def indexer_scores(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
+                   bound: int) -> torch.Tensor:
+    """Lightning-indexer scores ``sum_h w[b, s, h] * relu(q[b, s, h] . K[slot_b, c])`` for entries
+    ``c < bound``, fp32.
+
+    ``q [B, S, nI, d]`` (rotated and, under QAT, FP4-rounded), ``keys`` the indexer's key store
+    (``RowStore [slots, n, d]``, packed FP4 under QAT), ``weights [B, S, nI]`` (already scaled by
+    ``d**-0.5 * nI**-0.5``). Returns ``[B, S, bound]``; the caller masks entries not yet visible.
+    """
+    rows = torch.arange(bound, device=q.device)
+    k = keys.read(slots.unsqueeze(1), rows.unsqueeze(0)).float()                  # [B, n, d]
+    dots = torch.einsum("bshd,bcd->bshc", q.float(), k).relu()
+    return (dots * weights.float().unsqueeze(-1)).sum(2)
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest ``scores [..., n]`` (fp32), exact ties broken by the lowest
+    index first, so the pick never depends on the batch or the backend. ``-inf`` sorts last.
+
+    The float's bits are mapped to an order-preserving int32, widened to int64 with the inverted
+    index in the low half, so one integer top-k is exact and deterministic.
+    """
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32)   # + 0.0 turns -0 into +0 (a tie)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)     # monotone in the value
+    idx = torch.arange(n, device=scores.device, dtype=torch.int64)
+    key = (ordered << 32) | (0xFFFFFFFF - idx)
+    return (0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF))

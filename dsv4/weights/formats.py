@@ -27,6 +27,8 @@ from typing import Any, Callable, ClassVar, Self, Sequence
 
 import torch
 
+from ..ops import numerics
+
 __all__ = [
     "WeightFormatError", "QuantWeight", "Bf16Weight", "Fp8BlockWeight", "Mxfp4Weight",
     "Nvfp4Weight", "E2M1_VALUES", "round_to_e2m1", "pack_fp4", "unpack_fp4",
@@ -38,12 +40,9 @@ class WeightFormatError(ValueError):
     """A tensor does not match the declared weight format (message names the tensor)."""
 
 
-FP8_E4M3_MAX = 448.0
-FP4_E2M1_MAX = 6.0
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-)  # code -> value, float32 [16]
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+FP8_E4M3_MAX = numerics.FP8_E4M3_MAX
+FP4_E2M1_MAX = numerics.E2M1_MAX
+E2M1_VALUES = torch.tensor(numerics.E2M1_VALUES)  # code -> value, float32 [16]
 _FP4_PACKED_DTYPES = (torch.uint8, torch.int8) + (
     (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
 )
@@ -54,23 +53,15 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 # ----------------------------------------------------------------------------- bit helpers
+# The grids and their rounding live in dsv4.ops.numerics; these wrappers add the checks a
+# weight-format API owes its callers (dtypes named in errors, off-grid values refused).
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest e2m1 value (ties to the even code), saturating at +-6.
 
     x: any float [...]. Returns float32 [...] on the e2m1 grid, sign kept (-0.1 -> -0.0).
     """
-    return E2M1_VALUES.to(x.device)[_e2m1_codes_rne(x.float()).long()]
-
-
-def _e2m1_codes_rne(x: torch.Tensor) -> torch.Tensor:
-    """float32 [...] -> uint8 codes [...] (round to nearest, ties to even code, saturating)."""
-    mag = x.abs().clamp(max=FP4_E2M1_MAX)
-    mids = _E2M1_MIDPOINTS.to(x.device)
-    lo = torch.bucketize(mag, mids, right=False)  # at a tie: the lower code
-    hi = torch.bucketize(mag, mids, right=True)  # at a tie: the upper code
-    code = torch.where(lo != hi, lo + lo % 2, lo)
-    return (code + torch.signbit(x).long() * 8).to(torch.uint8)
+    return numerics.round_e2m1(x)
 
 
 def pack_fp4(values: torch.Tensor) -> torch.Tensor:
@@ -82,18 +73,16 @@ def pack_fp4(values: torch.Tensor) -> torch.Tensor:
     if values.shape[-1] % 2:
         raise WeightFormatError(f"pack_fp4: last dim must be even, got shape {tuple(values.shape)}")
     v = values.float()
-    codes = _e2m1_codes_rne(v)
-    if not torch.equal(E2M1_VALUES.to(v.device)[codes.long()], v):
+    codes = numerics.e2m1_codes(v)
+    if not torch.equal(numerics.e2m1_decode(codes), v):
         raise WeightFormatError("pack_fp4: values are not on the e2m1 grid (call round_to_e2m1)")
-    codes = codes.view(*v.shape[:-1], v.shape[-1] // 2, 2)
-    return codes[..., 0] | (codes[..., 1] << 4)
+    return numerics.pack_e2m1(codes)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Unpack e2m1 bytes: uint8/int8/float4_e2m1fn_x2 [..., K/2] -> float32 values [..., K]."""
     p = _as_uint8(packed, None, "packed FP4 data", _FP4_PACKED_DTYPES)
-    codes = torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)  # [..., K]
-    return E2M1_VALUES.to(p.device)[codes.long()]
+    return numerics.e2m1_decode(numerics.unpack_e2m1(p))
 
 
 def e8m0_to_float(t: torch.Tensor) -> torch.Tensor:
@@ -101,10 +90,7 @@ def e8m0_to_float(t: torch.Tensor) -> torch.Tensor:
 
     Exact, including e=0 (2^-127, an fp32 subnormal); e=255 gives NaN (constructors reject it).
     """
-    e = _as_uint8(t, None, "e8m0 scale", _E8M0_DTYPES).to(torch.int32)
-    bits = torch.where(e == 0, torch.full_like(e, 0x00400000), e << 23)
-    bits = torch.where(e == 255, torch.full_like(e, 0x7FC00000), bits)
-    return bits.view(torch.float32)
+    return numerics.e8m0_to_float(_as_uint8(t, None, "e8m0 scale", _E8M0_DTYPES))
 
 
 def float_to_e8m0(t: torch.Tensor) -> torch.Tensor:
@@ -260,8 +246,43 @@ class QuantWeight:
         return self._map(lambda t: t.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The whole weight as `dtype` [N, K] or [E, N, K]. For tests and offline tools only."""
+        """The whole weight as `dtype` [N, K] or [E, N, K] (fp32 math, one rounding to `dtype`).
+
+        The reference ops use it per call on the weight they multiply (never at load time); it
+        reads no device value on the host and allocates only the result and its temporaries.
+        """
         return self.dequantize_rows(0, self.out_features, dtype)
+
+    # -- the tensors as module buffers (dsv4.model.common.Linear registers them) --------------
+    #: attribute -> state_dict / on-disk suffix (official and ModelOpt spellings)
+    _disk_names: ClassVar[dict[str, str]] = {}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The owned tensors under their on-disk suffixes (``weight``, ``scale``, ...); None omitted."""
+        return {disk: getattr(self, attr) for attr, disk in self._disk_names.items()
+                if getattr(self, attr) is not None}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> Self:
+        """The same weight over other tensors of the same roles (keys as :meth:`tensors`), not
+        validated: for tensors that were this weight's, moved or sliced by a trusted caller."""
+        out = copy.copy(self)
+        for attr, disk in self._disk_names.items():
+            if disk in tensors:
+                setattr(out, attr, tensors[disk])
+        return out
+
+    def select_experts(self, ids: torch.Tensor) -> Self:
+        """A stacked weight of the experts ``ids`` (int64 [n], on the weight's device), in order:
+        ``index_select`` on every tensor, no host read, no validation (graph-capturable)."""
+        if not self.is_stacked:
+            raise _err(self.name, f"select_experts needs a stacked [E, N, K] weight, shape is {self.shape}")
+        return self._map(lambda t: t.index_select(0, ids))
+
+    def slice_experts(self, start: int, stop: int) -> Self:
+        """Experts ``[start, stop)`` of a stacked weight (views)."""
+        if not self.is_stacked or not 0 <= start < stop <= self.shape[0]:
+            raise _err(self.name, f"slice_experts({start}, {stop}) on shape {self.shape}")
+        return self._map(lambda t: t[start:stop])
 
     def expert(self, e: int) -> Self:
         """The 2-D weight of expert `e` of a stacked weight (views, no copy)."""
@@ -311,6 +332,7 @@ class Bf16Weight(QuantWeight):
     """An unquantized weight: float [N, K] or [E, N, K] (bf16, fp16, fp32 or fp64)."""
 
     _tensors = ("weight",)
+    _disk_names = {"weight": "weight"}
 
     def __init__(self, weight: torch.Tensor, *, name: str | None = None) -> None:
         _require_dtype(weight, _FLOAT_DTYPES, name, "Bf16Weight weight",
@@ -353,6 +375,7 @@ class Fp8BlockWeight(QuantWeight):
 
     _tensors = ("weight", "scale")
     _attrs = ("block",)
+    _disk_names = {"weight": "weight", "scale": "scale"}
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, *, block: int = 128,
                  name: str | None = None) -> None:
@@ -392,6 +415,17 @@ class Fp8BlockWeight(QuantWeight):
         s = e8m0_to_float(s) if self.scale_ue8m0 else s
         w = self.weight[..., start:stop, :].float()  # [..., R, K]
         return (w * _expand_cols(s, self.block, w.shape[-1])).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Whole weight as `dtype`: one broadcast multiply over [.., N/b, b, K/b, b] tiles when the
+        blocks are whole (ragged edges take the row-wise path)."""
+        *lead, n, k = self.shape
+        b = self.block
+        if n % b or k % b:
+            return self.dequantize_rows(0, n, dtype)
+        s = e8m0_to_float(self.scale) if self.scale_ue8m0 else self.scale
+        w = self.weight.float().view(*lead, n // b, b, k // b, b)
+        return (w * s.unsqueeze(-1).unsqueeze(-3)).view(*lead, n, k).to(dtype)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, ue8m0: bool = False, block: int = 128,
@@ -461,6 +495,7 @@ class Mxfp4Weight(_Fp4Weight):
     """
 
     _tensors = ("packed", "scale")
+    _disk_names = {"packed": "weight", "scale": "scale"}
     dtype_name = "mxfp4"
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, *,
@@ -479,6 +514,10 @@ class Mxfp4Weight(_Fp4Weight):
         v = self._values(start, stop)  # [..., R, K]
         s = e8m0_to_float(self.scale[..., start:stop, :])  # [..., R, ceil(K/32)]
         return (v * _expand_cols(s, 32, v.shape[-1])).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Whole weight as `dtype` (packed bytes decoded in fp32, times the e8m0 scale per 32)."""
+        return numerics.fp4_dequantize(self.packed, self.scale, 32, dtype)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, name: str | None = None) -> Self:
@@ -507,6 +546,8 @@ class Nvfp4Weight(_Fp4Weight):
     """
 
     _tensors = ("packed", "block_scale", "global_scale", "input_scale")
+    _disk_names = {"packed": "weight", "block_scale": "weight_scale", "global_scale": "weight_scale_2",
+                   "input_scale": "input_scale"}
     dtype_name = "nvfp4"
 
     def __init__(self, packed: torch.Tensor, block_scale: torch.Tensor,
@@ -551,6 +592,18 @@ class Nvfp4Weight(_Fp4Weight):
         bs = self.block_scale[..., start:stop, :].float()  # [..., R, ceil(K/16)]
         g = self.global_scale.float()[..., None, None]  # [..., 1, 1]
         return (v * _expand_cols(bs, 16, v.shape[-1]) * g).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Whole weight as `dtype`: e2m1 * e4m3 block scale (per 16) * global scale, fp32 math."""
+        *lead, n, kh = self.packed.shape
+        k = 2 * kh
+        v = numerics.e2m1_decode(numerics.unpack_e2m1(self.packed))  # [..., N, K]
+        if k % 16:
+            return self.dequantize_rows(0, n, dtype)
+        bs = self.block_scale.float().unsqueeze(-1)  # [..., N, K/16, 1]
+        g = self.global_scale.float()[..., None, None, None]
+        # (v * bs) * g, the same rounding order as dequantize_rows
+        return (v.view(*lead, n, k // 16, 16) * bs * g).view(*lead, n, k).to(dtype)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, input_scale: torch.Tensor | float | None = None,

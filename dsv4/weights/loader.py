@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..model.transformer import Transformer
-from ..model.moe import MoE
 from .formats import QuantWeight, WeightFormatError
 from .names import HF_FUSED_EXPERTS, hf_to_official, is_hf_name, split_hf_experts
 from .quant_rules import check_quant_rules, read_quant_rules
@@ -288,9 +287,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     skeleton.load_state_dict(collect.plain, strict=False, assign=True)
     for name, weight in collect.packed.items():
         skeleton.get_submodule(name[: -len(".weight")]).set_weight(weight)
-    for module in skeleton.modules():
-        if isinstance(module, MoE):
-            module.stack_experts()
+    skeleton.stack_experts()
     skeleton.init_rope(device)
     report.seconds = time.perf_counter() - t0
     return skeleton.eval(), report
