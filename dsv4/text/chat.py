@@ -17,24 +17,35 @@ well-formed is reported as an error (with the raw text kept), never passed off a
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-LATEST_REMINDER = "<｜latest_reminder｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-TOOL_CALLS_START = f"\n\n<{DSML}tool_calls"  # content ends where this begins
-TOOL_CALLS_CLOSE = f"</{DSML}tool_calls>"
-INVOKE_OPEN = f"<{DSML}invoke"
-INVOKE_CLOSE = f"</{DSML}invoke>"
-PARAM_OPEN = f"<{DSML}parameter"
-PARAM_CLOSE = f"</{DSML}parameter>"
+from dsv4.text.chat_parse import (  # noqa: F401  (re-exported: the parser's public names)
+    ContentDelta,
+    Event,
+    ParsedCompletion,
+    ParseError,
+    ReasoningDelta,
+    StreamingParser,
+    ToolCall,
+    ToolCallEvent,
+    parse_completion,
+)
+from dsv4.text.markup import (  # noqa: F401
+    ASSISTANT,
+    BOS,
+    DSML,
+    EOS,
+    INVOKE_CLOSE,
+    INVOKE_OPEN,
+    LATEST_REMINDER,
+    PARAM_CLOSE,
+    PARAM_OPEN,
+    THINK_END,
+    THINK_START,
+    TOOL_CALLS_CLOSE,
+    USER,
+)
+
 
 # The three prose constants below are our own wording: DSV4_FACTS does not give the official
 # text. They MUST match the official `encoding_dsv4.py` for the released weights to see the
@@ -252,292 +263,3 @@ def encode_messages(
             continue
         i += 1
     return "".join(out)
-
-
-# ----------------------------------------------------------------------------------- parsing
-
-
-@dataclass
-class ToolCall:
-    """One parsed tool call; `arguments_json` is `arguments` re-serialised as JSON."""
-
-    name: str
-    arguments: dict
-    arguments_json: str
-    id: str
-
-
-@dataclass
-class ParsedCompletion:
-    """A parsed completion. `raw` is always the full completion text as given.
-
-    `finish_reason`: "length" if the text ended before EOS (and before a closed tool-call
-    block), else "tool_calls" if any call was parsed, else "stop". `error` is set when markup
-    was malformed; parsing stops there and the rest of the text is left only in `raw`.
-    """
-
-    reasoning: str | None
-    content: str
-    tool_calls: list[ToolCall]
-    finish_reason: str
-    error: str | None
-    raw: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    """More reasoning text (thinking mode, before `</think>`)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ContentDelta:
-    """More answer text."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallEvent:
-    """A complete, well-formed tool call."""
-
-    call: ToolCall
-
-
-@dataclass(frozen=True)
-class ParseError:
-    """Malformed markup; `raw` is the offending text. Nothing after it is parsed."""
-
-    message: str
-    raw: str
-
-
-Event = Union[ReasoningDelta, ContentDelta, ToolCallEvent, ParseError]
-
-_DSML_OPENERS = (f"<{DSML}", f"</{DSML}")
-_STRAY = (BOS, USER, ASSISTANT, LATEST_REMINDER, THINK_START, *_DSML_OPENERS)
-_REASONING_MARKERS = (THINK_END, EOS, TOOL_CALLS_START, *_STRAY)
-_CONTENT_MARKERS = (EOS, TOOL_CALLS_START, THINK_END, *_STRAY)
-_BLOCK_MARKERS = (INVOKE_CLOSE, TOOL_CALLS_CLOSE, EOS)
-_INVOKE_RE = re.compile(rf'\s*{INVOKE_OPEN} name="([^"\n]+)">(.*){INVOKE_CLOSE}', re.S)
-_PARAM_RE = re.compile(rf'\s*{PARAM_OPEN} name="([^"\n]+)" string="(true|false)">(.*?){PARAM_CLOSE}', re.S)
-
-
-class _MarkupError(Exception):
-    """Raised inside the parser; becomes a ParseError event and `ParsedCompletion.error`."""
-
-    def __init__(self, message: str, raw: str) -> None:
-        super().__init__(message)
-        self.message, self.raw = message, raw
-
-
-def _scan(buf: str, markers: tuple[str, ...], final: bool, start: int = 0) -> tuple[int, str | None]:
-    """Find the first marker in `buf` whose match is already certain.
-
-    Returns (pos, marker): the earliest (then longest) complete marker at `pos`, or
-    (pos, None) where `buf[:pos]` is certainly plain text: unless `final`, a tail of `buf`
-    that could still grow into a marker is held back, so any chunking decides alike.
-    """
-    pos, found = len(buf), None
-    for m in markers:
-        p = buf.find(m, start)
-        if p != -1 and (p < pos or (p == pos and len(m) > len(found))):
-            pos, found = p, m
-    if final:
-        return pos, found
-    longest = max(map(len, markers))
-    for s in range(max(0, len(buf) - longest + 1), len(buf)):
-        tail = buf[s:]
-        if any(len(m) > len(tail) and m.startswith(tail) for m in markers):
-            return (pos, found) if found is not None and pos < s else (min(s, pos), None)
-    return pos, found
-
-
-def _parse_invoke(segment: str, call_id: str) -> ToolCall:
-    """Parse `[ws] <invoke name="N"> params </invoke>` into a ToolCall (or raise _MarkupError)."""
-    m = _INVOKE_RE.fullmatch(segment)
-    if m is None:
-        raise _MarkupError(f"malformed {INVOKE_OPEN}> element", segment)
-    name, body = m.group(1), m.group(2)
-    args: dict[str, Any] = {}
-    pos = 0
-    while (p := _PARAM_RE.match(body, pos)) is not None:
-        key, is_string, value = p.groups()
-        if DSML in value:
-            raise _MarkupError(f"tool {name!r}: parameter {key!r} is not closed properly", segment)
-        if key in args:
-            raise _MarkupError(f"tool {name!r}: duplicate parameter {key!r}", segment)
-        try:
-            args[key] = value if is_string == "true" else json.loads(value)
-        except json.JSONDecodeError:
-            raise _MarkupError(f"tool {name!r}: parameter {key!r} is not valid JSON: {value!r}", segment) from None
-        pos = p.end()
-    if body[pos:].strip():
-        raise _MarkupError(f"tool {name!r}: unexpected text in invoke: {body[pos:].strip()[:80]!r}", segment)
-    return ToolCall(name=name, arguments=args, arguments_json=_to_json(args), id=call_id)
-
-
-class StreamingParser:
-    """Incremental completion parser: `feed` text deltas, then `finish`.
-
-    Never emits a prefix of markup (`</think>`, the tool-call block start, EOS, ...) as text:
-    such a suffix is held until it is decided. Events are chunking-independent: any split of
-    the same text gives the same events (up to how deltas are cut) as `parse_completion`.
-
-    Args:
-        thinking: the prompt opened `<think>`, so the completion starts with reasoning.
-        call_id_prefix: tool-call ids are `f"{call_id_prefix}{n}"`, n counting from 0.
-    """
-
-    def __init__(self, thinking: bool, call_id_prefix: str = "call_") -> None:
-        self.thinking = thinking
-        self.call_id_prefix = call_id_prefix
-        self._state = "reasoning" if thinking else "content"
-        self._buf = ""
-        self._scanned = 0  # in the tool-call block: buf[:_scanned] holds no marker start
-        self._opened = False  # the ">" of the tool_calls tag has been read
-        self._raw: list[str] = []
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-        self._calls: list[ToolCall] = []
-        self._error: str | None = None
-        self._block_closed = False
-        self._finished = False
-
-    def feed(self, text: str) -> list[Event]:
-        """Consume a text delta; return the events it completes."""
-        if self._finished:
-            raise RuntimeError("StreamingParser.feed() after finish()")
-        self._raw.append(text)
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        """Declare the end of the completion; flush held text and report unclosed markup."""
-        if self._finished:
-            return []
-        self._finished = True
-        return self._run(final=True)
-
-    def result(self) -> ParsedCompletion:
-        """Everything parsed so far as a ParsedCompletion (call after `finish`)."""
-        raw = "".join(self._raw)
-        complete = EOS in raw or self._block_closed
-        reason = "length" if not complete else "tool_calls" if self._calls else "stop"
-        reasoning = "".join(self._reasoning) if self.thinking else None
-        return ParsedCompletion(reasoning, "".join(self._content), list(self._calls), reason, self._error, raw)
-
-    def _run(self, final: bool) -> list[Event]:
-        """Step the state machine as far as the buffered text allows; collect its events."""
-        events: list[Event] = []
-        try:
-            while self._step(final, events):
-                pass
-        except _MarkupError as exc:
-            self._state, self._buf, self._error = "error", "", exc.message
-            events.append(ParseError(exc.message, exc.raw))
-        return events
-
-    def _step(self, final: bool, events: list[Event]) -> bool:
-        """Advance the state machine once; True if it should be called again."""
-        state = self._state
-        if state in ("reasoning", "content"):
-            return self._step_text(final, events)
-        if state == "tools":
-            return self._step_tools(final, events)
-        if state == "after":
-            return self._step_after(final)
-        if state == "done" and final and self._buf:
-            raise _MarkupError(f"unexpected text after {EOS}", self._buf)
-        elif state == "error":
-            self._buf = ""
-        return False
-
-    def _step_text(self, final: bool, events: list[Event]) -> bool:
-        """Reasoning or content: emit plain text up to the next certain marker, then act on it."""
-        reasoning = self._state == "reasoning"
-        pos, marker = _scan(self._buf, _REASONING_MARKERS if reasoning else _CONTENT_MARKERS, final)
-        if pos:
-            (self._reasoning if reasoning else self._content).append(self._buf[:pos])
-            events.append((ReasoningDelta if reasoning else ContentDelta)(self._buf[:pos]))
-        self._buf = self._buf[pos + len(marker or "") :]
-        if marker is None:
-            return False
-        if reasoning and marker == THINK_END:
-            self._state = "content"
-        elif not reasoning and marker == EOS:
-            self._state = "done"
-        elif not reasoning and marker == TOOL_CALLS_START:
-            self._state, self._scanned = "tools", 0
-        elif marker == EOS:
-            raise _MarkupError(f"{EOS} before {THINK_END}", marker)
-        elif marker == TOOL_CALLS_START or marker in _DSML_OPENERS:
-            where = f"before {THINK_END}" if reasoning else "outside a tool_calls block"
-            raise _MarkupError(f"DSML markup {where}", marker.lstrip("\n"))
-        else:
-            raise _MarkupError(f"unexpected {marker} in {'reasoning' if reasoning else 'content'}", marker)
-        return True
-
-    def _step_after(self, final: bool) -> bool:
-        """After the closed tool-call block only whitespace and EOS may follow."""
-        pos, marker = _scan(self._buf, (EOS,), final)
-        if marker is None and not final:
-            return False
-        if self._buf[:pos].strip():
-            raise _MarkupError(f"unexpected text after {TOOL_CALLS_CLOSE}", self._buf[:pos])
-        if marker is None:
-            self._buf = ""
-            return False
-        self._state, self._buf = "done", self._buf[pos + len(EOS) :]
-        return True
-
-    def _step_tools(self, final: bool, events: list[Event]) -> bool:
-        """Inside the tool-call block: consume one invoke, the closing tag, or fail."""
-        buf = self._buf
-        head = "" if self._opened else f"<{DSML}tool_calls"  # raw markup of errors starts at the tag
-        pos, marker = _scan(buf, _BLOCK_MARKERS, final, self._scanned)
-        if marker is None:
-            self._scanned = max(0, len(buf) - max(map(len, _BLOCK_MARKERS)))
-            if final:
-                what = f"{INVOKE_OPEN}>" if INVOKE_OPEN in buf else f"<{DSML}tool_calls>"
-                raise _MarkupError(f"unclosed {what} at end of text", head + buf)
-            return False
-        end = pos + len(marker)
-        segment, body = buf[:end], buf[:pos]
-        self._buf, self._scanned = buf[end:], 0
-        if not self._opened:
-            if not body.startswith(">"):
-                raise _MarkupError(f"malformed <{DSML}tool_calls> tag", head + segment)
-            self._opened, segment, body = True, segment[1:], body[1:]
-        if marker == INVOKE_CLOSE:
-            call = _parse_invoke(segment, f"{self.call_id_prefix}{len(self._calls)}")
-            self._calls.append(call)
-            events.append(ToolCallEvent(call))
-            return True
-        if INVOKE_OPEN in body:
-            raise _MarkupError(f"unclosed {INVOKE_OPEN}> before {marker}", head + segment)
-        if marker == EOS:
-            raise _MarkupError(f"unclosed <{DSML}tool_calls> block before {EOS}", head + segment)
-        if body.strip():
-            raise _MarkupError(f"unexpected text in <{DSML}tool_calls> block: {body.strip()[:80]!r}", head + segment)
-        if not self._calls:
-            raise _MarkupError(f"empty <{DSML}tool_calls> block", head + segment)
-        self._state, self._block_closed = "after", True
-        return True
-
-
-def parse_completion(text: str, *, thinking: bool, call_id_prefix: str = "call_") -> ParsedCompletion:
-    """Parse a whole completion (decoded with special tokens kept) into reasoning/content/calls.
-
-    Args:
-        text: what the model generated after the prompt, EOS string included if it stopped.
-        thinking: the prompt opened `<think>` (reasoning runs up to `</think>`).
-        call_id_prefix: tool-call ids are `f"{call_id_prefix}{n}"`.
-    Returns:
-        A ParsedCompletion; malformed markup sets `error` instead of raising.
-    """
-    parser = StreamingParser(thinking, call_id_prefix)
-    parser.feed(text)
-    parser.finish()
-    return parser.result()
