@@ -412,7 +412,8 @@ class StreamingParser:
             try:
                 self._args[key] = json.loads(value, parse_constant=_reject_constant)
             except ValueError:
-                raise self._fail(f"tool {self._name!r}: parameter {key!r} is not valid JSON: {value[:80]!r}", end) from None
+                message = f"tool {self._name!r}: parameter {key!r} is not valid JSON: {value[:80]!r}"
+                raise self._fail(message, end) from None
         self._take(end)
         self._state = "invoke"
         return True
