@@ -1,7 +1,7 @@
 """Text side of dsv4: tokenizer loading, streaming detokenization and the DSV4 chat encoding."""
 
-from dsv4.text.chat import (
-    ChatFormatError,
+from dsv4.text.chat import ChatFormatError, encode_messages
+from dsv4.text.chat_parse import (
     ContentDelta,
     Event,
     ParseError,
@@ -10,7 +10,6 @@ from dsv4.text.chat import (
     StreamingParser,
     ToolCall,
     ToolCallEvent,
-    encode_messages,
     parse_completion,
 )
 from dsv4.text.tiny_tokenizer import build_tiny_tokenizer, write_tiny_tokenizer

@@ -1,178 +1,86 @@
-"""DeepSeek-V4 chat encoding and completion parsing (DSV4_FACTS section 6).
+"""DeepSeek-V4 chat encoding: OpenAI-style messages -> the prompt the model was trained on.
 
-The checkpoint ships no chat template; its official `encoding_dsv4.py` defines the prompt
-format, restated in DSV4_FACTS section 6 and implemented here from those rules:
+The checkpoint ships no chat template; DeepSeek's `encoding_dsv4.py` defines the format. DSV4_FACTS
+section 6 restates its rules and 6b gives its prose verbatim; this module implements both:
 
-    prompt    = BOS [max-effort preamble] messages [<｜Assistant｜> (<think> | </think>)]
-    system    = raw text [+ "\\n\\n## Tools ..."] [+ "\\n\\n## Response Format ..."]
-    user turn = <｜User｜> + blocks joined by "\\n\\n" (user text, <tool_result>...</tool_result>)
-    assistant = [reasoning + </think>] + content + [DSML tool calls] + EOS
+    prompt    = BOS [REASONING_EFFORT_MAX] turn*
+    system    = content [tools section] [response-format section]  (each section after "\n\n")
+    developer = <｜User｜> content [tools section] [response-format section]
+    user turn = <｜User｜> blocks joined by "\n\n"  (a run of user texts and <tool_result>s)
+    reminder  = <｜latest_reminder｜> content
+    assistant = [reasoning </think>] content [DSML tool calls] EOS
 
-A completion (what the model writes after the prompt) is parsed back by `parse_completion`,
-or incrementally by `StreamingParser`; both run the same state machine, so a stream fed in any
-chunking yields exactly what the whole-text parse yields. Parsing is strict: markup that is not
-well-formed is reported as an error (with the raw text kept), never passed off as content.
+and after a user or developer turn that ends the conversation or is followed by an assistant or
+latest_reminder turn, the transition `<｜Assistant｜>` + (`<think>` | `</think>`).
+
+Parsing the model's answer back lives in `dsv4.text.chat_parse`; its names are re-exported here.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-LATEST_REMINDER = "<｜latest_reminder｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-TOOL_CALLS_START = f"\n\n<{DSML}tool_calls"  # content ends where this begins
-TOOL_CALLS_CLOSE = f"</{DSML}tool_calls>"
-INVOKE_OPEN = f"<{DSML}invoke"
-INVOKE_CLOSE = f"</{DSML}invoke>"
-PARAM_OPEN = f"<{DSML}parameter"
-PARAM_CLOSE = f"</{DSML}parameter>"
-
-# The three prose constants below are our own wording: DSV4_FACTS does not give the official
-# text. They MUST match the official `encoding_dsv4.py` for the released weights to see the
-# prompts they were trained on; check them against it before relying on tool use or max effort.
-REASONING_EFFORT_MAX_PREAMBLE = (
-    "Reasoning effort: maximum. Think the problem through completely before answering: break it "
-    "into parts, check every step, consider alternatives and edge cases, and write out your full "
-    "line of reasoning without skipping anything.\n\n"
+from dsv4.text.chat_parse import (  # noqa: F401  (re-exported: the parser's public names)
+    ContentDelta,
+    Event,
+    ParsedCompletion,
+    ParseError,
+    ReasoningDelta,
+    StreamingParser,
+    ToolCall,
+    ToolCallEvent,
+    parse_completion,
 )
-TOOLS_INSTRUCTIONS = (
-    "You can use the tools listed below. To call tools, write a block in exactly this form:\n\n"
-    f"<{DSML}tool_calls>\n"
-    f'<{DSML}invoke name="TOOL_NAME">\n'
-    f'<{DSML}parameter name="PARAMETER_NAME" string="true|false">VALUE</{DSML}parameter>\n'
-    "...\n"
-    f"</{DSML}invoke>\n"
-    "...\n"
-    f"</{DSML}tool_calls>\n\n"
-    'Write string values as they are, with string="true". Write every other value (number, '
-    'boolean, null, array, object) as JSON, with string="false". In thinking mode, finish your '
-    f"reasoning with {THINK_END} before any tool call. Use only the tools and parameters defined "
-    "by these schemas, one per line:"
+from dsv4.text.markup import (
+    ASSISTANT,
+    BOS,
+    DSML,
+    EOS,
+    INVOKE_CLOSE,
+    INVOKE_OPEN,
+    LATEST_REMINDER,
+    PARAM_CLOSE,
+    PARAM_OPEN,
+    THINK_END,
+    THINK_START,
+    TOOL_CALLS_CLOSE,
+    TOOL_CALLS_TAG,
+    USER,
+    to_json,
 )
-RESPONSE_FORMAT_INSTRUCTIONS = "Your reply must strictly follow this schema:"
 
-TOOLS_HEADER = "## Tools"
-RESPONSE_FORMAT_HEADER = "## Response Format"
-REASONING_EFFORTS = (None, "high", "max")  # the official encoder accepts these; only "max" changes the prompt
+# The trained prose, copied verbatim from DSV4_FACTS 6b (= the official encoder's strings). Not a
+# word of it is ours: the released weights saw exactly these bytes. TOOLS_TEMPLATE is formatted
+# with dsml_token, thinking_start_token, thinking_end_token and tool_schemas; the response-format
+# template with schema. One line each, so they diff against 6b as they are.
+TOOLS_TEMPLATE = '## Tools\n\nYou have access to a set of tools to help answer the user\'s question. You can invoke tools by writing a "<{dsml_token}tool_calls>" block like the following:\n\n<{dsml_token}tool_calls>\n<{dsml_token}invoke name="$TOOL_NAME">\n<{dsml_token}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{dsml_token}parameter>\n...\n</{dsml_token}invoke>\n<{dsml_token}invoke name="$TOOL_NAME2">\n...\n</{dsml_token}invoke>\n</{dsml_token}tool_calls>\n\nString parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\nIf thinking_mode is enabled (triggered by {thinking_start_token}), you MUST output your complete reasoning inside {thinking_start_token}...{thinking_end_token} BEFORE any tool calls or final response.\n\nOtherwise, output directly after {thinking_end_token} with tool calls or final response.\n\n### Available Tool Schemas\n\n{tool_schemas}\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n'
+REASONING_EFFORT_MAX = 'Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\nExplicitly write out your entire deliberation process, documenting every intermediate step, considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n'
+RESPONSE_FORMAT_TEMPLATE = '## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}'
+
+REASONING_EFFORTS = (None, "high", "max")  # what the official encoder accepts; only "max" adds text
+ROLES = ("system", "developer", "user", "tool", "assistant", "latest_reminder")
+_USER_ROLES = ("user", "developer")  # turns that count for "the last user message"
 
 
 class ChatFormatError(ValueError):
-    """A message list that cannot be encoded; the message names the message index and field."""
+    """A request that cannot be encoded; the message names the field (`messages[3].content`,
+    `tools[0]`, `reasoning_effort`)."""
 
 
-# ---------------------------------------------------------------------------------- encoding
+@dataclass
+class _Turn:
+    """One unit of the prompt: a message, or a run of user/tool messages merged into one user turn.
 
-
-def _to_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _text(msg: dict, index: int, key: str, *, optional: bool = False) -> str:
-    """Read a text field of messages[index]; None is "" only where `optional`."""
-    value = msg.get(key)
-    if value is None and optional:
-        return ""
-    if not isinstance(value, str):
-        raise ChatFormatError(f"messages[{index}].{key}: expected a string, got {type(value).__name__}")
-    return value
-
-
-def _tool_call_arguments(call: Any, where: str) -> tuple[str, dict]:
-    """Validate one OpenAI tool call; return (name, arguments dict)."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict):
-        raise ChatFormatError(f"{where}.function: expected an object")
-    if call.get("type", "function") != "function":
-        raise ChatFormatError(f"{where}.type: expected 'function', got {call.get('type')!r}")
-    name = fn.get("name")
-    if not isinstance(name, str) or not name or '"' in name:
-        raise ChatFormatError(f"{where}.function.name: expected a non-empty name without '\"'")
-    args = fn.get("arguments")
-    if args is None:
-        args = {}
-    elif isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ChatFormatError(f"{where}.function.arguments: invalid JSON ({exc})") from exc
-    if not isinstance(args, dict):
-        raise ChatFormatError(f"{where}.function.arguments: expected a JSON object")
-    if any('"' in key for key in args):
-        raise ChatFormatError(f"{where}.function.arguments: parameter names must not contain '\"'")
-    try:
-        _to_json(args)
-    except (TypeError, ValueError) as exc:
-        raise ChatFormatError(f"{where}.function.arguments: not JSON-serialisable ({exc})") from exc
-    return name, args
-
-
-def _render_tool_calls(calls: list, index: int) -> str:
-    """DSML block for an assistant's tool calls ("" if there are none)."""
-    if not calls:
-        return ""
-    invokes = []
-    for k, call in enumerate(calls):
-        name, args = _tool_call_arguments(call, f"messages[{index}].tool_calls[{k}]")
-        params = [
-            f'{PARAM_OPEN} name="{key}" string="{"true" if isinstance(v, str) else "false"}">'
-            f"{v if isinstance(v, str) else _to_json(v)}{PARAM_CLOSE}"
-            for key, v in args.items()
-        ]
-        invokes.append(f'{INVOKE_OPEN} name="{name}">\n' + "\n".join(params) + f"\n{INVOKE_CLOSE}")
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_CLOSE}"
-
-
-def _system_sections(tools: list[dict] | None, response_format: dict | None) -> list[str]:
-    """The `## Tools` and `## Response Format` sections appended to the system text."""
-    sections = []
-    if tools:
-        schemas = []
-        for k, tool in enumerate(tools):
-            schema = tool.get("function", tool) if isinstance(tool, dict) else None
-            if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
-                raise ChatFormatError(f"tools[{k}]: expected {{'type': 'function', 'function': {{'name': ...}}}}")
-            schemas.append(_to_json(schema))
-        sections.append(f"{TOOLS_HEADER}\n\n{TOOLS_INSTRUCTIONS}\n\n" + "\n".join(schemas))
-    if response_format is not None:
-        if not isinstance(response_format, dict):
-            raise ChatFormatError("response_format: expected an object")
-        sections.append(f"{RESPONSE_FORMAT_HEADER}\n\n{RESPONSE_FORMAT_INSTRUCTIONS}\n{_to_json(response_format)}")
-    return sections
-
-
-def _render_user_turn(messages: list[dict], start: int, stop: int, call_order: dict[str, int]) -> str:
-    """Merge messages[start:stop] (user and tool) into one user turn's text.
-
-    Tool results become <tool_result> blocks, reordered to follow the preceding assistant's
-    tool-call order; user texts keep their places. Blocks are joined by blank lines.
+    `text` is rendered except for what depends on the neighbours: an assistant's reasoning (kept
+    or dropped) and the transition after a user or developer turn.
     """
-    blocks: list[tuple[int | None, str]] = []
-    seen: set[str] = set()
-    for i in range(start, stop):
-        msg = messages[i]
-        if msg["role"] == "user":
-            blocks.append((None, _text(msg, i, "content")))
-            continue
-        call_id = msg.get("tool_call_id")
-        if not isinstance(call_id, str) or call_id not in call_order:
-            raise ChatFormatError(
-                f"messages[{i}].tool_call_id: {call_id!r} matches no tool call of the preceding assistant message"
-            )
-        if call_id in seen:
-            raise ChatFormatError(f"messages[{i}].tool_call_id: duplicate result for tool call {call_id!r}")
-        seen.add(call_id)
-        blocks.append((call_order[call_id], f"<tool_result>{_text(msg, i, 'content')}</tool_result>"))
-    results = iter(sorted((b for b in blocks if b[0] is not None), key=lambda b: b[0]))
-    return "\n\n".join(next(results)[1] if pos is not None else text for pos, text in blocks)
+
+    role: str  # system | developer | user | latest_reminder | assistant
+    text: str
+    reasoning: str = ""  # assistant only
+    has_tools: bool = False  # tool schemas are declared here (then all reasoning is kept)
 
 
 def encode_messages(
@@ -185,359 +93,306 @@ def encode_messages(
     response_format: dict | None = None,
     add_generation_prompt: bool = True,
 ) -> str:
-    """Encode OpenAI-style chat messages into the DSV4 prompt string (DSV4_FACTS section 6).
+    """Encode OpenAI-style chat messages into the DSV4 prompt string (DSV4_FACTS 6 and 6b).
 
     Args:
-        messages: dicts with `role` in system/user/assistant/tool. Assistant messages may carry
-            `reasoning_content` and `tool_calls`; tool messages need `tool_call_id` and `content`.
+        messages: dicts with `role` in system/developer/user/tool/assistant/latest_reminder.
+            System and developer messages may carry `tools` and `response_format`; assistant
+            messages `reasoning_content` and `tool_calls`; tool messages `tool_call_id` and a
+            `content` that is a string, a list of text parts or None.
         thinking: thinking mode (generation opens with `<think>`) instead of chat mode (`</think>`).
         reasoning_effort: None, "high" or "max"; only "max" in thinking mode adds a preamble.
-        drop_thinking: drop the reasoning of assistant turns before the last user turn
-            (ignored, i.e. reasoning kept, when `tools` are given).
-        tools: OpenAI tool definitions, rendered as a `## Tools` section of the system text.
-        response_format: rendered as a `## Response Format` section of the system text.
+        drop_thinking: in thinking mode, drop the reasoning of assistant turns and the developer
+            messages before the last user turn (ignored, i.e. all kept, when any tools are given).
+        tools: request-level tool definitions (OpenAI `{"type": "function", "function": {...}}`
+            or bare function objects): a tools section on the first message if it is a system
+            message, else on a new empty system message put first.
+        response_format: request-level response format, placed like `tools`; `{}` adds nothing.
         add_generation_prompt: end with `<｜Assistant｜>` + `<think>`/`</think>` when the
-            conversation ends in a user/tool turn.
+            conversation ends in a user, tool or developer turn.
     Returns:
         The prompt text, special tokens written as strings (BOS first).
     Raises:
-        ChatFormatError: a malformed message, naming its index and field.
+        ChatFormatError: a malformed request, naming the field (`messages[2].tool_call_id`).
     """
     if reasoning_effort not in REASONING_EFFORTS:
-        raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {reasoning_effort!r}")
-    if not isinstance(messages, list):
-        raise ChatFormatError("messages: expected a list of message objects")
+        raise ChatFormatError(f"reasoning_effort: expected None, 'high' or 'max', got {reasoning_effort!r}")
+    _check_messages(messages)
+    turns = _turns(_with_request_fields(messages, tools, response_format))
+    keep_reasoning = not drop_thinking or any(turn.has_tools for turn in turns)
+    if thinking and not keep_reasoning:
+        turns = _drop_earlier_developer_turns(turns)
+    preamble = REASONING_EFFORT_MAX if thinking and reasoning_effort == "max" else ""
+    return BOS + preamble + _render(turns, thinking, keep_reasoning, add_generation_prompt)
+
+
+# ------------------------------------------------------------------------ checks and fields
+
+
+def _check_messages(messages: Any) -> None:
+    """Every message is an object with a known role; tools only where they are rendered."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("messages: expected a non-empty list of message objects")
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "tool"):
-            role = msg.get("role") if isinstance(msg, dict) else None
-            raise ChatFormatError(f"messages[{i}].role: unknown role {role!r}")
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role not in ROLES:
+            raise ChatFormatError(f"messages[{i}].role: unknown role {role!r}, expected one of {', '.join(ROLES)}")
+        for key in ("tools", "response_format"):
+            if msg.get(key) and role not in ("system", "developer"):
+                raise ChatFormatError(f"messages[{i}].{key}: only system and developer messages take {key}")
 
-    n = len(messages)
-    last_user = max((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), default=-1)
-    keep_all_reasoning = not drop_thinking or bool(tools)
-    sections = _system_sections(tools, response_format)
-    first_system = next((i for i, m in enumerate(messages) if m["role"] == "system"), None)
 
-    out = [BOS]
-    if thinking and reasoning_effort == "max":
-        out.append(REASONING_EFFORT_MAX_PREAMBLE)
-    if sections and first_system is None:
-        out.append("\n\n".join(sections))
-    call_order: dict[str, int] = {}  # tool-call id -> position, for the latest assistant message
+def _with_request_fields(messages: list[dict], tools: Any, response_format: Any) -> list[tuple[str, dict]]:
+    """Pair each message with its name for errors, and place the request-level tools and
+    response_format: on the first message if it is a system message, else on a new empty system
+    message put first (as the official API does)."""
+    _sections(tools, response_format, "")  # check them here, so errors name the request parameter
+    named = [(f"messages[{i}]", msg) for i, msg in enumerate(messages)]
+    request = {key: value for key, value in (("tools", tools), ("response_format", response_format)) if value}
+    if not request:
+        return named
+    first = messages[0]
+    if first["role"] != "system":
+        return [("request", {"role": "system", "content": "", **request})] + named
+    for key in request:
+        if first.get(key):
+            raise ChatFormatError(f"{key}: given both as a request parameter and in messages[0].{key}")
+    return [("messages[0]", {**first, **request})] + named[1:]
+
+
+def _text(msg: dict, where: str, key: str, *, none_ok: bool = True) -> str:
+    """A text field of a message; None (or absent) reads as "" where `none_ok`."""
+    value = msg.get(key)
+    if value is None and none_ok:
+        return ""
+    if not isinstance(value, str):
+        raise ChatFormatError(f"{where}.{key}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _json(value: Any, where: str) -> str:
+    try:
+        return to_json(value)
+    except (TypeError, ValueError) as exc:
+        raise ChatFormatError(f"{where}: not JSON-serialisable ({exc})") from exc
+
+
+# ------------------------------------------------------------------------ system sections
+
+
+def _tool_schema(tool: Any, where: str) -> dict:
+    """The function object of an OpenAI tool `{"type": "function", "function": {...}}`, or a bare
+    function object; rendered as given (name, description, parameters, in the caller's order)."""
+    if isinstance(tool, dict) and "function" in tool:
+        if tool.get("type", "function") != "function":
+            raise ChatFormatError(f"{where}.type: expected 'function', got {tool.get('type')!r}")
+        tool, where = tool["function"], f"{where}.function"
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise ChatFormatError(
+            f"{where}: expected {{'type': 'function', 'function': {{'name': ...}}}} or a function object with a name"
+        )
+    return tool
+
+
+def _tools_section(tools: Any, where: str) -> str:
+    if not isinstance(tools, list):
+        raise ChatFormatError(f"{where}tools: expected a list of tool definitions")
+    schemas = [_json(_tool_schema(tool, f"{where}tools[{k}]"), f"{where}tools[{k}]") for k, tool in enumerate(tools)]
+    return TOOLS_TEMPLATE.format(
+        dsml_token=DSML,
+        thinking_start_token=THINK_START,
+        thinking_end_token=THINK_END,
+        tool_schemas="\n".join(schemas),
+    )
+
+
+def _sections(tools: Any, response_format: Any, where: str) -> str:
+    """The tools and response-format sections, each as "\\n\\n" + section ("" if neither).
+
+    `where` prefixes field names in errors: "" for request parameters, "messages[i]." otherwise.
+    Empty tools and an empty response format add nothing.
+    """
+    out = ""
+    if tools is not None and tools != []:
+        out += "\n\n" + _tools_section(tools, where)
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise ChatFormatError(f"{where}response_format: expected an object")
+        if response_format:
+            schema = _json(response_format, f"{where}response_format")
+            out += "\n\n" + RESPONSE_FORMAT_TEMPLATE.format(schema=schema)
+    return out
+
+
+# ------------------------------------------------------------------------ turns
+
+
+def _turns(named: list[tuple[str, dict]]) -> list[_Turn]:
+    """Render each message into a turn; a run of user and tool messages becomes one user turn."""
+    turns: list[_Turn] = []
+    call_order: dict[str, int] = {}  # tool-call id -> position, in the latest assistant message
     i = 0
-    while i < n:
-        msg, role = messages[i], messages[i]["role"]
-        if role == "system":
-            text = _text(msg, i, "content")
-            out.append("\n\n".join(([text] if text else []) + sections) if i == first_system else text)
-        elif role == "assistant":
-            calls = msg.get("tool_calls") or []
-            if not isinstance(calls, list):
-                raise ChatFormatError(f"messages[{i}].tool_calls: expected a list")
-            keep = thinking and (keep_all_reasoning or i > last_user)
-            reasoning = _text(msg, i, "reasoning_content", optional=True)
-            content = _text(msg, i, "content", optional=True)
-            tool_calls = _render_tool_calls(calls, i)
-            out.append((reasoning + THINK_END if keep else "") + content + tool_calls + EOS)
-            call_order = {c["id"]: k for k, c in enumerate(calls) if isinstance(c.get("id"), str)}
-        else:  # a run of user/tool messages is one user turn
+    while i < len(named):
+        where, msg = named[i]
+        role = msg["role"]
+        if role in ("user", "tool"):
             stop = i
-            while stop < n and messages[stop]["role"] in ("user", "tool"):
+            while stop < len(named) and named[stop][1]["role"] in ("user", "tool"):
                 stop += 1
-            out.append(USER + _render_user_turn(messages, i, stop, call_order))
-            if (stop < n and messages[stop]["role"] == "assistant") or (stop == n and add_generation_prompt):
-                opens_thinking = thinking and (keep_all_reasoning or stop - 1 >= last_user)
-                out.append(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
+            turns.append(_Turn("user", USER + _user_turn_text(named[i:stop], call_order)))
             i = stop
             continue
+        if role == "assistant":
+            turn, call_order = _assistant_turn(msg, where)
+            turns.append(turn)
+        elif role == "latest_reminder":
+            turns.append(_Turn(role, LATEST_REMINDER + _text(msg, where, "content")))
+        else:  # system, developer: content and their own sections
+            head = USER if role == "developer" else ""
+            sections = _sections(msg.get("tools"), msg.get("response_format"), f"{where}.")
+            turns.append(_Turn(role, head + _text(msg, where, "content") + sections, has_tools=bool(msg.get("tools"))))
         i += 1
+    return turns
+
+
+def _tool_result_text(msg: dict, where: str) -> str:
+    """A tool message's content: a string, None (empty), or text parts joined by blank lines."""
+    content = msg.get("content")
+    if not isinstance(content, list):
+        return _text(msg, where, "content")
+    texts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ChatFormatError(
+                f"{where}.content[{k}]: expected a text part {{'type': 'text', 'text': ...}}, got {kind!r}"
+            )
+        texts.append(part["text"])
+    return "\n\n".join(texts)
+
+
+def _user_turn_text(run: list[tuple[str, dict]], call_order: dict[str, int]) -> str:
+    """Merge a run of user and tool messages into one user turn's text.
+
+    Tool results become <tool_result> blocks, reordered to follow the preceding assistant's
+    tool-call order; user texts keep their places. Blocks are joined by blank lines.
+    """
+    blocks: list[tuple[int | None, str]] = []  # (call position for a tool result, text)
+    seen: set[str] = set()
+    for where, msg in run:
+        if msg["role"] == "user":
+            blocks.append((None, _text(msg, where, "content", none_ok=False)))
+            continue
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str) or call_id not in call_order:
+            raise ChatFormatError(
+                f"{where}.tool_call_id: {call_id!r} matches no tool call of the preceding assistant message"
+            )
+        if call_id in seen:
+            raise ChatFormatError(f"{where}.tool_call_id: duplicate result for tool call {call_id!r}")
+        seen.add(call_id)
+        blocks.append((call_order[call_id], f"<tool_result>{_tool_result_text(msg, where)}</tool_result>"))
+    results = iter(sorted((b for b in blocks if b[0] is not None), key=lambda b: b[0]))
+    return "\n\n".join(next(results)[1] if pos is not None else text for pos, text in blocks)
+
+
+def _assistant_turn(msg: dict, where: str) -> tuple[_Turn, dict[str, int]]:
+    """An assistant turn (reasoning kept aside) and the position of each of its tool-call ids."""
+    calls = msg.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ChatFormatError(f"{where}.tool_calls: expected a list")
+    text = _text(msg, where, "content") + _tool_calls_markup(calls, where) + EOS
+    order = {call["id"]: k for k, call in enumerate(calls) if isinstance(call.get("id"), str)}
+    return _Turn("assistant", text, reasoning=_text(msg, where, "reasoning_content")), order
+
+
+# ------------------------------------------------------------------------ tool calls
+
+
+def _tool_call(call: Any, where: str) -> tuple[str, dict]:
+    """Validate one OpenAI tool call; return (name, arguments as a dict)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        raise ChatFormatError(f"{where}.function: expected an object")
+    if call.get("type", "function") != "function":
+        raise ChatFormatError(f"{where}.type: expected 'function', got {call.get('type')!r}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name or '"' in name:
+        raise ChatFormatError(f"{where}.function.name: expected a non-empty name without '\"'")
+    return name, _call_arguments(fn.get("arguments"), f"{where}.function.arguments ({name})")
+
+
+def _call_arguments(args: Any, where: str) -> dict:
+    """Arguments as a dict: a JSON-object string, a dict, or ""/None for none."""
+    if args is None or (isinstance(args, str) and not args.strip()):
+        return {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as exc:
+            raise ChatFormatError(f"{where}: invalid JSON ({exc})") from exc
+    if not isinstance(args, dict):
+        raise ChatFormatError(f"{where}: expected a JSON object, got {type(args).__name__}")
+    for key in args:
+        if not isinstance(key, str) or '"' in key:
+            raise ChatFormatError(f"{where}: parameter name {key!r} is not a string without '\"'")
+    _json(args, where)
+    return args
+
+
+def _parameter(key: str, value: Any) -> str:
+    """Strings raw with string="true"; every other value as JSON with string="false"."""
+    if isinstance(value, str):
+        return f'{PARAM_OPEN} name="{key}" string="true">{value}{PARAM_CLOSE}'
+    return f'{PARAM_OPEN} name="{key}" string="false">{to_json(value)}{PARAM_CLOSE}'
+
+
+def _tool_calls_markup(calls: list, where: str) -> str:
+    """The DSML block for an assistant's tool calls ("" if there are none)."""
+    if not calls:
+        return ""
+    invokes = []
+    for k, call in enumerate(calls):
+        name, args = _tool_call(call, f"{where}.tool_calls[{k}]")
+        params = "\n".join(_parameter(key, value) for key, value in args.items())
+        invokes.append(f'{INVOKE_OPEN} name="{name}">\n{params}\n{INVOKE_CLOSE}')
+    return f"\n\n{TOOL_CALLS_TAG}>\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_CLOSE}"
+
+
+# ------------------------------------------------------------------------ rendering
+
+
+def _last_user(turns: list[_Turn]) -> int:
+    return max((k for k, turn in enumerate(turns) if turn.role in _USER_ROLES), default=-1)
+
+
+def _drop_earlier_developer_turns(turns: list[_Turn]) -> list[_Turn]:
+    """Thinking mode with dropped thinking: developer messages before the last user turn go too."""
+    last_user = _last_user(turns)
+    return [turn for k, turn in enumerate(turns) if turn.role != "developer" or k >= last_user]
+
+
+def _answer_follows(turns: list[_Turn], k: int, add_generation_prompt: bool) -> bool:
+    """Whether the assistant's turn opens after the user/developer turn `k`: it does before an
+    assistant or latest_reminder turn and at the end; before any other turn nothing is added."""
+    if k + 1 == len(turns):
+        return add_generation_prompt
+    return turns[k + 1].role in ("assistant", "latest_reminder")
+
+
+def _render(turns: list[_Turn], thinking: bool, keep_reasoning: bool, add_generation_prompt: bool) -> str:
+    """Join the turns with the reasoning kept where it is, and the assistant transitions.
+
+    Reasoning (and the `<think>` that opens it) shows only in thinking mode, and only after the
+    last user turn unless `keep_reasoning`.
+    """
+    last_user = _last_user(turns)
+    out = []
+    for k, turn in enumerate(turns):
+        if turn.role == "assistant" and thinking and (keep_reasoning or k > last_user):
+            out.append(turn.reasoning + THINK_END)
+        out.append(turn.text)
+        if turn.role in _USER_ROLES and _answer_follows(turns, k, add_generation_prompt):
+            opens_thinking = thinking and (keep_reasoning or k >= last_user)
+            out.append(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
     return "".join(out)
-
-
-# ----------------------------------------------------------------------------------- parsing
-
-
-@dataclass
-class ToolCall:
-    """One parsed tool call; `arguments_json` is `arguments` re-serialised as JSON."""
-
-    name: str
-    arguments: dict
-    arguments_json: str
-    id: str
-
-
-@dataclass
-class ParsedCompletion:
-    """A parsed completion. `raw` is always the full completion text as given.
-
-    `finish_reason`: "length" if the text ended before EOS (and before a closed tool-call
-    block), else "tool_calls" if any call was parsed, else "stop". `error` is set when markup
-    was malformed; parsing stops there and the rest of the text is left only in `raw`.
-    """
-
-    reasoning: str | None
-    content: str
-    tool_calls: list[ToolCall]
-    finish_reason: str
-    error: str | None
-    raw: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    """More reasoning text (thinking mode, before `</think>`)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ContentDelta:
-    """More answer text."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallEvent:
-    """A complete, well-formed tool call."""
-
-    call: ToolCall
-
-
-@dataclass(frozen=True)
-class ParseError:
-    """Malformed markup; `raw` is the offending text. Nothing after it is parsed."""
-
-    message: str
-    raw: str
-
-
-Event = Union[ReasoningDelta, ContentDelta, ToolCallEvent, ParseError]
-
-_DSML_OPENERS = (f"<{DSML}", f"</{DSML}")
-_STRAY = (BOS, USER, ASSISTANT, LATEST_REMINDER, THINK_START, *_DSML_OPENERS)
-_REASONING_MARKERS = (THINK_END, EOS, TOOL_CALLS_START, *_STRAY)
-_CONTENT_MARKERS = (EOS, TOOL_CALLS_START, THINK_END, *_STRAY)
-_BLOCK_MARKERS = (INVOKE_CLOSE, TOOL_CALLS_CLOSE, EOS)
-_INVOKE_RE = re.compile(rf'\s*{INVOKE_OPEN} name="([^"\n]+)">(.*){INVOKE_CLOSE}', re.S)
-_PARAM_RE = re.compile(rf'\s*{PARAM_OPEN} name="([^"\n]+)" string="(true|false)">(.*?){PARAM_CLOSE}', re.S)
-
-
-class _MarkupError(Exception):
-    """Raised inside the parser; becomes a ParseError event and `ParsedCompletion.error`."""
-
-    def __init__(self, message: str, raw: str) -> None:
-        super().__init__(message)
-        self.message, self.raw = message, raw
-
-
-def _scan(buf: str, markers: tuple[str, ...], final: bool, start: int = 0) -> tuple[int, str | None]:
-    """Find the first marker in `buf` whose match is already certain.
-
-    Returns (pos, marker): the earliest (then longest) complete marker at `pos`, or
-    (pos, None) where `buf[:pos]` is certainly plain text: unless `final`, a tail of `buf`
-    that could still grow into a marker is held back, so any chunking decides alike.
-    """
-    pos, found = len(buf), None
-    for m in markers:
-        p = buf.find(m, start)
-        if p != -1 and (p < pos or (p == pos and len(m) > len(found))):
-            pos, found = p, m
-    if final:
-        return pos, found
-    longest = max(map(len, markers))
-    for s in range(max(0, len(buf) - longest + 1), len(buf)):
-        tail = buf[s:]
-        if any(len(m) > len(tail) and m.startswith(tail) for m in markers):
-            return (pos, found) if found is not None and pos < s else (min(s, pos), None)
-    return pos, found
-
-
-def _parse_invoke(segment: str, call_id: str) -> ToolCall:
-    """Parse `[ws] <invoke name="N"> params </invoke>` into a ToolCall (or raise _MarkupError)."""
-    m = _INVOKE_RE.fullmatch(segment)
-    if m is None:
-        raise _MarkupError(f"malformed {INVOKE_OPEN}> element", segment)
-    name, body = m.group(1), m.group(2)
-    args: dict[str, Any] = {}
-    pos = 0
-    while (p := _PARAM_RE.match(body, pos)) is not None:
-        key, is_string, value = p.groups()
-        if DSML in value:
-            raise _MarkupError(f"tool {name!r}: parameter {key!r} is not closed properly", segment)
-        if key in args:
-            raise _MarkupError(f"tool {name!r}: duplicate parameter {key!r}", segment)
-        try:
-            args[key] = value if is_string == "true" else json.loads(value)
-        except json.JSONDecodeError:
-            raise _MarkupError(f"tool {name!r}: parameter {key!r} is not valid JSON: {value!r}", segment) from None
-        pos = p.end()
-    if body[pos:].strip():
-        raise _MarkupError(f"tool {name!r}: unexpected text in invoke: {body[pos:].strip()[:80]!r}", segment)
-    return ToolCall(name=name, arguments=args, arguments_json=_to_json(args), id=call_id)
-
-
-class StreamingParser:
-    """Incremental completion parser: `feed` text deltas, then `finish`.
-
-    Never emits a prefix of markup (`</think>`, the tool-call block start, EOS, ...) as text:
-    such a suffix is held until it is decided. Events are chunking-independent: any split of
-    the same text gives the same events (up to how deltas are cut) as `parse_completion`.
-
-    Args:
-        thinking: the prompt opened `<think>`, so the completion starts with reasoning.
-        call_id_prefix: tool-call ids are `f"{call_id_prefix}{n}"`, n counting from 0.
-    """
-
-    def __init__(self, thinking: bool, call_id_prefix: str = "call_") -> None:
-        self.thinking = thinking
-        self.call_id_prefix = call_id_prefix
-        self._state = "reasoning" if thinking else "content"
-        self._buf = ""
-        self._scanned = 0  # in the tool-call block: buf[:_scanned] holds no marker start
-        self._opened = False  # the ">" of the tool_calls tag has been read
-        self._raw: list[str] = []
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-        self._calls: list[ToolCall] = []
-        self._error: str | None = None
-        self._block_closed = False
-        self._finished = False
-
-    def feed(self, text: str) -> list[Event]:
-        """Consume a text delta; return the events it completes."""
-        if self._finished:
-            raise RuntimeError("StreamingParser.feed() after finish()")
-        self._raw.append(text)
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        """Declare the end of the completion; flush held text and report unclosed markup."""
-        if self._finished:
-            return []
-        self._finished = True
-        return self._run(final=True)
-
-    def result(self) -> ParsedCompletion:
-        """Everything parsed so far as a ParsedCompletion (call after `finish`)."""
-        raw = "".join(self._raw)
-        complete = EOS in raw or self._block_closed
-        reason = "length" if not complete else "tool_calls" if self._calls else "stop"
-        reasoning = "".join(self._reasoning) if self.thinking else None
-        return ParsedCompletion(reasoning, "".join(self._content), list(self._calls), reason, self._error, raw)
-
-    def _run(self, final: bool) -> list[Event]:
-        """Step the state machine as far as the buffered text allows; collect its events."""
-        events: list[Event] = []
-        try:
-            while self._step(final, events):
-                pass
-        except _MarkupError as exc:
-            self._state, self._buf, self._error = "error", "", exc.message
-            events.append(ParseError(exc.message, exc.raw))
-        return events
-
-    def _step(self, final: bool, events: list[Event]) -> bool:
-        """Advance the state machine once; True if it should be called again."""
-        state = self._state
-        if state in ("reasoning", "content"):
-            return self._step_text(final, events)
-        if state == "tools":
-            return self._step_tools(final, events)
-        if state == "after":
-            return self._step_after(final)
-        if state == "done" and final and self._buf:
-            raise _MarkupError(f"unexpected text after {EOS}", self._buf)
-        elif state == "error":
-            self._buf = ""
-        return False
-
-    def _step_text(self, final: bool, events: list[Event]) -> bool:
-        """Reasoning or content: emit plain text up to the next certain marker, then act on it."""
-        reasoning = self._state == "reasoning"
-        pos, marker = _scan(self._buf, _REASONING_MARKERS if reasoning else _CONTENT_MARKERS, final)
-        if pos:
-            (self._reasoning if reasoning else self._content).append(self._buf[:pos])
-            events.append((ReasoningDelta if reasoning else ContentDelta)(self._buf[:pos]))
-        self._buf = self._buf[pos + len(marker or "") :]
-        if marker is None:
-            return False
-        if reasoning and marker == THINK_END:
-            self._state = "content"
-        elif not reasoning and marker == EOS:
-            self._state = "done"
-        elif not reasoning and marker == TOOL_CALLS_START:
-            self._state, self._scanned = "tools", 0
-        elif marker == EOS:
-            raise _MarkupError(f"{EOS} before {THINK_END}", marker)
-        elif marker == TOOL_CALLS_START or marker in _DSML_OPENERS:
-            where = f"before {THINK_END}" if reasoning else "outside a tool_calls block"
-            raise _MarkupError(f"DSML markup {where}", marker.lstrip("\n"))
-        else:
-            raise _MarkupError(f"unexpected {marker} in {'reasoning' if reasoning else 'content'}", marker)
-        return True
-
-    def _step_after(self, final: bool) -> bool:
-        """After the closed tool-call block only whitespace and EOS may follow."""
-        pos, marker = _scan(self._buf, (EOS,), final)
-        if marker is None and not final:
-            return False
-        if self._buf[:pos].strip():
-            raise _MarkupError(f"unexpected text after {TOOL_CALLS_CLOSE}", self._buf[:pos])
-        if marker is None:
-            self._buf = ""
-            return False
-        self._state, self._buf = "done", self._buf[pos + len(EOS) :]
-        return True
-
-    def _step_tools(self, final: bool, events: list[Event]) -> bool:
-        """Inside the tool-call block: consume one invoke, the closing tag, or fail."""
-        buf = self._buf
-        head = "" if self._opened else f"<{DSML}tool_calls"  # raw markup of errors starts at the tag
-        pos, marker = _scan(buf, _BLOCK_MARKERS, final, self._scanned)
-        if marker is None:
-            self._scanned = max(0, len(buf) - max(map(len, _BLOCK_MARKERS)))
-            if final:
-                what = f"{INVOKE_OPEN}>" if INVOKE_OPEN in buf else f"<{DSML}tool_calls>"
-                raise _MarkupError(f"unclosed {what} at end of text", head + buf)
-            return False
-        end = pos + len(marker)
-        segment, body = buf[:end], buf[:pos]
-        self._buf, self._scanned = buf[end:], 0
-        if not self._opened:
-            if not body.startswith(">"):
-                raise _MarkupError(f"malformed <{DSML}tool_calls> tag", head + segment)
-            self._opened, segment, body = True, segment[1:], body[1:]
-        if marker == INVOKE_CLOSE:
-            call = _parse_invoke(segment, f"{self.call_id_prefix}{len(self._calls)}")
-            self._calls.append(call)
-            events.append(ToolCallEvent(call))
-            return True
-        if INVOKE_OPEN in body:
-            raise _MarkupError(f"unclosed {INVOKE_OPEN}> before {marker}", head + segment)
-        if marker == EOS:
-            raise _MarkupError(f"unclosed <{DSML}tool_calls> block before {EOS}", head + segment)
-        if body.strip():
-            raise _MarkupError(f"unexpected text in <{DSML}tool_calls> block: {body.strip()[:80]!r}", head + segment)
-        if not self._calls:
-            raise _MarkupError(f"empty <{DSML}tool_calls> block", head + segment)
-        self._state, self._block_closed = "after", True
-        return True
-
-
-def parse_completion(text: str, *, thinking: bool, call_id_prefix: str = "call_") -> ParsedCompletion:
-    """Parse a whole completion (decoded with special tokens kept) into reasoning/content/calls.
-
-    Args:
-        text: what the model generated after the prompt, EOS string included if it stopped.
-        thinking: the prompt opened `<think>` (reasoning runs up to `</think>`).
-        call_id_prefix: tool-call ids are `f"{call_id_prefix}{n}"`.
-    Returns:
-        A ParsedCompletion; malformed markup sets `error` instead of raising.
-    """
-    parser = StreamingParser(thinking, call_id_prefix)
-    parser.feed(text)
-    parser.finish()
-    return parser.result()
