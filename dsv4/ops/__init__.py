@@ -48,8 +48,22 @@ def unregister(op: str, device_type: str, fmt: type | None = None) -> None:
     _KERNELS.pop((op, device_type, fmt), None)
 
 
+_CUDA_KERNELS_LOADED = False
+
+
+def _load_cuda_kernels() -> None:
+    """Register the Triton kernels for CUDA, once, on the first op that runs on a CUDA tensor."""
+    global _CUDA_KERNELS_LOADED
+    _CUDA_KERNELS_LOADED = True
+    from . import triton as kernels
+    if kernels.enabled() and kernels.available():
+        kernels.register_all("cuda")
+
+
 def implementation(op: str, device: torch.device, fmt: type | None = None) -> Callable:
     """The function that runs ``op`` for tensors on ``device`` and weights of type ``fmt``."""
+    if device.type == "cuda" and not _CUDA_KERNELS_LOADED:
+        _load_cuda_kernels()
     if not getattr(_LOCAL, "reference_only", False):
         fn = _KERNELS.get((op, device.type, fmt))
         if fn is not None:

@@ -1,0 +1,45 @@
+"""Triton kernels behind the :mod:`dsv4.ops` contracts (GPU fast path).
+
+Each kernel module lists what it implements in ``REGISTRATIONS``: ``(op, weight format or None,
+function)``; the function has exactly the signature of the op in :mod:`dsv4.ops` and computes what
+its twin in :mod:`dsv4.ops.reference` computes (tested against it on fresh random inputs, on the
+GPU at real shapes and on the CPU through Triton's interpreter, ``TRITON_INTERPRET=1``, at small
+ones). A kernel that cannot handle its inputs raises; it never falls back to other numerics.
+
+:func:`register_all` registers every module's kernels for a device type. ``dsv4.ops`` calls it
+once for ``cuda`` the first time an op runs on a CUDA tensor (unless ``DSV4_KERNELS=0``);
+tests call it for ``cpu`` under the interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+#: kernel modules, imported in this order
+MODULES: tuple[str, ...] = ()
+
+
+def available() -> bool:
+    """Triton is importable (it ships with PyTorch's CUDA builds; ``pip install triton`` on CPU)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled() -> bool:
+    return os.environ.get("DSV4_KERNELS", "1") not in ("0", "off", "false")
+
+
+def register_all(device_type: str = "cuda") -> list[tuple[str, object]]:
+    """Register every kernel module's kernels for ``device_type``; returns ``(op, format)`` pairs."""
+    from .. import register
+    done = []
+    for name in MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        for op, fmt, fn in module.REGISTRATIONS:
+            register(op, device_type, fmt)(fn)
+            done.append((op, fmt))
+    return done
