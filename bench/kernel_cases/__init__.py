@@ -1,0 +1,33 @@
+"""Benchmark cases for ``bench/kernels.py``: one module per kernel family.
+
+Each module defines ``cases(env) -> list[Case]``. ``env`` carries the device, the copy bandwidth
+and tensor-core peak measured at the start of the run, and the geometries (Flash / Pro presets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+#: modules under bench/kernel_cases, run in this order
+MODULES: tuple[str, ...] = ()
+
+
+@dataclass
+class Case:
+    """One timed kernel call and, optionally, the same op through a peer implementation.
+
+    ``bytes``: the fewest bytes the op must move (inputs read once, outputs written once);
+    ``flops``: its arithmetic (0 for memory-bound decode ops). The table reports whichever of
+    ``bytes / copy bandwidth`` and ``flops / tensor peak`` is the larger floor.
+    """
+
+    family: str          # "linear", "moe", "attention", ...
+    name: str            # e.g. "flash wq_b fp8 b=1"
+    fn: Callable[[], object]
+    bytes: float
+    flops: float = 0.0
+    peer: str | None = None
+    peer_fn: Callable[[], object] | None = None
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
