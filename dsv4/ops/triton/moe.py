@@ -189,8 +189,9 @@ def _weight_tile(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexpr
     expert's data (FP4: int32 words of 8 codes; FP8: bytes) and scales.
 
     FP4 (``GS`` = 32 MXFP4, 16 NVFP4): ``w = e2m1 * 2^-14`` (fp32), ``scale = 2^(s-127) * 2^14``
-    or ``block_scale * 2^14``. FP8: ``G = 1``, ``w`` the e4m3 values (fp32, or float8e4nv with
-    ``RAW``), ``scale`` the 128x128 block's scale.
+    or ``block_scale * 2^14``; with ``RAW`` (NVFP4) ``w`` in fp16 and the block scale as fp16. FP8:
+    ``G = 1``, ``w`` the e4m3 values (fp32, or float8e4nv with ``RAW``), ``scale`` the 128x128
+    block's scale.
     """
     GS: tl.constexpr = BK if FMT == 2 else (32 if FMT == 0 else 16)
     G: tl.constexpr = BK // GS
@@ -222,7 +223,7 @@ def _weight_tile(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexpr
             words = tl.load(ptrs)
         else:
             words = tl.load(ptrs, mask=rmask[:, None, None] & (col < K // 8), other=0)
-        w = tl.reshape(_e2m1x8(words, True), (BN, G, GS))
+        w = tl.reshape(_e2m1x8(words, not RAW), (BN, G, GS))
         NG: tl.constexpr = (K + GS - 1) // GS
         sp = s_ptr + rows[:, None] * NG + (k0 // GS + g)[None, :]
         if EVEN:
@@ -231,6 +232,8 @@ def _weight_tile(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexpr
             sv = tl.load(sp, mask=rmask[:, None] & ((k0 // GS + g) < NG)[None, :], other=0)
         if FMT == 0:
             scale = ((sv.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+        elif RAW:
+            scale = sv.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         else:
             scale = sv.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
     return w, scale
@@ -290,7 +293,7 @@ def _accumulate(acc, a, w, scale, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.co
 def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, rows, rmask,
           K: tl.constexpr, N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr, S_E8M0: tl.constexpr,
-          TWO: tl.constexpr, QDOT: tl.constexpr):
+          TWO: tl.constexpr, QDOT: tl.constexpr, PIPE: tl.constexpr):
     """``A[a_rows] @ Wa[rows]^T`` (and ``@ Wb[rows]^T`` with ``TWO``, sharing the A tiles) over all
     of ``K``: fp32 ``[BM, BN]`` each. ``A`` is the matmul input (``x̂``) ``[*, K]``. With ``QDOT``
     (act-quant, ``BM >= 16``) it is the e4m3 values ``q`` and their per-128 scales instead, and the
@@ -317,8 +320,21 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
                                           True)
                     acc_b += tl.dot(a, tl.trans(tl.reshape(wb, (BN, 128)))) * sx \
                         * tl.reshape(sb, (1, BN))
+            elif FMT == 1:
+                # NVFP4: e2m1 * block_scale is exact in fp16 (<= 2688, >= 2^-10, <= 6 bits), so the
+                # weights are scaled in registers and one fp16 dot covers the 128 block
+                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0)
+                wa, sa = _weight_tile(wa_ptr, sa_ptr, rows, rmask, kb, K, N, FMT, BN, 128, S_E8M0, True)
+                wa = tl.reshape((wa * 16384.0) * sa[:, :, None], (BN, 128))
+                acc_a += tl.dot(a, tl.trans(wa)) * sx
+                if TWO:
+                    wb, sb = _weight_tile(wb_ptr, sb_ptr, rows, rmask, kb, K, N, FMT, BN, 128, S_E8M0,
+                                          True)
+                    wb = tl.reshape((wb * 16384.0) * sb[:, :, None], (BN, 128))
+                    acc_b += tl.dot(a, tl.trans(wb)) * sx
             else:
-                GS: tl.constexpr = 32 if FMT == 0 else 16
+                # MXFP4: fp16 dot per 32-group on the exact e2m1 * 2^-14, the scale on the partials
+                GS: tl.constexpr = 32
                 blk_a = tl.zeros((BM, BN), tl.float32)
                 blk_b = tl.zeros((BM, BN), tl.float32)
                 for g in tl.static_range(128 // GS):
@@ -332,7 +348,7 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
                 if TWO:
                     acc_b += blk_b * sx
     else:
-        for k0 in range(0, K, BK):
+        for k0 in tl.range(0, K, BK, num_stages=PIPE):
             a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
             wa, sa = _weight_tile(wa_ptr, sa_ptr, rows, rmask, k0, K, N, FMT, BN, BK, S_E8M0, False)
             acc_a = _accumulate(acc_a, a, wa, sa, FMT, BM, BN, BK, CDT)
@@ -383,7 +399,8 @@ def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, n
                        D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr,
                        ZB: tl.constexpr, HAS_LIMIT: tl.constexpr, XDT: tl.constexpr,
-                       CDT: tl.constexpr, S_E8M0: tl.constexpr, QDOT: tl.constexpr):
+                       CDT: tl.constexpr, S_E8M0: tl.constexpr, QDOT: tl.constexpr, 
+                       PIPE: tl.constexpr = 1):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     if ZB > 0:   # zero the w2 kernel's combine counters (ZB per program)
@@ -398,7 +415,7 @@ def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, n
         p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, FMT)
         p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, FMT)
         g, u = _gemm(x_ptr, xq_ptr, xs_ptr, tok, valid, p1, q1, p3, q3, n_offs, nmask, D, I, FMT,
-                     BM, BN, BK, CDT, S_E8M0, True, QDOT)
+                     BM, BN, BK, CDT, S_E8M0, True, QDOT, PIPE)
         if FMT == 1:
             g = g * tl.load(g1_ptr + e)
             u = u * tl.load(g3_ptr + e)
@@ -414,7 +431,8 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
                       D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr,
                       KP2: tl.constexpr, FUSED: tl.constexpr, XDT: tl.constexpr,
-                      CDT: tl.constexpr, S_E8M0: tl.constexpr, QDOT: tl.constexpr):
+                      CDT: tl.constexpr, S_E8M0: tl.constexpr, QDOT: tl.constexpr, 
+                       PIPE: tl.constexpr = 1):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_offs = pid_n * BN + tl.arange(0, BN)
@@ -424,7 +442,7 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
     if active & (e < E):
         p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, FMT)
         y, _unused = _gemm(h_ptr, hq_ptr, hs_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D,
-                           FMT, BM, BN, BK, CDT, S_E8M0, False, QDOT)
+                           FMT, BM, BN, BK, CDT, S_E8M0, False, QDOT, PIPE)
         if FMT == 1:
             y = y * tl.load(g2_ptr + e)
         tl.store(y_ptr + rows[:, None] * D + n_offs[None, :], y,
@@ -493,7 +511,8 @@ def _w13_grouped_kernel(x_ptr, xq_ptr, xs_ptr, order_ptr, tile_e_ptr, tile_r0_pt
                         D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         HAS_LIMIT: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr,
-                        S_E8M0: tl.constexpr, QDOT: tl.constexpr):
+                        S_E8M0: tl.constexpr, QDOT: tl.constexpr, 
+                       PIPE: tl.constexpr = 1):
     e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)
     if e >= 0:
         tok = rows // KTOP
@@ -502,7 +521,7 @@ def _w13_grouped_kernel(x_ptr, xq_ptr, xs_ptr, order_ptr, tile_e_ptr, tile_r0_pt
         p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, FMT)
         p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, FMT)
         g, u = _gemm(x_ptr, xq_ptr, xs_ptr, tok, valid, p1, q1, p3, q3, n_offs, nmask, D, I, FMT,
-                     BM, BN, BK, CDT, S_E8M0, True, QDOT)
+                     BM, BN, BK, CDT, S_E8M0, True, QDOT, PIPE)
         if FMT == 1:
             g = g * tl.load(g1_ptr + e)
             u = u * tl.load(g3_ptr + e)
@@ -517,14 +536,15 @@ def _w2_grouped_kernel(h_ptr, hq_ptr, hs_ptr, order_ptr, tile_e_ptr, tile_r0_ptr
                        y_ptr, w2_ptr, s2_ptr, g2_ptr,
                        D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr,
-                       S_E8M0: tl.constexpr, QDOT: tl.constexpr):
+                       S_E8M0: tl.constexpr, QDOT: tl.constexpr, 
+                       PIPE: tl.constexpr = 1):
     e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)
     if e >= 0:
         n_offs = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n_offs < D
         p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, FMT)
         y, _unused = _gemm(h_ptr, hq_ptr, hs_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D,
-                           FMT, BM, BN, BK, CDT, S_E8M0, False, QDOT)
+                           FMT, BM, BN, BK, CDT, S_E8M0, False, QDOT, PIPE)
         if FMT == 1:
             y = y * tl.load(g2_ptr + e)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * D + n_offs[None, :], y,
@@ -532,11 +552,12 @@ def _w2_grouped_kernel(h_ptr, hq_ptr, hs_ptr, order_ptr, tile_e_ptr, tile_r0_ptr
 
 
 # ----------------------------------------------------------------------------- host side
-#: tile configs per path and projection: (BN, BK, num_warps, num_stages); FP8 experts use BK 128
+#: tile configs per path and projection: (BN, BK, num_warps, num_stages, K-loop pipelining of the
+#: CUDA-core GEMV: 1 = plain loop); FP8 experts use BK 128
 CONFIGS = {
-    "gemv": dict(w13=(16, 256, 4, 3), w2=(32, 256, 4, 3)),    # decode, BM = 1 (one token)
-    "dot": dict(w13=(32, 128, 4, 3), w2=(64, 128, 4, 3)),     # decode, BM = 16
-    "grouped": dict(w13=(64, 128, 8, 3), w2=(128, 128, 8, 3)),  # prefill, BM = 64 (16 below 2048 pairs)
+    "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 256, 4, 3, 1)),     # decode, BM = 1 (one token)
+    "dot": dict(w13=(32, 128, 4, 3, 1), w2=(64, 128, 4, 3, 1)),      # decode, BM = 16
+    "grouped": dict(w13=(64, 128, 8, 3, 1), w2=(128, 128, 8, 3, 1)),  # prefill, BM = 64 (16 < 2048 pairs)
 }
 _COMBINE_BN = 512
 _QUANT_BLOCKS = 4
@@ -653,7 +674,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     qdot = bool(act_quant) and BM > 1
     q_dtype = torch.float8_e4m3fn if fmt == FMT_FP8 else torch.float16
     cfg = CONFIGS["gemv" if BM == 1 else "dot"] if decode else CONFIGS["grouped"]
-    (bn1, bk1, nw1, ns1), (bn2, bk2, nw2, ns2) = cfg["w13"], cfg["w2"]
+    (bn1, bk1, nw1, ns1, pp1), (bn2, bk2, nw2, ns2, pp2) = cfg["w13"], cfg["w2"]
     if fmt == FMT_FP8:
         bk1 = bk2 = 128
     nt1, nt2 = triton.cdiv(I, bn1), triton.cdiv(D, bn2)
@@ -672,12 +693,12 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         _w13_decode_kernel[(P, nt1)](
             xh, xq, xs, topk_ids, topk_weights, h, cnt, ncnt, d1, s1, g1, d3, s3, g3, P, E, lim,
             D=D, I=I, KTOP=k, BN=bn1, BK=bk1, PP=pp, ZB=zb, HAS_LIMIT=lim > 0,
-            num_warps=nw1, num_stages=ns1, **common)
+            PIPE=pp1, num_warps=nw1, num_stages=ns1, **common)
         hh, hq, hs = _quantized(h, act_quant, pow2, qdot, q_dtype, topk_ids)
         _w2_decode_kernel[(P, nt2)](
             hh, hq, hs, topk_ids, y, out, cnt, d2, s2, g2, P, E,
             D=D, I=I, KTOP=k, BN=bn2, BK=bk2, PP=pp, KP2=max(triton.next_power_of_2(k), 2),
-            FUSED=fused, num_warps=nw2, num_stages=ns2, **common)
+            FUSED=fused, PIPE=pp2, num_warps=nw2, num_stages=ns2, **common)
         if fused:
             return out
     else:
@@ -685,12 +706,12 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         ntiles = tile_e.numel()
         _w13_grouped_kernel[(ntiles, nt1)](
             xh, xq, xs, order, tile_e, tile_r0, tile_r1, topk_weights, h, d1, s1, g1, d3, s3, g3,
-            lim, D=D, I=I, KTOP=k, BN=bn1, BK=bk1, HAS_LIMIT=lim > 0, num_warps=nw1,
+            lim, D=D, I=I, KTOP=k, BN=bn1, BK=bk1, HAS_LIMIT=lim > 0, PIPE=pp1, num_warps=nw1,
             num_stages=ns1, **common)
         hh, hq, hs = _quantized(h, act_quant, pow2, qdot, q_dtype, topk_ids)
         _w2_grouped_kernel[(ntiles, nt2)](
             hh, hq, hs, order, tile_e, tile_r0, tile_r1, y, d2, s2, g2, D=D, I=I, BN=bn2, BK=bk2,
-            num_warps=nw2, num_stages=ns2, **common)
+            PIPE=pp2, num_warps=nw2, num_stages=ns2, **common)
     _combine_kernel[(T, triton.cdiv(D, _COMBINE_BN))](
         y, topk_ids, out, D=D, KTOP=k, BN=_COMBINE_BN, XDT=common["XDT"], num_warps=4)
     return out
