@@ -50,6 +50,7 @@ _E8M0_DTYPES = (torch.uint8,) + (
     (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
 )
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_E2M1_RMS = math.sqrt(sum(v * v for v in numerics.E2M1_VALUES[:8]) / 8)  # RMS of uniform e2m1 codes
 
 
 # ----------------------------------------------------------------------------- bit helpers
@@ -278,6 +279,17 @@ class QuantWeight:
             raise _err(self.name, f"select_experts needs a stacked [E, N, K] weight, shape is {self.shape}")
         return self._map(lambda t: t.index_select(0, ids))
 
+    @classmethod
+    def _unchecked(cls, name: str | None = None, **attrs: Any) -> Self:
+        """An instance over trusted tensors, without validation (random weights, slicing)."""
+        out = cls.__new__(cls)
+        out.name = name
+        for k in cls._tensors:
+            setattr(out, k, attrs.pop(k, None))
+        for k, v in attrs.items():
+            setattr(out, k, v)
+        return out
+
     def slice_experts(self, start: int, stop: int) -> Self:
         """Experts ``[start, stop)`` of a stacked weight (views)."""
         if not self.is_stacked or not 0 <= start < stop <= self.shape[0]:
@@ -428,6 +440,24 @@ class Fp8BlockWeight(QuantWeight):
         return (w * s.unsqueeze(-1).unsqueeze(-3)).view(*lead, n, k).to(dtype)
 
     @classmethod
+    def random(cls, shape: tuple[int, ...], std: float, device: torch.device | str,
+               generator: torch.Generator | None = None, *, ue8m0: bool = True, block: int = 128,
+               name: str | None = None) -> Self:
+        """Random weights with element std ~``std`` made directly on ``device`` in this format
+        (benchmarks at real geometry: no BF16 copy, one expert at a time)."""
+        *lead, n, k = shape
+        weight = torch.empty(*shape, dtype=torch.float8_e4m3fn, device=device)
+        for w in (weight.view(-1, n, k) if lead else weight.view(1, n, k)):
+            w.copy_(torch.randn(n, k, device=device, generator=generator, dtype=torch.bfloat16) * 64)
+        exp = round(math.log2(std / 64))
+        sshape = (*lead, math.ceil(n / block), math.ceil(k / block))
+        if ue8m0:
+            scale = torch.full(sshape, exp + 127, dtype=torch.uint8, device=device)
+        else:
+            scale = torch.full(sshape, 2.0 ** exp, dtype=torch.float32, device=device)
+        return cls._unchecked(name, weight=weight, scale=scale, block=block)
+
+    @classmethod
     def quantize(cls, w: torch.Tensor, *, ue8m0: bool = False, block: int = 128,
                  name: str | None = None) -> Self:
         """Round-to-nearest FP8 block quantization of float [N, K] / [E, N, K].
@@ -520,6 +550,16 @@ class Mxfp4Weight(_Fp4Weight):
         return numerics.fp4_dequantize(self.packed, self.scale, 32, dtype)
 
     @classmethod
+    def random(cls, shape: tuple[int, ...], std: float, device: torch.device | str,
+               generator: torch.Generator | None = None, *, name: str | None = None) -> Self:
+        """Random e2m1 codes (RMS 2.93) with one e8m0 scale giving element std ~``std``."""
+        *lead, n, k = shape
+        packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=device, generator=generator)
+        exp = round(math.log2(std / _E2M1_RMS))
+        scale = torch.full((*lead, n, math.ceil(k / 32)), exp + 127, dtype=torch.uint8, device=device)
+        return cls._unchecked(name, packed=packed, scale=scale)
+
+    @classmethod
     def quantize(cls, w: torch.Tensor, *, name: str | None = None) -> Self:
         """Round-to-nearest MXFP4 of float [N, K] / [E, N, K] (K even).
 
@@ -604,6 +644,16 @@ class Nvfp4Weight(_Fp4Weight):
         g = self.global_scale.float()[..., None, None, None]
         # (v * bs) * g, the same rounding order as dequantize_rows
         return (v.view(*lead, n, k // 16, 16) * bs * g).view(*lead, n, k).to(dtype)
+
+    @classmethod
+    def random(cls, shape: tuple[int, ...], std: float, device: torch.device | str,
+               generator: torch.Generator | None = None, *, name: str | None = None) -> Self:
+        """Random e2m1 codes, e4m3 block scales of 1 and a global scale giving element std ~``std``."""
+        *lead, n, k = shape
+        packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=device, generator=generator)
+        block = torch.ones(*lead, n, math.ceil(k / 16), device=device).to(torch.float8_e4m3fn)
+        gs = torch.full(tuple(lead), std / _E2M1_RMS, dtype=torch.float32, device=device)
+        return cls._unchecked(name, packed=packed, block_scale=block, global_scale=gs, input_scale=None)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, input_scale: torch.Tensor | float | None = None,
