@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call (run on the device machine from the repo root):
-#   bash bench/gpu_check.sh
-# Expects transformers>=5.23 wheels in .whl/ when the image's transformers is older.
+#   bash bench/gpu_check.sh [quick]
+# Expects transformers>=5.23 (and its newer deps) as wheels in .whl/ when the image's are older.
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 DSV4_CACHE=/tmp/dsv4cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
 status=0
-echo "== tiny model on cuda, bf16 and fp32 (greedy) =="
-python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype bf16 --max-new-tokens 48 --temperature 0 || status=1
-python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype fp32 --max-new-tokens 48 --temperature 0 --json \
-  | tee "$OUT/tiny_cuda_fp32.json" || status=1
-echo "== test suite (GPU tests included) =="
-python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
-echo "== decode benchmark (reference ops; baseline for the kernels to come) =="
-python3 bench/decode_bench.py --preset flash --layers 2 --batch 1 8 --context 1024 --steps 10 \
-  | tee "$OUT/decode_bench.txt" || status=1
+step() { echo; echo "== $1 =="; shift; "$@" || { echo "!! FAILED: $*"; status=1; }; }
+step "tiny model on cuda, bf16 (greedy)" python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype bf16 \
+  --max-new-tokens 32 --temperature 0
+step "GPU tests" bash -c "python3 -m pytest -q -rs -m gpu tests 2>&1 | tee $OUT/pytest_gpu.log; exit \${PIPESTATUS[0]}"
+step "reference linear cost per format" bash -c "python3 bench/ref_linear_cost.py 2>&1 | tee $OUT/ref_linear_cost.txt; exit \${PIPESTATUS[0]}"
+step "decode step vs transformers and the bytes floor (Flash x4 slice)" bash -c \
+  "python3 bench/decode_bench.py --layers 4 --batch 1 8 --context 1024 --format bf16 fp8-mxfp4 --ops reference 2>&1 | tee $OUT/decode_bench.txt; exit \${PIPESTATUS[0]}"
 exit $status
