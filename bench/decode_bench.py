@@ -167,13 +167,21 @@ def bench_hf(config: ModelConfig, batches: list[int], context: int, steps: int) 
     from transformers import DeepseekV4ForCausalLM, DynamicCache
 
     transformers.logging.set_verbosity_error()
-    with torch.device(DEVICE):
-        model = DeepseekV4ForCausalLM(hf_config(config)).to(torch.bfloat16).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)   # build in bf16 directly (no fp32 copy of the experts)
+    try:
+        with torch.device(DEVICE):
+            model = DeepseekV4ForCausalLM(hf_config(config)).eval()
+    finally:
+        torch.set_default_dtype(default)
     results = {}
     for batch in batches:
         cache = DynamicCache(config=model.config)
         ids = torch.randint(2, config.vocab_size, (batch, context), device=DEVICE)
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        for lo in range(0, context, 256):   # chunked prefill keeps its activations small
+            chunk = ids[:, lo:lo + 256]
+            pos = torch.arange(lo, lo + chunk.shape[1], device=DEVICE).expand(batch, -1)
+            model(input_ids=chunk, position_ids=pos, past_key_values=cache, use_cache=True)
         pos = [context]
         tok = ids[:, -1:]
 

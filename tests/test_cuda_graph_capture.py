@@ -19,6 +19,15 @@ def _snapshot(runner):
     return [t.clone() for layer in runner.state.layers for t in layer.tensors()]
 
 
+def _kept(runner, tensors):
+    """The tensors without the entry stores' last row: the write sink for windows that did not
+    close, written with duplicate indices (which write lands there is unspecified) and never read."""
+    sinks = {id(t) for layer in runner.state.layers for comp in (layer.compressor, layer.indexer)
+             if comp is not None for t in comp.entries.tensors()}
+    live = [t for layer in runner.state.layers for t in layer.tensors()]
+    return [t[:, :-1] if id(ref) in sinks else t for ref, t in zip(live, tensors)]
+
+
 def _restore(runner, saved):
     tensors = [t for layer in runner.state.layers for t in layer.tensors()]
     for t, s in zip(tensors, saved):
@@ -71,8 +80,9 @@ def test_decode_forward_captures_and_replays_exactly(tiny_checkpoint_dir, varian
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, eager), f"replay differs: max {(out - eager).abs().max()}"
-    for a, b in zip(_snapshot(runner), eager_state):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))   # bytes: FP8 / FP4 storage too
+    for i, (a, b) in enumerate(zip(_kept(runner, _snapshot(runner)), _kept(runner, eager_state))):
+        a, b = a.contiguous(), b.contiguous()
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"state tensor {i} differs"  # bytes
 
 
 @pytest.fixture(scope="module")

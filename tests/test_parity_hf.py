@@ -76,7 +76,10 @@ def test_cuda_matches_transformers(dtype):
         else:
             per_row = (mine - ref).abs().amax(-1) / ref.abs().amax(-1)
             assert per_row.median() < 0.03
-            assert (mine.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+            # top-1 on this random model's flat distributions is fragile under bf16 noise: measured
+            # 0.90-0.94 before the bf16 operand rounding of DeepSeek's code (SwiGLU output to bf16
+            # before w2) and 0.86-0.96 after, on CPU, with the same median error; 0.85 keeps the margin
+            assert (mine.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
 
 
 def test_checkpoint_saved_by_transformers_loads_and_matches(tmp_path):
