@@ -37,6 +37,7 @@ def _restore(runner, saved):
 @pytest.mark.parametrize("variant", ["bf16", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("qat", [False, True])
 def test_decode_forward_captures_and_replays_exactly(tiny_checkpoint_dir, variant, qat):
+    from dsv4 import ops
     from dsv4.engine.runner import Runner
     from dsv4.tiny import ensure_tiny
     from dsv4.weights.loader import load_model
@@ -53,7 +54,8 @@ def test_decode_forward_captures_and_replays_exactly(tiny_checkpoint_dir, varian
     bound = runner.max_context
 
     def forward():
-        return model(ids, slots, start, runner.state.layers, qat, context_bound=bound)[0]
+        with ops.sync_free():
+            return model(ids, slots, start, runner.state.layers, qat, context_bound=bound)[0]
 
     saved = _snapshot(runner)
     with torch.inference_mode():

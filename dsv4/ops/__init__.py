@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import numerics, reference
+from .reference import sync_free
 
 _KERNELS: dict[tuple[str, str, type | None], Callable] = {}
 _LOCAL = threading.local()
@@ -187,7 +188,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return implementation("swiglu", gate.device)(gate, up, limit)
 
 
-__all__ = ["register", "unregister", "implementation", "reference_only", "numerics", "reference", "FORMAT_OPS",
+__all__ = ["register", "unregister", "implementation", "reference_only", "sync_free", "numerics", "reference", "FORMAT_OPS",
            "linear", "grouped_linear", "moe", "rms_norm", "rms_norm_unweighted", "rope_inv_freq", "rope_cos_sin",
            "apply_rope", "hadamard", "fp8_sim", "fp4_sim", "mhc_pre", "mhc_post", "hc_head", "sparse_attention",
            "compress_windows", "indexer_scores", "topk_indices", "router_scores", "route", "swiglu"]
