@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm
 from .mhc import add_head_params, collapse_head
-from .transformer import Block
+from .block import Block
 
 
 class MTPBlock(Block):

@@ -13,34 +13,12 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from .block import Block
 from .cache import LayerCache
-from .attention import Attention
 from .common import ForwardContext, Linear, RMSNorm, RopeTables
-from .mhc import Mixer, add_head_params, add_mixer_params, collapse_head
+from .mhc import add_head_params, collapse_head
 from .moe import MoE
-
-
-class Block(nn.Module):
-    """``h = post(attn(attn_norm(pre_attn(h))))`` then the same with the MoE and ``ffn_norm``."""
-
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
-        super().__init__()
-        c = config
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        add_mixer_params(self, "hc_attn", c.hc_mult, c.hidden_size)
-        add_mixer_params(self, "hc_ffn", c.hc_mult, c.hidden_size)
-        self.attn = Attention(c, layer, dtype)
-        self.ffn = MoE(c, layer, dtype)
-        self._mix_attn = Mixer(self, "hc_attn", c)
-        self._mix_ffn = Mixer(self, "hc_ffn", c)
-
-    def forward(self, h: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
-        """``h [B, S, nc, D]`` -> ``[B, S, nc, D]``."""
-        y, post, comb = self._mix_attn.pre(h)
-        h = Mixer.post(self.attn(self.attn_norm(y), ctx, cache), h, post, comb)
-        y, post, comb = self._mix_ffn.pre(h)
-        return Mixer.post(self.ffn(self.ffn_norm(y), ctx), h, post, comb)
+from .mtp import MTPBlock
 
 
 class Transformer(nn.Module):
@@ -57,7 +35,6 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = Linear(c.hidden_size, c.vocab_size, dtype)
         if with_mtp and c.num_nextn_predict_layers:
-            from .mtp import MTPBlock
             self.mtp = nn.ModuleList(MTPBlock(c, dtype) for _ in range(c.num_nextn_predict_layers))
         self.init_rope(self.embed.weight.device)
 

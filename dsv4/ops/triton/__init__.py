@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import os
 
+from .. import register
+
 #: kernel modules, imported in this order
 MODULES: tuple[str, ...] = ()
 
@@ -35,7 +37,6 @@ def enabled() -> bool:
 
 def register_all(device_type: str = "cuda") -> list[tuple[str, object]]:
     """Register every kernel module's kernels for ``device_type``; returns ``(op, format)`` pairs."""
-    from .. import register
     done = []
     for name in MODULES:
         module = importlib.import_module(f"{__name__}.{name}")
