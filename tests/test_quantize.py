@@ -202,18 +202,21 @@ def test_atomic_on_failure(src: Path, tmp_path: Path, monkeypatch) -> None:
         quantize_checkpoint(src, tmp_path / "dst", "nvfp4", progress=False, max_shard_bytes=100_000)
     assert len(calls) == 2 and _siblings(tmp_path) == before  # no DST, no temp dir left
 
-    # the same failure while overwriting leaves the old DST untouched
-    (tmp_path / "dst").mkdir()
-    (tmp_path / "dst" / "marker").write_text("old")
+    # the same failure while overwriting a previous output leaves it untouched
+    monkeypatch.setattr(qmod, "save_file", save_file)
+    quantize_checkpoint(src, tmp_path / "dst", "fp8", progress=False)
+    old = {p.name: p.read_bytes() for p in (tmp_path / "dst").iterdir()}
+    monkeypatch.setattr(qmod, "save_file", failing_save)
     calls.clear()
     with pytest.raises(OSError):
         quantize_checkpoint(src, tmp_path / "dst", "nvfp4", progress=False, overwrite=True, max_shard_bytes=100_000)
-    assert _siblings(tmp_path) == before | {"dst"} and _siblings(tmp_path / "dst") == {"marker"}
+    assert _siblings(tmp_path) == before | {"dst"}
+    assert {p.name: p.read_bytes() for p in (tmp_path / "dst").iterdir()} == old
 
 
 def test_refuses_overwrite_and_names_culprits(src: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    dst.mkdir()
+    quantize_checkpoint(src, dst, "fp8", progress=False)
     with pytest.raises(QuantizeError, match="already exists"):
         quantize_checkpoint(src, dst, "fp8", progress=False)
     quantize_checkpoint(src, dst, "fp8", progress=False, overwrite=True)

@@ -23,18 +23,17 @@ weight-only quantization without calibration, and an FP4 activation path must de
 from the data anyway (section 4).
 
 :func:`quantize_checkpoint` writes a complete checkpoint directory atomically (temporary
-sibling, renamed when complete).
+sibling, renamed when complete) and never replaces a directory it did not write
+(:mod:`.output_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,15 +44,18 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..errors import Dsv4Error
 from ..model.transformer import Transformer
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantWeight, WeightFormatError
 from .loader import INDEX_FILE, list_shards
 from .names import is_hf_name
+from .output_dir import OUTPUT_MARKER, check_destination, make_temp_sibling, replace_dir, write_marker
 from .serialize import COMPANIONS, build_weight, split_name, weight_tensors
 
 __all__ = [
     "FORMATS", "POLICIES", "DENSE_FORMATS", "SCALE_FMTS", "GROUPS", "FLOOR_GROUPS", "QuantizeError",
     "QuantSpec", "linear_group", "layout_of", "quantize_tensors", "quant_config_for", "quantize_checkpoint",
+    "OUTPUT_MARKER",
 ]
 
 FORMATS = ("nvfp4", "mxfp4", "fp8")
@@ -83,7 +85,7 @@ GROUPS = ("attention", "routed_experts", "shared_expert", "head", "router", "hel
 FLOOR_GROUPS = frozenset({"head", "router", "helpers", "mtp_proj", "other"})
 
 
-class QuantizeError(ValueError):
+class QuantizeError(Dsv4Error, ValueError):
     """Bad quantization arguments, or a source tensor that cannot be quantized (message names it)."""
 
 
@@ -393,8 +395,10 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
 
     Output: ``model-0000i-of-0000N.safetensors`` + index, ``config.json`` with
     ``quantization_config``/``expert_dtype``, ``hf_quant_config.json`` for NVFP4, and the tokenizer
-    files. Atomic: built in a temporary sibling of ``dst`` and renamed when complete; on any error
-    the temporary directory is removed and ``dst`` is untouched. ``only_groups`` quantizes only those
+    files, and the :data:`OUTPUT_MARKER` file recording how it was made. Atomic: built in a
+    temporary sibling of ``dst`` and renamed when complete; on any error the temporary directory
+    is removed and ``dst`` is untouched. ``dst`` must be new, empty, or a previous dsv4 output
+    (replaced only with ``overwrite``), and may neither hold ``src`` nor lie inside it. ``only_groups`` quantizes only those
     linear groups (see :data:`GROUPS`); ``device`` runs the quantization math (e.g. ``cuda``, far
     faster than the CPU on a full-size model). Raises :class:`QuantizeError` naming the file or tensor.
     """
@@ -402,14 +406,10 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
     spec = QuantSpec(fmt, policy, dense_format, scale_fmt, only_groups)  # type: ignore[arg-type]
     if not (src / "config.json").is_file():
         raise QuantizeError(f"{src} is not a checkpoint directory (no config.json)")
-    if dst.resolve() == src.resolve():
-        raise QuantizeError(f"destination {dst} is the source checkpoint")
-    if dst.exists() and not overwrite:
-        raise QuantizeError(f"destination {dst} already exists (pass overwrite=True / --overwrite)")
+    check_destination(src, dst, overwrite, QuantizeError)
     raw = json.loads((src / "config.json").read_text())
     config = ModelConfig.from_dict(raw)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp = make_temp_sibling(dst)
     try:
         layout = _convert(src, tmp, config, spec, progress, max_shard_bytes, torch.device(device))
         updates, hf_quant = quant_config_for(fmt, policy, dense_format, scale_fmt, layout)
@@ -424,23 +424,11 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
         for fname in COPIED_FILES:
             if (src / fname).is_file():
                 shutil.copy2(src / fname, tmp / fname)
-        _replace_dir(tmp, dst)
+        write_marker(tmp, tool="dsv4 quantize", source=str(src.resolve()), format=fmt, policy=policy,
+                     dense_format=dense_format, scale_fmt=scale_fmt,
+                     only_groups=sorted(only_groups) if only_groups is not None else None)
+        check_destination(src, dst, overwrite, QuantizeError)  # again: minutes may have passed
+        replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _replace_dir(tmp: Path, dst: Path) -> None:
-    """Rename ``tmp`` to ``dst``; an existing ``dst`` (overwrite) is moved aside, then removed."""
-    if not dst.exists():
-        os.rename(tmp, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-    os.rename(dst, old / "dir")
-    try:
-        os.rename(tmp, dst)
-    except BaseException:
-        os.rename(old / "dir", dst)
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
