@@ -12,7 +12,8 @@ from typing import TextIO
 
 from .engine.llm import LLM
 from .engine.sampler import SamplingParams
-from .text.chat import ContentDelta, ParseError, ReasoningDelta, ToolCallEvent
+from .errors import Dsv4Error
+from .text.chat import ChatFormatError, ContentDelta, ParseError, ReasoningDelta, ToolCallEvent
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 HELP = "commands: /think on|off, /reset, /exit   (Ctrl-C stops an answer)"
@@ -80,7 +81,7 @@ class ChatSession:
                 self.out.flush()
         except KeyboardInterrupt:
             self.out.write(" [stopped]")
-        except ValueError as e:  # e.g. the conversation outgrew max_context: keep the session
+        except (Dsv4Error, ChatFormatError) as e:  # e.g. the conversation outgrew the context: keep the session
             self.history.pop()
             self._say(f"{RESET if dim else ''}\n[error: {e}]")
             return {}

@@ -1,7 +1,8 @@
 """The ``dsv4`` command: ``generate``, ``chat``, ``inspect``.
 
-Errors a user can cause (bad flag values, a corrupt checkpoint, a bad config) print one line
-naming the culprit and exit with status 2; they never dump a traceback.
+Errors a user can cause (bad flag values, a corrupt checkpoint, a bad config) are the project's
+own :class:`~dsv4.errors.Dsv4Error` classes: they print one line naming the culprit and exit with
+status 2. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import sys
 import time
 
-from .config import ConfigError
+from .errors import Dsv4Error
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -110,10 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .quant_cli import HANDLERS
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
-    from .weights.loader import CheckpointError
     try:
         return handlers[args.command](args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except Dsv4Error as e:
         print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import Dsv4Error
+
 LAYER_KINDS = ("sliding", "csa", "hca")
 
 # HF `layer_types` spelling -> our layer kind.
@@ -27,7 +29,7 @@ _HF_MLP_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
-class ConfigError(ValueError):
+class ConfigError(Dsv4Error, ValueError):
     """A config.json field is missing, unknown or inconsistent. The message names the field."""
 
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import UsageError
 from .weights.quantize import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
 
 
@@ -60,7 +61,7 @@ def _comma_list(value: str, choices: tuple[str, ...], flag: str) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     bad = [v for v in items if v not in choices]
     if not items or bad:
-        raise ValueError(f"{flag} takes a comma list of {', '.join(choices)}; got {value!r}")
+        raise UsageError(f"{flag} takes a comma list of {', '.join(choices)}; got {value!r}")
     return items
 
 
@@ -69,7 +70,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from .weights.quantize import quantize_checkpoint
 
     if args.shard_gb <= 0:
-        raise ValueError(f"--shard-gb must be positive, got {args.shard_gb}")
+        raise UsageError(f"--shard-gb must be positive, got {args.shard_gb}")
     quantize_checkpoint(_src(args.src), Path(args.dst), args.format, args.policy, args.dense_format,
                         args.scale_fmt, progress=True, overwrite=args.overwrite, device=args.device,
                         max_shard_bytes=int(args.shard_gb * 2**30))
@@ -85,7 +86,7 @@ def cmd_eval_quant(args: argparse.Namespace) -> int:
     formats = _comma_list(args.formats, FORMATS, "--formats")
     policies = _comma_list(args.policies, POLICIES, "--policies")
     if args.sequences <= 0 or args.length < 2:
-        raise ValueError(f"--sequences must be >= 1 and --length >= 2, got {args.sequences}, {args.length}")
+        raise UsageError(f"--sequences must be >= 1 and --length >= 2, got {args.sequences}, {args.length}")
     eval_quant(_src(args.src), formats, policies, n_seqs=args.sequences, seq_len=args.length, seed=args.seed,
                dense_format=args.dense_format, csv_path=Path(args.csv) if args.csv else None,
                work_dir=Path(args.work_dir) if args.work_dir else None)

@@ -234,3 +234,28 @@ def test_subprocess_end_to_end(cache, capsys):
     assert rc == 0
     assert obj["token_ids"] == json.loads(out)["token_ids"]
     assert obj["prompt_token_ids"][0] == 0
+
+
+# --------------------------------------------------------------------------- error policy
+
+def test_only_project_errors_become_one_line_messages(cache, capsys, monkeypatch):
+    import dsv4.cli as cli
+
+    def buggy(args):
+        raise KeyError("a bug, not a user error")
+    monkeypatch.setattr(cli, "cmd_inspect", buggy)
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        main(["inspect"])
+
+
+def test_dsv4_cache_pointing_at_a_file(capsys, monkeypatch, tmp_path):
+    not_a_dir = tmp_path / "cache-file"
+    not_a_dir.write_text("x")
+    monkeypatch.setenv("DSV4_CACHE", str(not_a_dir))
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "2")
+    _assert_clean_error(rc, err, str(not_a_dir), "DSV4_CACHE")
+
+
+def test_unknown_tiny_variant(capsys):
+    rc, _, err = run(capsys, "generate", PROMPT, "--model", "tiny:int3")
+    _assert_clean_error(rc, err, "int3", "mxfp4")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..errors import ContextOverflowError, DeviceError, RequestError, UsageError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights.loader import LoadReport, load_model
 from .runner import Runner
@@ -77,7 +78,7 @@ def resolve_qat_sim(setting: str | bool, config: ModelConfig) -> bool:
     if setting in ("off", "false", "0"):
         return False
     if setting != "auto":
-        raise ValueError(f"qat_sim must be on, off or auto, got {setting!r}")
+        raise UsageError(f"qat_sim (--qat-sim) must be on, off or auto, got {setting!r}")
     return config.quantization_config is not None or config.expert_dtype is not None
 
 
@@ -89,7 +90,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, bf16, fp16 or fp32")
+        raise UsageError(f"unknown dtype (--dtype) {dtype!r}; use auto, bf16, fp16 or fp32")
     return table[dtype]
 
 
@@ -135,10 +136,13 @@ class LLM:
                  qat_sim: str | bool = "auto", max_slots: int = 4, max_context: int = 4096,
                  load_mtp: bool = False, progress: bool = True):
         from ..tiny import resolve_model
+        for name, value in (("max_slots", max_slots), ("max_context", max_context)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
         model = resolve_model(model)
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for but torch sees no CUDA GPU")
+            raise DeviceError("--device cuda was asked for but torch sees no CUDA GPU")
         self.path = Path(model)
         has_tokenizer = (self.path / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
@@ -154,7 +158,9 @@ class LLM:
     # ------------------------------------------------------------------ inputs
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError(f"{self.path} has no tokenizer.json: pass prompts as token ids")
+            raise RequestError(f"{self.path} has no tokenizer.json, so a text prompt cannot be encoded: pass "
+                               "token ids instead (LLM.generate([[0, 464, 3290]]), or on the command line "
+                               "dsv4 generate --prompt-ids 0,464,3290)")
         return self.tokenizer
 
     def _prompt_ids(self, prompt: str | Sequence[int], index: int) -> list[int]:
@@ -163,12 +169,12 @@ class LLM:
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError(f"prompt {index} is empty")
+            raise RequestError(f"prompt {index} is empty")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"prompt {index} has token id(s) outside [0, {self.config.vocab_size}): {bad[:5]}")
+            raise RequestError(f"prompt {index} has token id(s) outside [0, {self.config.vocab_size}): {bad[:5]}")
         if len(ids) >= self.runner.max_context:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_context is {self.runner.max_context}")
+            raise ContextOverflowError(f"prompt {index} has {len(ids)} tokens; max_context is {self.runner.max_context}")
         return ids
 
     # ------------------------------------------------------------------ generation
@@ -178,7 +184,7 @@ class LLM:
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         requests = [_Request(i, self._prompt_ids(p, i), sp, self.tokenizer, self.config.eos_token_id)
                     for i, (p, sp) in enumerate(zip(prompts, params))]
         for lo in range(0, len(requests), self.runner.max_slots):

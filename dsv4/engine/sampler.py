@@ -39,6 +39,8 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from ..errors import RequestError
+
 MAX_LOGPROBS = 20  # most top alternatives one request may ask for
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
 _M32 = 0xFFFFFFFF
@@ -84,7 +86,7 @@ class SamplingParams:
         for name, (ok, want) in _RULES.items():
             value = getattr(self, name)
             if not ok(value):
-                raise ValueError(f"SamplingParams.{name} must be {want}, got {value!r}")
+                raise RequestError(f"SamplingParams.{name} must be {want}, got {value!r}")
         self.stop_token_ids, self.stop = list(self.stop_token_ids), list(self.stop)
 
     @property
@@ -105,7 +107,7 @@ def _is_list_of(v: object, ok: Callable[[object], bool]) -> bool:
     return isinstance(v, (list, tuple)) and all(ok(x) for x in v)
 
 
-# field -> (check, what it must be); a failed check raises a ValueError naming both.
+# field -> (check, what it must be); a failed check raises a RequestError naming both.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "temperature": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),

@@ -14,10 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-
-
-class ContextOverflowError(ValueError):
-    """A request needs more positions than the state was sized for."""
+from ..errors import ContextOverflowError  # noqa: F401  (raised by the runner; defined with the other user errors)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..engine.runner import Runner
+from ..errors import UsageError
 from .loader import INDEX_FILE, list_shards, load_model
 from .quantize import check_args, linear_group, quantize_checkpoint
 
@@ -149,7 +150,7 @@ def eval_quant(src: Path, formats: list[str], policies: list[str], n_seqs: int =
         for policy in policies:
             check_args(fmt, policy, dense_format, "ue8m0")
     if n_seqs <= 0 or seq_len <= 1:
-        raise ValueError(f"need at least one sequence of >= 2 tokens, got {n_seqs} x {seq_len}")
+        raise UsageError(f"need at least one sequence of >= 2 tokens, got {n_seqs} x {seq_len}")
     config = ModelConfig.from_file(src / "config.json")
     seqs = held_out_sequences(src, config.vocab_size, n_seqs, seq_len, seed)
     present = _source_groups(src)

@@ -27,6 +27,8 @@ from typing import Any, Callable, ClassVar, Self, Sequence
 
 import torch
 
+from ..errors import Dsv4Error
+
 __all__ = [
     "WeightFormatError", "QuantWeight", "Bf16Weight", "Fp8BlockWeight", "Mxfp4Weight",
     "Nvfp4Weight", "E2M1_VALUES", "round_to_e2m1", "pack_fp4", "unpack_fp4",
@@ -34,7 +36,7 @@ __all__ = [
 ]
 
 
-class WeightFormatError(ValueError):
+class WeightFormatError(Dsv4Error, ValueError):
     """A tensor does not match the declared weight format (message names the tensor)."""
 
 

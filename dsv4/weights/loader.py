@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..errors import Dsv4Error
 from ..model.transformer import Transformer
 from ..model.moe import MoE
 from .formats import QuantWeight, WeightFormatError
@@ -30,7 +31,7 @@ from .serialize import build_weight, split_name
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Dsv4Error, ValueError):
     """A checkpoint is missing, corrupt or does not match its config. The message names the culprit."""
 
 
