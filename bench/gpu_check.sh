@@ -13,8 +13,8 @@ nvidia-smi -L
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
 status=0
 echo "== tiny model on cuda, bf16 and fp32 (greedy) =="
-python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype bf16 --max-new-tokens 48 --temperature 0 || status=1
-python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype fp32 --max-new-tokens 48 --temperature 0 --json \
+python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype bf16 --max-tokens 48 --temperature 0 || status=1
+python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype fp32 --max-tokens 48 --temperature 0 --json \
   | tee "$OUT/tiny_cuda_fp32.json" || status=1
 echo "== test suite (GPU tests included) =="
 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest_gpu.log" || status=1

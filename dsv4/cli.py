@@ -1,4 +1,4 @@
-"""The ``dsv4`` command: ``generate``, ``chat``, ``inspect``.
+"""The ``dsv4`` command: ``generate``, ``chat``, ``inspect``, ``quantize``, ``eval-quant``.
 
 Errors a user can cause (bad flag values, a corrupt checkpoint, a bad config) are the project's
 own :class:`~dsv4.errors.Dsv4Error` classes: they print one line naming the culprit and exit with
@@ -12,47 +12,56 @@ import json
 import sys
 import time
 
+from . import __version__
+from .cli_common import HelpFormatter, add_device_arg, add_model_arg, pick_model, positive_int
 from .errors import Dsv4Error
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory, or tiny / tiny:nvfp4 / tiny:bf16 "
-                                   "(default: the embedded tiny model, stored like DeepSeek's FP8+MXFP4 release)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p)
+    add_device_arg(p)
+    p.add_argument("--dtype", default="auto", help="activations and unquantized weights: auto (bf16 on cuda, "
+                                                   "fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--qat-sim", default="auto", choices=["auto", "on", "off"],
                    help="simulate the FP8 KV cache / FP4 indexer the weights were trained with "
                         "(auto: on for quantized releases, off for BF16 checkpoints)")
-    p.add_argument("--max-context", type=int, default=4096, help="positions per sequence (default 4096)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="positions per sequence, prompt included (default: 4096, or the model's "
+                        "max_position_embeddings if smaller)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=1, help="sequences generated together")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="generate at most this many tokens")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument("--seed", type=int, default=None, help="same seed, same tokens (default: a random seed)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dsv4 {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin)")
+    gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin)",
+                         formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
-    _add_model_args(gen)
+    _add_engine_args(gen)
     _add_sampling_args(gen, 64)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
-    chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
-    _add_model_args(chat)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal", formatter_class=HelpFormatter)
+    _add_engine_args(chat)
     _add_sampling_args(chat, 512)
     chat.add_argument("--think", action="store_true", help="start in thinking mode")
     chat.add_argument("--system", default=None, help="system prompt")
 
-    ins = sub.add_parser("inspect", help="summarise a checkpoint directory")
-    ins.add_argument("path", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
+    ins = sub.add_parser("inspect", help="summarise a checkpoint directory", formatter_class=HelpFormatter)
+    ins.add_argument("path", nargs="?", help="checkpoint directory (or use --model; default: the tiny model)")
+    add_model_arg(ins)
 
     from .quant_cli import add_parsers
     add_parsers(sub)
@@ -61,14 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _sampling(args: argparse.Namespace):
     from .engine.sampler import SamplingParams
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p, seed=args.seed)
 
 
 def _llm(args: argparse.Namespace):
     from .engine.llm import LLM
-    return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim, max_slots=1,
-               max_context=args.max_context)
+    return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -97,8 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .weights.inspect import describe
-    from .tiny import resolve_model
-    print(describe(resolve_model(args.path)))
+    print(describe(pick_model(args.path, args.model)))
     return 0
 
 

@@ -40,7 +40,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def generate_json(capsys, *extra: str, prompt: str | None = PROMPT) -> dict:
-    argv = ["generate"] + ([prompt] if prompt is not None else []) + ["--max-new-tokens", "8", "--json", *extra]
+    argv = ["generate"] + ([prompt] if prompt is not None else []) + ["--max-tokens", "8", "--json", *extra]
     rc, out, err = run(capsys, *argv)
     assert rc == 0, err
     lines = out.strip().splitlines()
@@ -115,7 +115,7 @@ def test_explicit_model_dir(tiny_checkpoint, capsys, monkeypatch, tmp_path):
 
 def test_streaming_prints_text_and_stats(cache, capsys):
     ref = generate_json(capsys, "--temperature", "0")
-    rc, out, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "8", "--temperature", "0")
+    rc, out, err = run(capsys, "generate", PROMPT, "--max-tokens", "8", "--temperature", "0")
     assert rc == 0, err
     assert out == ref["text"] + "\n"
     stats = re.search(r"\[(\d+) tokens, ttft ([\d.]+) ms, ([\d.]+) tok/s decode", err)
@@ -170,7 +170,7 @@ def test_corrupt_checkpoint_directory(tiny_checkpoint, capsys, tmp_path):
     (shard,) = bad.glob("*.safetensors")
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    rc, _, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "2", "--model", str(bad))
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-tokens", "2", "--model", str(bad))
     _assert_clean_error(rc, err, shard.name)
     rc, _, err = run(capsys, "inspect", str(bad))
     _assert_clean_error(rc, err, shard.name)
@@ -180,7 +180,7 @@ def test_checkpoint_without_config(tiny_checkpoint, capsys, tmp_path):
     bad = tmp_path / "noconfig"
     shutil.copytree(tiny_checkpoint, bad)
     (bad / "config.json").unlink()
-    rc, _, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "2", "--model", str(bad))
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-tokens", "2", "--model", str(bad))
     _assert_clean_error(rc, err, str(bad / "config.json"))
 
 
@@ -195,10 +195,13 @@ BAD_FLAGS = [
     (["--temperature", "-1"], "temperature"),
     (["--top-k", "-1"], "top_k"),
     (["--min-p", "2"], "min_p"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-tokens", "0"], "max_tokens"),
     (["--top-p", "abc"], "--top-p"),  # argparse: not a number
     (["--dtype", "fp8"], "dtype"),
-    (["--max-context", "0"], "max_context"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--max-model-len", "100000"], "max_position_embeddings"),  # the tiny model has 65536 positions
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--device", "tpu"], "tpu"),
 ]
 
 
@@ -225,7 +228,7 @@ def test_console_script_entry_point():
 
 def test_subprocess_end_to_end(cache, capsys):
     env = dict(os.environ, DSV4_CACHE=str(cache.parent))
-    argv = ["generate", PROMPT, "--max-new-tokens", "4", "--temperature", "0", "--json"]
+    argv = ["generate", PROMPT, "--max-tokens", "4", "--temperature", "0", "--json"]
     proc = subprocess.run([sys.executable, "-m", "dsv4.cli", *argv], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -252,10 +255,59 @@ def test_dsv4_cache_pointing_at_a_file(capsys, monkeypatch, tmp_path):
     not_a_dir = tmp_path / "cache-file"
     not_a_dir.write_text("x")
     monkeypatch.setenv("DSV4_CACHE", str(not_a_dir))
-    rc, _, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "2")
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-tokens", "2")
     _assert_clean_error(rc, err, str(not_a_dir), "DSV4_CACHE")
 
 
 def test_unknown_tiny_variant(capsys):
     rc, _, err = run(capsys, "generate", PROMPT, "--model", "tiny:int3")
     _assert_clean_error(rc, err, "int3", "mxfp4")
+
+
+# --------------------------------------------------------------------------- one way to name a model
+
+def test_inspect_and_quantize_take_the_model_like_generate(cache, capsys, tmp_path):
+    rc, by_path, err = run(capsys, "inspect", str(cache))
+    assert rc == 0, err
+    rc, by_flag, err = run(capsys, "inspect", "--model", "tiny")
+    assert rc == 0 and by_flag == by_path, err
+    rc, _, err = run(capsys, "inspect", str(cache), "--model", "tiny:bf16")
+    _assert_clean_error(rc, err, "--model", "not both")
+    rc, _, err = run(capsys, "quantize", str(tmp_path / "q"), "--model", str(cache), "--format", "nvfp4",
+                     "--device", "cpu")
+    assert rc == 0, err
+    rc, out, err = run(capsys, "inspect", "--model", str(tmp_path / "q"))
+    assert rc == 0 and "NVFP4" in out, err
+    rc, _, err = run(capsys, "quantize", str(cache), str(tmp_path / "r"), "--model", "tiny", "--format", "fp8")
+    _assert_clean_error(rc, err, "SRC", "--model")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_cuda_without_a_gpu_fails_everywhere(cache, capsys, tmp_path):
+    rc, _, err = run(capsys, "quantize", str(cache), str(tmp_path / "q"), "--format", "fp8", "--device", "cuda")
+    _assert_clean_error(rc, err, "cuda", "no CUDA GPU")
+    assert not (tmp_path / "q").exists()
+    rc, _, err = run(capsys, "generate", PROMPT, "--device", "cuda:0")
+    _assert_clean_error(rc, err, "cuda", "no CUDA GPU")
+
+
+def test_help_shows_every_default(capsys):
+    from dsv4.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    out = capsys.readouterr().out
+    out = out[out.index("options:"):]
+    for flag, default in (("--max-tokens", "64"), ("--top-p", "1.0"), ("--min-p", "0.0"), ("--device", "auto"),
+                          ("--temperature", "1.0")):
+        block = out[out.index(flag + " "):]
+        assert f"(default: {default})" in " ".join(block.split()[:40]), (flag, out)
+    assert "a random seed" in out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--help"])
+    assert "(default: 512)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_version(capsys):
+    import dsv4
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"dsv4 {dsv4.__version__}"

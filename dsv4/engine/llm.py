@@ -1,6 +1,6 @@
 """The Python API: ``LLM(model).generate(prompts, SamplingParams(...))``, streaming and chat.
 
-Prompts are batched through the runner's slots: each wave prefills up to ``max_slots`` prompts,
+Prompts are batched through the runner's slots: each wave prefills up to ``max_num_seqs`` prompts,
 then decodes all of them together, one forward per step, each row with its own sampling params.
 Text comes out through an incremental detokenizer and a stop checker per request, so streamed
 text never contains half a UTF-8 character or the beginning of a stop string.
@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..errors import ContextOverflowError, DeviceError, RequestError, UsageError
+from ..devices import resolve_device
+from ..errors import ContextOverflowError, RequestError, UsageError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
-from ..weights.loader import LoadReport, load_model
+from ..weights.loader import CheckpointError, LoadReport, load_model
+from .limits import check_positive, check_state_fits, format_bytes, resolve_max_model_len
 from .runner import Runner
 from .sampler import SamplingBatch, SamplingParams, StopChecker, sample
 
@@ -129,31 +131,49 @@ class _Request:
 
 
 class LLM:
-    """A loaded model ready to generate. ``model`` is a checkpoint directory, or ``None`` / ``"tiny"``
-    / ``"tiny:nvfp4"`` / ``"tiny:bf16"`` for the embedded tiny model."""
+    """A loaded model ready to generate.
 
-    def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                 qat_sim: str | bool = "auto", max_slots: int = 4, max_context: int = 4096,
-                 load_mtp: bool = False, progress: bool = True):
+    Args:
+        model: a checkpoint directory, or ``None`` / ``"tiny"`` / ``"tiny:nvfp4"`` / ``"tiny:bf16"``
+            for the embedded tiny model.
+        device: ``auto`` (a CUDA GPU when torch sees one, else the CPU), ``cpu``, ``cuda[:N]``.
+        dtype: activations and unquantized weights: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16``,
+            ``fp16``, ``fp32``.
+        qat_sim: simulate the FP8 KV cache / FP4 indexer of quantized releases (``auto``: on for them).
+        max_num_seqs: sequences generated together (the state holds this many).
+        max_model_len: positions per sequence, prompt included (default: 4096, or the model's
+            ``max_position_embeddings`` if smaller; more than that is refused).
+
+    Both limits are checked against the config and the free memory before any weight is read.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, device: str | torch.device = "auto",
+                 dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int = 4,
+                 max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True):
         from ..tiny import resolve_model
-        for name, value in (("max_slots", max_slots), ("max_context", max_context)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
-        model = resolve_model(model)
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise DeviceError("--device cuda was asked for but torch sees no CUDA GPU")
-        self.path = Path(model)
+        check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
+        dev = resolve_device(device)
+        self.path = resolve_model(model)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
+        config = ModelConfig.from_file(self.path / "config.json")
+        self.max_model_len = resolve_max_model_len(max_model_len, config)
+        self.max_num_seqs = max_num_seqs
+        act_dtype = resolve_dtype(dtype, dev)
+        state_size = check_state_fits(config, max_num_seqs, self.max_model_len, act_dtype, dev)
+        if progress:
+            print(f"state: {max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(state_size)} on {dev}",
+                  file=sys.stderr)
         has_tokenizer = (self.path / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
-        net, report = load_model(self.path, dev, resolve_dtype(dtype, dev), load_mtp=load_mtp, progress=progress)
+        net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
         self.load_report: LoadReport = report
         if progress:
             print(self.load_report.one_line(), file=sys.stderr)
         self.model: torch.nn.Module = net
         self.config: ModelConfig = net.config
         self.qat_sim = resolve_qat_sim(qat_sim, self.config)
-        self.runner = Runner(net, max_slots=max_slots, max_context=max_context, qat_sim=self.qat_sim)
+        self.runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim)
 
     # ------------------------------------------------------------------ inputs
     def _require_tokenizer(self) -> Tokenizer:
@@ -173,8 +193,9 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"prompt {index} has token id(s) outside [0, {self.config.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.runner.max_context:
-            raise ContextOverflowError(f"prompt {index} has {len(ids)} tokens; max_context is {self.runner.max_context}")
+        if len(ids) >= self.max_model_len:
+            raise ContextOverflowError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                       "(the prompt and at least one generated token must fit)")
         return ids
 
     # ------------------------------------------------------------------ generation

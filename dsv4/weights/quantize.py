@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..devices import resolve_device
 from ..errors import Dsv4Error
 from ..model.transformer import Transformer
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantWeight, WeightFormatError
@@ -407,11 +408,12 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
     if not (src / "config.json").is_file():
         raise QuantizeError(f"{src} is not a checkpoint directory (no config.json)")
     check_destination(src, dst, overwrite, QuantizeError)
+    dev = resolve_device(device)
     raw = json.loads((src / "config.json").read_text())
     config = ModelConfig.from_dict(raw)
     tmp = make_temp_sibling(dst)
     try:
-        layout = _convert(src, tmp, config, spec, progress, max_shard_bytes, torch.device(device))
+        layout = _convert(src, tmp, config, spec, progress, max_shard_bytes, dev)
         updates, hf_quant = quant_config_for(fmt, policy, dense_format, scale_fmt, layout)
         if only_groups is not None:
             updates["quantization_config"]["dsv4_only_groups"] = sorted(only_groups)
