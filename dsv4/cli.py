@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from . import __version__
 from .cli_common import HelpFormatter, add_device_arg, add_model_arg, pick_model, positive_int
-from .errors import Dsv4Error
+from .cli_prompt import clean_text, prompt_ids, read_stdin
+from .errors import Dsv4Error, UsageError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +40,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     p.add_argument("--seed", type=int, default=None, help="same seed, same tokens (default: a random seed)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin)",
                          formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
+    gen.add_argument("--prompt-ids", type=prompt_ids, default=None, metavar="IDS",
+                     help="the prompt as token ids separated by commas or spaces (e.g. 0,464,3290), "
+                          "for checkpoints without a tokenizer")
     _add_engine_args(gen)
     _add_sampling_args(gen, 64)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -71,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _sampling(args: argparse.Namespace):
     from .engine.sampler import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+                          top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
 def _llm(args: argparse.Namespace):
@@ -80,27 +86,52 @@ def _llm(args: argparse.Namespace):
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
 
 
+def _prompt(args: argparse.Namespace) -> str | list[int]:
+    """The prompt: ``--prompt-ids``, the argument, or stdin (said so on a terminal)."""
+    if args.prompt_ids is not None:
+        if args.prompt is not None:
+            raise UsageError("give the prompt as text or as --prompt-ids, not both")
+        return args.prompt_ids
+    if args.prompt is not None:
+        text, replaced = clean_text(args.prompt)
+    else:
+        if sys.stdin.isatty():
+            print("dsv4 generate: reading the prompt from stdin; end it with Ctrl-D "
+                  "(or pass it as an argument)", file=sys.stderr)
+        text, replaced = read_stdin()
+    if replaced:
+        print("dsv4 generate: warning: the prompt is not valid UTF-8; invalid bytes were replaced by U+FFFD",
+              file=sys.stderr)
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = _prompt(args)
     params = _sampling(args)
     llm = _llm(args)
     t0 = time.perf_counter()
     out = None
     for event in llm.stream(prompt, params):
-        if not args.json and event.text:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+        if not args.json:
+            # without a tokenizer there is no text: stream the token ids instead
+            piece = event.text if llm.tokenizer is not None else f"{event.token_id} "
+            if piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
         out = event.output
     total = time.perf_counter() - t0
+    rate = out.decode_tokens_per_s
     if args.json:
         print(json.dumps({
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "time_to_first_token_s": round(out.time_to_first_token, 6),
-            "decode_tokens_per_s": round(out.decode_tokens_per_s, 3), "total_s": round(total, 6)}))
+            "decode_tokens_per_s": None if rate is None else round(rate, 3), "total_s": round(total, 6)}))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()
         print(f"[{len(out.token_ids)} tokens, ttft {out.time_to_first_token * 1000:.1f} ms, "
-              f"{out.decode_tokens_per_s:.1f} tok/s decode, finish: {out.finish_reason}]", file=sys.stderr)
+              f"{'n/a' if rate is None else f'{rate:.1f}'} tok/s decode, finish: {out.finish_reason}]",
+              file=sys.stderr)
     return 0
 
 
@@ -127,6 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dsv4 generate ... | head`: the reader left; exit quietly, as Unix tools do
+        _discard_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (tests, embedding)
+        pass
 
 
 if __name__ == "__main__":

@@ -311,3 +311,73 @@ def test_version(capsys):
     import dsv4
     rc, out, _ = run(capsys, "--version")
     assert rc == 0 and out.strip() == f"dsv4 {dsv4.__version__}"
+
+
+# --------------------------------------------------------------------------- ordinary input, no tracebacks
+
+def test_invalid_utf8_prompt_argument_and_stdin(cache, capsys, monkeypatch):
+    clean = generate_json(capsys, "--temperature", "0", prompt="abc\ufffd")
+    # how Python hands over argv bytes that are not UTF-8 (surrogateescape)
+    rc, out, err = run(capsys, "generate", "abc\udcff", "--max-tokens", "8", "--temperature", "0", "--json")
+    assert rc == 0 and "not valid UTF-8" in err, err
+    assert json.loads(out)["prompt_token_ids"] == clean["prompt_token_ids"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"abc\xff")))
+    rc, out, err = run(capsys, "generate", "--max-tokens", "8", "--temperature", "0", "--json")
+    assert rc == 0 and "not valid UTF-8" in err, err
+    assert json.loads(out)["prompt_token_ids"] == clean["prompt_token_ids"]
+
+
+def test_invalid_utf8_through_a_real_process(cache):
+    env = dict(os.environ, DSV4_CACHE=str(cache.parent))
+    argv = [sys.executable, "-m", "dsv4.cli", "generate", "--max-tokens", "2", "--json"]
+    for extra, stdin in (([b"caf\xe9 \xff"], b""), ([], b"caf\xe9 \xff\n")):
+        proc = subprocess.run(argv + extra, input=stdin, env=env, capture_output=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert b"Traceback" not in proc.stderr and b"not valid UTF-8" in proc.stderr
+
+
+def test_broken_pipe_exits_quietly(cache):
+    """`dsv4 generate ... | head -c 1`: no BrokenPipeError traceback, no 'Exception ignored'."""
+    env = dict(os.environ, DSV4_CACHE=str(cache.parent))
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "generate", PROMPT, "--max-tokens", "4000",
+                             "--ignore-eos", "--max-model-len", "8192"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.read(1)
+    proc.stdout.close()  # the reader goes away while generation is streaming
+    err = proc.stderr.read().decode()
+    rc = proc.wait(timeout=120)
+    assert rc == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "BrokenPipe" not in err, err
+
+
+def test_reading_stdin_on_a_terminal_says_so(cache, capsys, monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, "stdin", Tty(PROMPT))
+    rc, _, err = run(capsys, "generate", "--max-tokens", "2", "--json")
+    assert rc == 0 and "reading the prompt from stdin" in err and "Ctrl-D" in err
+
+
+def test_one_token_reports_no_rate(cache, capsys):
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-tokens", "1")
+    assert rc == 0 and "n/a tok/s" in err and "0.0 tok/s" not in err, err
+    assert generate_json(capsys, "--max-tokens", "1")["decode_tokens_per_s"] is None
+
+
+def test_prompt_ids_and_a_checkpoint_without_tokenizer(cache, capsys, tmp_path):
+    obj = generate_json(capsys, "--temperature", "0", "--prompt-ids", "0, 5 7", prompt=None)
+    assert obj["prompt_token_ids"] == [0, 5, 7]
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(cache, bare)
+    (bare / "tokenizer.json").unlink()
+    rc, _, err = run(capsys, "generate", PROMPT, "--model", str(bare))
+    _assert_clean_error(rc, err, "tokenizer.json", "--prompt-ids")
+    rc, out, err = run(capsys, "generate", "--prompt-ids", "0,5,7", "--max-tokens", "3", "--ignore-eos",
+                       "--temperature", "0", "--model", str(bare))
+    assert rc == 0, err
+    assert [int(t) for t in out.split()] == obj["token_ids"][:3]
+    rc, _, err = run(capsys, "generate", PROMPT, "--prompt-ids", "1,2")
+    _assert_clean_error(rc, err, "--prompt-ids", "not both")
+    rc, _, err = run(capsys, "generate", "--prompt-ids", "1,x")
+    assert rc == 2 and "--prompt-ids" in err

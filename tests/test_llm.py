@@ -9,6 +9,7 @@ import pytest
 from dsv4.chat_repl import ChatSession, run_chat
 from dsv4.engine.llm import LLM, resolve_qat_sim
 from dsv4.engine.sampler import SamplingParams
+from dsv4.errors import RequestError, UsageError
 from dsv4.text.chat import ContentDelta, ReasoningDelta
 
 
@@ -119,3 +120,34 @@ def test_run_chat_reads_until_eof(llm, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "(thinking off)" in printed and "commands:" in printed
+
+
+def test_wrong_argument_types_name_the_argument(llm):
+    with pytest.raises(TypeError, match=r"LLM.generate: `params` must be a SamplingParams.*dict.*SamplingParams\(\*\*params\)"):
+        llm.generate(["a"], {"max_tokens": 3})
+    with pytest.raises(TypeError, match=r"LLM.stream: `prompt` must be a str .*got list of str.*stream_many"):
+        llm.stream(["a", "b"])
+    with pytest.raises(TypeError, match=r"`prompts\[1\]` must be a str"):
+        llm.generate(["a", 3.5])
+    with pytest.raises(TypeError, match="`prompts` must be"):
+        llm.generate(42)
+    with pytest.raises(RequestError, match="prompt 0 is not valid Unicode.*offset 3"):
+        llm.generate("abc\udcff")
+
+
+def test_limits_are_checked_before_loading(tiny_checkpoint, monkeypatch):
+    import dsv4.engine.llm as llm_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were read before the limits were checked")
+    monkeypatch.setattr(llm_mod, "load_model", no_load)
+    with pytest.raises(UsageError, match=r"max_model_len \(--max-model-len\) 10,000,000 exceeds.*65,536"):
+        LLM(tiny_checkpoint, max_model_len=10_000_000, progress=False)
+    for kwargs, word in (({"max_model_len": 0}, "max_model_len"), ({"max_num_seqs": 0}, "max_num_seqs")):
+        with pytest.raises(UsageError, match=word):
+            LLM(tiny_checkpoint, progress=False, **kwargs)
+    monkeypatch.setattr(llm_mod, "check_state_fits", llm_mod.check_state_fits)  # unchanged: the real check
+    import dsv4.engine.limits as limits
+    monkeypatch.setattr(limits, "available_bytes", lambda device: 1 << 20)  # 1 MiB free
+    with pytest.raises(UsageError, match=r"needs .* MiB, but only 1.0 MiB is free"):
+        LLM(tiny_checkpoint, max_model_len=65536, progress=False)

@@ -21,6 +21,7 @@ from ..devices import resolve_device
 from ..errors import ContextOverflowError, RequestError, UsageError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights.loader import CheckpointError, LoadReport, load_model
+from .inputs import check_text, params_list, prompt_list, single_prompt
 from .limits import check_positive, check_state_fits, format_bytes, resolve_max_model_len
 from .runner import Runner
 from .sampler import SamplingBatch, SamplingParams, StopChecker, sample
@@ -30,7 +31,8 @@ __all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEve
 
 @dataclass
 class CompletionOutput:
-    """One finished generation. Times in seconds; ``decode_tokens_per_s`` excludes the first token."""
+    """One finished generation. Times in seconds; ``decode_tokens_per_s`` excludes the first token
+    (None when there was no second token to time)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -42,9 +44,9 @@ class CompletionOutput:
     total_time: float = 0.0
 
     @property
-    def decode_tokens_per_s(self) -> float:
+    def decode_tokens_per_s(self) -> float | None:
         span = self.total_time - self.time_to_first_token
-        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else 0.0
+        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else None
 
 
 @dataclass
@@ -185,6 +187,7 @@ class LLM:
 
     def _prompt_ids(self, prompt: str | Sequence[int], index: int) -> list[int]:
         if isinstance(prompt, str):
+            check_text(prompt, index)
             ids = self._require_tokenizer().encode(prompt, add_bos=True)
         else:
             ids = [int(t) for t in prompt]
@@ -202,10 +205,11 @@ class LLM:
     def stream_many(self, prompts: Sequence[str | Sequence[int]],
                     params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Generate for every prompt, yielding a :class:`StreamEvent` per request per token."""
-        if isinstance(params, SamplingParams) or params is None:
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts = prompt_list(prompts, "LLM.stream_many")
+        params = params_list(params, len(prompts), "LLM.stream_many")
+        return self._stream_many(prompts, params)
+
+    def _stream_many(self, prompts: list, params: list[SamplingParams]) -> Iterator[StreamEvent]:
         requests = [_Request(i, self._prompt_ids(p, i), sp, self.tokenizer, self.config.eos_token_id)
                     for i, (p, sp) in enumerate(zip(prompts, params))]
         for lo in range(0, len(requests), self.runner.max_slots):
@@ -251,16 +255,18 @@ class LLM:
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
         """Generate for one prompt or a list of prompts (text or token ids)."""
-        prompts = _as_list(prompts)
+        prompts = prompt_list(prompts, "LLM.generate")
+        params = params_list(params, len(prompts), "LLM.generate")
         outputs: dict[int, CompletionOutput] = {}
-        for event in self.stream_many(prompts, params):
+        for event in self._stream_many(prompts, params):
             if event.finished:
                 outputs[event.index] = event.output
         return [outputs[i] for i in range(len(prompts))]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         """Stream one prompt's generation."""
-        return self.stream_many([prompt], params)
+        prompt = single_prompt(prompt, "LLM.stream")
+        return self._stream_many([prompt], params_list(params, 1, "LLM.stream"))
 
     # ------------------------------------------------------------------ chat
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, thinking: bool = False,
@@ -300,10 +306,3 @@ class LLM:
                                  response_format=response_format)
         return self._require_tokenizer().encode(prompt)
 
-
-def _as_list(prompts: str | Sequence) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    if prompts and isinstance(prompts[0], int):
-        return [list(prompts)]
-    return list(prompts)
