@@ -241,6 +241,14 @@ _ALIASES = {
     "n_hash_layers": "num_hash_layers",
 }
 
+# Fields a config.json must give: they decide the tensor shapes and differ between releases
+# (Flash vs Pro), so a default taken from another model would only fail later, on a shape. The
+# rest (window 128, hc_mult 4, the indexer's 64 x 128 heads, ...) are DeepSeek-V4 constants.
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+             "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts",
+             "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size")
+_OFFICIAL_NAME = {hf: short for short, hf in _ALIASES.items()}
+
 # Fields that describe training, HF plumbing or things we do not use; accepted and ignored.
 _IGNORED = {
     "model_type", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
@@ -279,6 +287,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         if cfg.setdefault("qk_rope_head_dim", rope_dim) != rope_dim:
             raise ConfigError(f"config fields `partial_rotary_factor` ({factor}) and `qk_rope_head_dim` "
                               f"({cfg['qk_rope_head_dim']}) disagree")
+    missing = [name for name in _REQUIRED if name not in cfg]
+    if missing:
+        named = [f"`{m}`" + (f" (or `{_OFFICIAL_NAME[m]}`)" if m in _OFFICIAL_NAME else "") for m in missing]
+        raise ConfigError(f"config is missing required field(s): {', '.join(named)}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     out: dict[str, Any] = {}
     for name in fields - {"layer_kinds", "compress_ratios", "hash_layers", "yarn", "mtp_layer_kind",

@@ -305,3 +305,14 @@ def test_cli(src: Path, tmp_path: Path) -> None:
         parser.parse_args(["quantize", str(src), str(tmp_path / "z"), "--format", "int4"])
     with safe_open(str(list_shards(tmp_path / "q")[0]), "pt") as f:
         assert "head.scale" in f.keys()
+
+
+def test_eval_quant_bounds_and_progress(src: Path, tmp_path: Path, capsys) -> None:
+    from dsv4.errors import UsageError
+    with pytest.raises(UsageError, match=r"--length.*70,000.*max_position_embeddings \(65,536"):
+        eval_quant(src, ["nvfp4"], ["floor"], n_seqs=1, seq_len=70_000, verbose=False)
+    rows = eval_quant(src, ["fp8"], ["floor"], n_seqs=1, seq_len=600, work_dir=tmp_path, verbose=True)
+    err = capsys.readouterr().err
+    # source + 4 variants (total, attention, routed experts, shared expert), 600 tokens each
+    assert "3.00k/3.00k" in err.replace("\r", "\n"), err[-500:]
+    assert len(rows) == 4
