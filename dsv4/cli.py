@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="summarise a checkpoint directory", formatter_class=HelpFormatter)
     ins.add_argument("path", nargs="?", help="checkpoint directory (or use --model; default: the tiny model)")
     add_model_arg(ins)
+    ins.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                     help="check names, shapes, dtypes, index and quantization config against the config "
+                          "(headers only: no tensor data is read)")
+    ins.add_argument("--check-data", action="store_true",
+                     help="also read every tensor: NaN/Inf values and scales, unreadable or truncated data")
 
     from .quant_cli import add_parsers
     add_parsers(sub)
@@ -137,7 +142,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .weights.inspect import describe
-    print(describe(pick_model(args.path, args.model)))
+    check = "data" if args.check_data else "headers" if args.check else None
+    print(describe(pick_model(args.path, args.model), check))
     return 0
 
 

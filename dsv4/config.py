@@ -198,21 +198,29 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
+        """Parse a ``config.json`` (or the one in directory ``path``); errors name the file."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config file at {path}")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object")
+        raw = read_config_json(path)
         try:
             return _parse(raw)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a :class:`ConfigError` naming the file if there is none."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no config file at {path}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return raw
 
 
 def _check_kind(name: str, kind: str, ratio: int) -> None:

@@ -23,7 +23,7 @@ from dsv4.text.tiny_tokenizer import write_tiny_tokenizer
 from dsv4.tiny import write_checkpoint
 from dsv4.weights import quantize as qmod
 from dsv4.weights.eval_quant import CSV_FIELDS, compare_logits, eval_quant, held_out_sequences
-from dsv4.weights.loader import INDEX_FILE, list_shards, load_model
+from dsv4.weights.loader import INDEX_FILE, CheckpointError, list_shards, load_model
 from dsv4.weights.quantize import QuantizeError, linear_group, quant_config_for, quantize_checkpoint, \
     quantize_tensors
 from dsv4.weights.serialize import build_weight, split_name
@@ -230,7 +230,7 @@ def test_refuses_overwrite_and_names_culprits(src: Path, tmp_path: Path) -> None
     state = load_file(str(src / "model.safetensors"))
     save_file({**state, "layers.0.attn.bogus.weight": torch.zeros(2, 2, dtype=torch.bfloat16)},
               str(bad / "model.safetensors"))
-    with pytest.raises(QuantizeError, match=r"model\.safetensors.*layers\.0\.attn\.bogus\.weight"):
+    with pytest.raises(CheckpointError, match=rf"{bad}/model\.safetensors.*layers\.0\.attn\.bogus\.weight"):
         quantize_checkpoint(bad, tmp_path / "y", "mxfp4", progress=False)
     assert _siblings(tmp_path) == {"dst", "bad"}
 

@@ -33,7 +33,6 @@ import contextlib
 import json
 import re
 import shutil
-import sys
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,14 +40,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
-from ..config import ModelConfig
+from ..config import ModelConfig, read_config_json
 from ..devices import resolve_device
 from ..errors import Dsv4Error
 from ..model.transformer import Transformer
+from ..progress import progress_bar
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantWeight, WeightFormatError
-from .loader import INDEX_FILE, list_shards
+from .loader import INDEX_FILE, check_checkpoint, check_values, list_shards
 from .names import is_hf_name
 from .output_dir import OUTPUT_MARKER, check_destination, make_temp_sibling, replace_dir, write_marker
 from .serialize import COMPANIONS, build_weight, split_name, weight_tensors
@@ -345,7 +344,7 @@ def _get(handle: object, name: str, file: Path) -> torch.Tensor:
     try:
         return handle.get_tensor(name)  # type: ignore[attr-defined]
     except Exception as e:  # corrupt shard
-        raise QuantizeError(f"{file.name}: cannot read tensor `{name}`: {e}") from None
+        raise QuantizeError(f"{file}: cannot read tensor `{name}`: {e}") from None
 
 
 def _convert(src: Path, out_dir: Path, config: ModelConfig, spec: QuantSpec, progress: bool,
@@ -362,28 +361,29 @@ def _convert(src: Path, out_dir: Path, config: ModelConfig, spec: QuantSpec, pro
                 raise QuantizeError(f"cannot read {file}: {e}") from None
             for name in handles[file].keys():  # type: ignore[attr-defined]
                 if name in owner:
-                    raise QuantizeError(f"{file.name}: tensor `{name}` also appears in {owner[name].name}")
+                    raise QuantizeError(f"{file}: tensor `{name}` also appears in {owner[name].name}")
                 owner[name] = file
         expected = _expected_names(config)
         writer = _ShardWriter(out_dir, max_shard_bytes)
         done: set[str] = set()
         layout: dict[str, str] = {}
-        bar = tqdm(total=len(owner), unit="tensor", desc="quantizing", disable=not progress, file=sys.stderr)
-        for name, file in owner.items():  # shard by shard, in file order
-            if name in done:
-                continue
-            split = split_name(name)
-            state = ({name: _get(handles[file], name, file)} if split is None else
-                     _named(split[0], _read_parts(split[0], owner, handles)))
-            try:
-                written = _quantize_state(state, expected, spec, device)
-            except (QuantizeError, WeightFormatError) as e:
-                raise QuantizeError(f"{file.name}: {e}") from None
-            writer.add(written)
-            layout.update(layout_of(written))
-            done.update(state)
-            bar.update(len(state))
-        bar.close()
+        with progress_bar(progress, total=len(owner), unit="tensor", desc="quantizing") as bar:
+            for name, file in owner.items():  # shard by shard, in file order
+                if name in done:
+                    continue
+                split = split_name(name)
+                state = ({name: _get(handles[file], name, file)} if split is None else
+                         _named(split[0], _read_parts(split[0], owner, handles)))
+                for part, tensor in state.items():  # what the headers cannot show: NaN/Inf, expert ids
+                    check_values(part, tensor, owner[part], config.n_routed_experts)
+                try:
+                    written = _quantize_state(state, expected, spec, device)
+                except (QuantizeError, WeightFormatError) as e:
+                    raise QuantizeError(f"{file}: {e}") from None
+                writer.add(written)
+                layout.update(layout_of(written))
+                done.update(state)
+                bar.update(len(state))
         writer.finish()
     return layout
 
@@ -395,13 +395,20 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
     """Write a quantized copy of checkpoint ``src`` to the new directory ``dst``.
 
     Output: ``model-0000i-of-0000N.safetensors`` + index, ``config.json`` with
-    ``quantization_config``/``expert_dtype``, ``hf_quant_config.json`` for NVFP4, and the tokenizer
-    files, and the :data:`OUTPUT_MARKER` file recording how it was made. Atomic: built in a
-    temporary sibling of ``dst`` and renamed when complete; on any error the temporary directory
-    is removed and ``dst`` is untouched. ``dst`` must be new, empty, or a previous dsv4 output
-    (replaced only with ``overwrite``), and may neither hold ``src`` nor lie inside it. ``only_groups`` quantizes only those
-    linear groups (see :data:`GROUPS`); ``device`` runs the quantization math (e.g. ``cuda``, far
-    faster than the CPU on a full-size model). Raises :class:`QuantizeError` naming the file or tensor.
+    ``quantization_config``/``expert_dtype``, ``hf_quant_config.json`` for NVFP4, the tokenizer
+    files, and the :data:`OUTPUT_MARKER` file recording how it was made.
+
+    The source is checked as the loader checks a checkpoint (headers up front, values as each
+    tensor is read): a broken source gives an error naming the file and tensor, never broken
+    output. Atomic: built in a temporary sibling of ``dst`` and renamed when complete; on any error
+    the temporary directory is removed and ``dst`` is untouched. ``dst`` must be new, empty, or a
+    previous dsv4 output (replaced only with ``overwrite``), and may neither hold ``src`` nor lie
+    inside it.
+
+    ``only_groups`` quantizes only those linear groups (see :data:`GROUPS`); ``device`` runs the
+    quantization math (``auto``, ``cpu``, ``cuda``: far faster on a full-size model). Raises
+    :class:`QuantizeError`, ``CheckpointError``, ``ConfigError`` or ``DeviceError`` naming the
+    culprit.
     """
     src, dst = Path(src), Path(dst)
     spec = QuantSpec(fmt, policy, dense_format, scale_fmt, only_groups)  # type: ignore[arg-type]
@@ -409,8 +416,9 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
         raise QuantizeError(f"{src} is not a checkpoint directory (no config.json)")
     check_destination(src, dst, overwrite, QuantizeError)
     dev = resolve_device(device)
-    raw = json.loads((src / "config.json").read_text())
-    config = ModelConfig.from_dict(raw)
+    raw = read_config_json(src / "config.json")
+    config = ModelConfig.from_file(src / "config.json")
+    check_checkpoint(src)  # the loader's header checks: a broken source fails before anything is written
     tmp = make_temp_sibling(dst)
     try:
         layout = _convert(src, tmp, config, spec, progress, max_shard_bytes, dev)
