@@ -149,6 +149,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from .chat_repl import run_chat
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD, not a traceback
+        sys.stdin.reconfigure(errors="replace")
     return run_chat(_llm(args), _sampling(args), thinking=args.think, system=args.system)
 
 

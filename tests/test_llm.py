@@ -106,9 +106,9 @@ def test_chat_session_commands_history_and_interrupt(llm, monkeypatch):
     assert session.command("/exit") is False
 
     def interrupted(*args, **kwargs):
-        yield ContentDelta("partial")
+        yield "partial", [ContentDelta("partial")], None
         raise KeyboardInterrupt
-    monkeypatch.setattr(llm, "chat_stream", interrupted)
+    monkeypatch.setattr(session, "_generate", interrupted)
     message = session.ask("Tell me a story")
     assert message["content"] == "partial" and "[stopped]" in out.getvalue()
     assert session.history[-1] == message  # the session goes on with the partial answer recorded
