@@ -15,7 +15,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 status=0
 step() { echo; echo "== $1 =="; shift; "$@" || { echo "!! FAILED: $*"; status=1; }; }
 step "tiny model on cuda, bf16 (greedy)" python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype bf16 \
-  --max-new-tokens 32 --temperature 0
+  --max-tokens 32 --temperature 0
 python3 -c "import torch; a=torch.zeros(2,2,dtype=torch.bfloat16,device=\"cuda\"); print(\"mm out_dtype:\", torch.mm(a,a,out_dtype=torch.float32).dtype)" || echo "mm out_dtype: unsupported"
 step "GPU tests" bash -c "python3 -m pytest -q -rs -m gpu tests 2>&1 | tee $OUT/pytest_gpu.log; exit \${PIPESTATUS[0]}"
 step "reference linear cost per format" bash -c "python3 bench/ref_linear_cost.py 2>&1 | tee $OUT/ref_linear_cost.txt; exit \${PIPESTATUS[0]}"

@@ -104,8 +104,8 @@ def test_checkpoint_saved_by_transformers_loads_and_matches(tmp_path):
     ref = hf_logits_incremental(hf, prompt, cont)
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
 
-    llm = LLM(tmp_path, dtype="fp32", max_slots=1, max_context=128, progress=False)
-    out = llm.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))[0]
+    llm = LLM(tmp_path, dtype="fp32", max_num_seqs=1, max_model_len=128, progress=False)
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert out.token_ids[0] == int(ref[len(prompt) - 1].argmax())
     assert out.text == ""
     with pytest.raises(ValueError, match="no tokenizer.json"):

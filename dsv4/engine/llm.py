@@ -1,6 +1,6 @@
 """The Python API: ``LLM(model).generate(prompts, SamplingParams(...))``, streaming and chat.
 
-Prompts are batched through the runner's slots: each wave prefills up to ``max_slots`` prompts,
+Prompts are batched through the runner's slots: each wave prefills up to ``max_num_seqs`` prompts,
 then decodes all of them together, one forward per step, each row with its own sampling params.
 Text comes out through an incremental detokenizer and a stop checker per request, so streamed
 text never contains half a UTF-8 character or the beginning of a stop string.
@@ -17,8 +17,12 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..devices import resolve_device
+from ..errors import ContextOverflowError, RequestError, UsageError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
-from ..weights.loader import LoadReport, load_model
+from ..weights.loader import CheckpointError, LoadReport, load_model
+from .inputs import check_text, params_list, prompt_list, single_prompt
+from .limits import check_positive, check_state_fits, format_bytes, resolve_max_model_len
 from .runner import Runner
 from .sampler import SamplingBatch, SamplingParams, StopChecker, sample
 
@@ -27,7 +31,8 @@ __all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEve
 
 @dataclass
 class CompletionOutput:
-    """One finished generation. Times in seconds; ``decode_tokens_per_s`` excludes the first token."""
+    """One finished generation. Times in seconds; ``decode_tokens_per_s`` excludes the first token
+    (None when there was no second token to time)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -39,9 +44,9 @@ class CompletionOutput:
     total_time: float = 0.0
 
     @property
-    def decode_tokens_per_s(self) -> float:
+    def decode_tokens_per_s(self) -> float | None:
         span = self.total_time - self.time_to_first_token
-        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else 0.0
+        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else None
 
 
 @dataclass
@@ -77,7 +82,7 @@ def resolve_qat_sim(setting: str | bool, config: ModelConfig) -> bool:
     if setting in ("off", "false", "0"):
         return False
     if setting != "auto":
-        raise ValueError(f"qat_sim must be on, off or auto, got {setting!r}")
+        raise UsageError(f"qat_sim (--qat-sim) must be on, off or auto, got {setting!r}")
     return config.quantization_config is not None or config.expert_dtype is not None
 
 
@@ -89,7 +94,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, bf16, fp16 or fp32")
+        raise UsageError(f"unknown dtype (--dtype) {dtype!r}; use auto, bf16, fp16 or fp32")
     return table[dtype]
 
 
@@ -128,57 +133,83 @@ class _Request:
 
 
 class LLM:
-    """A loaded model ready to generate. ``model`` is a checkpoint directory, or ``None`` / ``"tiny"``
-    / ``"tiny:nvfp4"`` / ``"tiny:bf16"`` for the embedded tiny model."""
+    """A loaded model ready to generate.
 
-    def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                 qat_sim: str | bool = "auto", max_slots: int = 4, max_context: int = 4096,
-                 load_mtp: bool = False, progress: bool = True):
+    Args:
+        model: a checkpoint directory, or ``None`` / ``"tiny"`` / ``"tiny:nvfp4"`` / ``"tiny:bf16"``
+            for the embedded tiny model.
+        device: ``auto`` (a CUDA GPU when torch sees one, else the CPU), ``cpu``, ``cuda[:N]``.
+        dtype: activations and unquantized weights: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16``,
+            ``fp16``, ``fp32``.
+        qat_sim: simulate the FP8 KV cache / FP4 indexer of quantized releases (``auto``: on for them).
+        max_num_seqs: sequences generated together (the state holds this many).
+        max_model_len: positions per sequence, prompt included (default: 4096, or the model's
+            ``max_position_embeddings`` if smaller; more than that is refused).
+
+    Both limits are checked against the config and the free memory before any weight is read.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, device: str | torch.device = "auto",
+                 dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int = 4,
+                 max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True):
         from ..tiny import resolve_model
-        model = resolve_model(model)
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for but torch sees no CUDA GPU")
-        self.path = Path(model)
+        check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
+        dev = resolve_device(device)
+        self.path = resolve_model(model)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
+        config = ModelConfig.from_file(self.path / "config.json")
+        self.max_model_len = resolve_max_model_len(max_model_len, config)
+        self.max_num_seqs = max_num_seqs
+        act_dtype = resolve_dtype(dtype, dev)
+        state_size = check_state_fits(config, max_num_seqs, self.max_model_len, act_dtype, dev)
+        if progress:
+            print(f"state: {max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(state_size)} on {dev}",
+                  file=sys.stderr)
         has_tokenizer = (self.path / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
-        net, report = load_model(self.path, dev, resolve_dtype(dtype, dev), load_mtp=load_mtp, progress=progress)
+        net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
         self.load_report: LoadReport = report
         if progress:
             print(self.load_report.one_line(), file=sys.stderr)
         self.model: torch.nn.Module = net
         self.config: ModelConfig = net.config
         self.qat_sim = resolve_qat_sim(qat_sim, self.config)
-        self.runner = Runner(net, max_slots=max_slots, max_context=max_context, qat_sim=self.qat_sim)
+        self.runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim)
 
     # ------------------------------------------------------------------ inputs
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError(f"{self.path} has no tokenizer.json: pass prompts as token ids")
+            raise RequestError(f"{self.path} has no tokenizer.json, so a text prompt cannot be encoded: pass "
+                               "token ids instead (LLM.generate([[0, 464, 3290]]), or on the command line "
+                               "dsv4 generate --prompt-ids 0,464,3290)")
         return self.tokenizer
 
     def _prompt_ids(self, prompt: str | Sequence[int], index: int) -> list[int]:
         if isinstance(prompt, str):
+            check_text(prompt, index)
             ids = self._require_tokenizer().encode(prompt, add_bos=True)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError(f"prompt {index} is empty")
+            raise RequestError(f"prompt {index} is empty")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"prompt {index} has token id(s) outside [0, {self.config.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.runner.max_context:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_context is {self.runner.max_context}")
+            raise RequestError(f"prompt {index} has token id(s) outside [0, {self.config.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ContextOverflowError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                       "(the prompt and at least one generated token must fit)")
         return ids
 
     # ------------------------------------------------------------------ generation
     def stream_many(self, prompts: Sequence[str | Sequence[int]],
                     params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Generate for every prompt, yielding a :class:`StreamEvent` per request per token."""
-        if isinstance(params, SamplingParams) or params is None:
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts = prompt_list(prompts, "LLM.stream_many")
+        params = params_list(params, len(prompts), "LLM.stream_many")
+        return self._stream_many(prompts, params)
+
+    def _stream_many(self, prompts: list, params: list[SamplingParams]) -> Iterator[StreamEvent]:
         requests = [_Request(i, self._prompt_ids(p, i), sp, self.tokenizer, self.config.eos_token_id)
                     for i, (p, sp) in enumerate(zip(prompts, params))]
         for lo in range(0, len(requests), self.runner.max_slots):
@@ -224,16 +255,18 @@ class LLM:
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
         """Generate for one prompt or a list of prompts (text or token ids)."""
-        prompts = _as_list(prompts)
+        prompts = prompt_list(prompts, "LLM.generate")
+        params = params_list(params, len(prompts), "LLM.generate")
         outputs: dict[int, CompletionOutput] = {}
-        for event in self.stream_many(prompts, params):
+        for event in self._stream_many(prompts, params):
             if event.finished:
                 outputs[event.index] = event.output
         return [outputs[i] for i in range(len(prompts))]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         """Stream one prompt's generation."""
-        return self.stream_many([prompt], params)
+        prompt = single_prompt(prompt, "LLM.stream")
+        return self._stream_many([prompt], params_list(params, 1, "LLM.stream"))
 
     # ------------------------------------------------------------------ chat
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, thinking: bool = False,
@@ -273,10 +306,3 @@ class LLM:
                                  response_format=response_format)
         return self._require_tokenizer().encode(prompt)
 
-
-def _as_list(prompts: str | Sequence) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    if prompts and isinstance(prompts[0], int):
-        return [list(prompts)]
-    return list(prompts)

@@ -27,6 +27,7 @@ from typing import Any, Callable, ClassVar, Self, Sequence
 
 import torch
 
+from ..errors import Dsv4Error
 from ..ops import numerics
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-class WeightFormatError(ValueError):
+class WeightFormatError(Dsv4Error, ValueError):
     """A tensor does not match the declared weight format (message names the tensor)."""
 
 
@@ -114,6 +115,12 @@ def _ceil_pow2_exponent(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- validation
 
+def _any(mask: torch.Tensor) -> bool:
+    """``mask.any()`` read on the host. False on the ``meta`` device: header-only checks of a
+    checkpoint build the same weights from data-less tensors, where only shapes can be checked."""
+    return not mask.is_meta and bool(mask.any())
+
+
 def _err(name: str | None, msg: str) -> WeightFormatError:
     return WeightFormatError(f"{name or '<unnamed weight>'}: {msg}")
 
@@ -140,7 +147,7 @@ def _as_uint8(t: Any, name: str | None, what: str, dtypes: Sequence[torch.dtype]
 def _as_e8m0(t: Any, name: str | None, what: str) -> torch.Tensor:
     """e8m0 scale (float8_e8m0fnu or uint8) -> uint8 exponent bits; code 255 (NaN) rejected."""
     bits = _as_uint8(t, name, what, _E8M0_DTYPES)
-    if bool((bits == 255).any()):
+    if _any(bits == 255):
         raise _err(name, f"{what} contains e8m0 code 255 (NaN)")
     return bits
 
@@ -163,9 +170,9 @@ def _require_device(tensors: Sequence[torch.Tensor | None], name: str | None) ->
 
 
 def _check_float_scale(t: torch.Tensor, name: str | None, what: str) -> None:
-    if not bool(torch.isfinite(t).all()):
+    if _any(~torch.isfinite(t)):
         raise _err(name, f"{what} contains NaN or Inf")
-    if bool((t < 0).any()):
+    if _any(t < 0):
         raise _err(name, f"{what} contains negative values")
 
 
@@ -602,9 +609,9 @@ class Nvfp4Weight(_Fp4Weight):
         _require_shape(block_scale, (*lead, n, math.ceil(2 * kh / 16)), name, "NVFP4 block scale",
                        f"[N, ceil(K/16)] for packed {tuple(packed.shape)}, K = {2 * kh}")
         bits = block_scale.view(torch.uint8)
-        if bool(((bits & 0x7F) == 0x7F).any()):
+        if _any((bits & 0x7F) == 0x7F):
             raise _err(name, "NVFP4 block scale contains NaN (e4m3 code 0x7F/0xFF)")
-        if bool((bits > 0x80).any()):
+        if _any(bits > 0x80):
             raise _err(name, "NVFP4 block scale contains negative values")
         global_scale = self._scalar(global_scale, lead, packed.device, name, "NVFP4 global scale")
         if input_scale is not None:

@@ -4,7 +4,17 @@ Shards are read one at a time (single file, a sharded set with ``model.safetenso
 or several files without an index), tensor names are mapped from HF to the official names, every
 tensor is checked against what the model expects (name, shape, dtype kind), and only when the
 whole checkpoint has checked out is the model materialised and returned: a failed load raises
-:class:`CheckpointError` naming the file and tensor and leaves nothing half-initialised.
+:class:`CheckpointError` naming the file (its full path) and tensor and leaves nothing
+half-initialised.
+
+One walk over the checkpoint does every check, in two depths:
+
+- headers only (:func:`check_checkpoint`, the first pass of :func:`load_model`, ``dsv4 inspect``,
+  ``dsv4 quantize``): each tensor becomes a data-less ``meta`` tensor of its stored dtype and
+  shape, and goes through the same checks and weight constructors as a loaded one; only the
+  checks of values are skipped. Instant on a checkpoint of hundreds of GB.
+- with data (:func:`load_model`, ``check_checkpoint(read_data=True)``): every tensor is read, so
+  NaN/Inf values and scales, out-of-range expert tables and unreadable bytes are caught too.
 """
 
 from __future__ import annotations
@@ -12,24 +22,33 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..errors import Dsv4Error
 from ..model.transformer import Transformer
-from .formats import QuantWeight, WeightFormatError
+from ..progress import progress_bar
+from .formats import Fp8BlockWeight, QuantWeight, WeightFormatError
 from .names import HF_FUSED_EXPERTS, hf_to_official, is_hf_name, split_hf_experts
 from .quant_rules import check_quant_rules, read_quant_rules
 from .serialize import build_weight, split_name
 
 INDEX_FILE = "model.safetensors.index.json"
 
+# safetensors header dtype -> torch dtype (what a data-less header tensor is made of)
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                  "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+if hasattr(torch, "float8_e8m0fnu"):
+    _HEADER_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
-class CheckpointError(ValueError):
+
+class CheckpointError(Dsv4Error, ValueError):
     """A checkpoint is missing, corrupt or does not match its config. The message names the culprit."""
 
 
@@ -133,25 +152,34 @@ def _index_shards(shards: list[Path]) -> dict[str, set[str]]:
     return {base: p for base, p in parts.items() if "weight" in p and len(p) > 1}
 
 
+def check_values(name: str, t: torch.Tensor, file: Path, n_experts: int, note: str = "") -> None:
+    """Refuse NaN/Inf in a 16/32/64-bit float tensor and expert ids outside ``[0, n_experts)`` in a
+    ``tid2eid`` table. Nothing to check on the ``meta`` device (header-only checks)."""
+    if t.is_meta:
+        return
+    if t.dtype.is_floating_point and t.dtype.itemsize > 1 and not torch.isfinite(t).all():
+        raise CheckpointError(f"{file}: tensor `{name}` contains NaN or Inf{note}")
+    if name.endswith("tid2eid") and t.numel() and (int(t.min()) < 0 or int(t.max()) >= n_experts):
+        raise CheckpointError(f"{file}: tensor `{name}` routes to expert ids outside [0, {n_experts})")
+
+
 def _check_tensor(name: str, t: torch.Tensor, expected: torch.Tensor, file: Path, n_experts: int
                   ) -> torch.Tensor:
-    """Shape/dtype-kind check, then conversion to the parameter's dtype."""
+    """Shape/dtype-kind check, then conversion to the parameter's dtype; values (finite, expert ids
+    in range) are checked when ``t`` has data (not on the ``meta`` device)."""
     if tuple(t.shape) != tuple(expected.shape):
-        raise CheckpointError(f"{file.name}: tensor `{name}` has shape {tuple(t.shape)}, "
+        raise CheckpointError(f"{file}: tensor `{name}` has shape {tuple(t.shape)}, "
                               f"the config implies {tuple(expected.shape)}")
     if expected.dtype.is_floating_point:
         if not t.dtype.is_floating_point or t.dtype.itemsize == 1:
-            raise CheckpointError(f"{file.name}: tensor `{name}` has dtype {t.dtype}; expected a 16/32-bit float "
+            raise CheckpointError(f"{file}: tensor `{name}` has dtype {t.dtype}; expected a 16/32-bit float "
                                   "(quantized weights need their scale tensors)")
         t = t.to(expected.dtype)
-        if not torch.isfinite(t).all():
-            raise CheckpointError(f"{file.name}: tensor `{name}` contains NaN or Inf "
-                                  f"(after conversion to {expected.dtype})")
+        check_values(name, t, file, n_experts, f" (after conversion to {expected.dtype})")
         return t
     if t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise CheckpointError(f"{file.name}: tensor `{name}` has dtype {t.dtype}; expected integers")
-    if name.endswith("tid2eid") and t.numel() and (int(t.min()) < 0 or int(t.max()) >= n_experts):
-        raise CheckpointError(f"{file.name}: tensor `{name}` routes to expert ids outside [0, {n_experts})")
+        raise CheckpointError(f"{file}: tensor `{name}` has dtype {t.dtype}; expected integers")
+    check_values(name, t, file, n_experts)
     return t.to(expected.dtype)
 
 
@@ -159,9 +187,9 @@ class _Collector:
     """Turns the stream of on-disk tensors into checked plain tensors and packed weights."""
 
     def __init__(self, config: ModelConfig, expected: dict[str, torch.Tensor], quantized: dict[str, set[str]],
-                 device: torch.device | str, load_mtp: bool, report: LoadReport):
+                 device: torch.device | str, load_mtp: bool, report: LoadReport, scan_fp8: bool = False):
         self.config, self.expected, self.quantized = config, expected, quantized
-        self.device, self.load_mtp, self.report = device, load_mtp, report
+        self.device, self.load_mtp, self.report, self.scan_fp8 = device, load_mtp, report, scan_fp8
         self.plain: dict[str, torch.Tensor] = {}
         self.packed: dict[str, QuantWeight] = {}
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -170,7 +198,7 @@ class _Collector:
     def add(self, disk_name: str, tensor: torch.Tensor, file: Path) -> None:
         if HF_FUSED_EXPERTS.match(disk_name):
             if tensor.dim() != 3 or tensor.shape[0] != self.config.n_routed_experts:
-                raise CheckpointError(f"{file.name}: fused expert tensor `{disk_name}` has shape "
+                raise CheckpointError(f"{file}: fused expert tensor `{disk_name}` has shape "
                                       f"{tuple(tensor.shape)}; expected [{self.config.n_routed_experts}, N, K]")
             for name, t in split_hf_experts(disk_name, tensor).items():
                 self._add_plain(name, t, file, disk_name)
@@ -183,7 +211,7 @@ class _Collector:
             base, part = split
             group = self.pending.setdefault(base, {})
             if part in group:
-                raise CheckpointError(f"{file.name}: tensor `{disk_name}` appears twice")
+                raise CheckpointError(f"{file}: tensor `{disk_name}` appears twice")
             group[part] = tensor
             if set(group) == self.quantized[base]:
                 self._add_packed(base, self.pending.pop(base), file)
@@ -192,10 +220,10 @@ class _Collector:
 
     def _claim(self, name: str, disk_name: str, file: Path) -> torch.Tensor:
         if name not in self.expected:
-            raise CheckpointError(f"{file.name}: unexpected tensor `{disk_name}` (not part of this config's model)")
+            raise CheckpointError(f"{file}: unexpected tensor `{disk_name}` (not part of this config's model)")
         if name in self.origin:
-            raise CheckpointError(f"{file.name}: tensor `{name}` also appears in {self.origin[name]}")
-        self.origin[name] = file.name
+            raise CheckpointError(f"{file}: tensor `{name}` also appears in {self.origin[name]}")
+        self.origin[name] = str(file)
         return self.expected[name]
 
     def _add_plain(self, name: str, t: torch.Tensor, file: Path, disk_name: str) -> None:
@@ -209,14 +237,16 @@ class _Collector:
         try:
             weight = build_weight(base, parts)
         except WeightFormatError as e:
-            raise CheckpointError(f"{file.name}: {e}") from None
+            raise CheckpointError(f"{file}: {e}") from None
         if tuple(weight.shape) != tuple(expected.shape):
-            raise CheckpointError(f"{file.name}: tensor `{name}` has logical shape {tuple(weight.shape)}, "
+            raise CheckpointError(f"{file}: tensor `{name}` has logical shape {tuple(weight.shape)}, "
                                   f"the config implies {tuple(expected.shape)}")
         if isinstance(weight, torch.Tensor):
             self.plain[name] = weight.to(expected.dtype).to(self.device)
             self.report.add(name, str(weight.dtype).replace("torch.", ""), weight.numel() * weight.element_size())
             return
+        if self.scan_fp8 and isinstance(weight, Fp8BlockWeight) and _has_nan_fp8(weight.weight):
+            raise CheckpointError(f"{file}: tensor `{name}` holds FP8 NaN codes (0x7F/0xFF)")
         self.packed[name] = weight.to(self.device)
         self.report.add(name, weight.dtype_name, weight.nbytes)
 
@@ -227,15 +257,60 @@ class _Collector:
                                   f"expected {sorted(self.quantized[base])}")
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-               load_mtp: bool = True, progress: bool = True) -> tuple[Transformer, LoadReport]:
-    """Load ``path`` into a model on ``device`` with activations/linear weights in ``dtype``.
+def _has_nan_fp8(w: torch.Tensor) -> bool:
+    """True when an e4m3 tensor holds a NaN code (all exponent and mantissa bits set)."""
+    return bool(((w.view(torch.uint8) & 0x7F) == 0x7F).any())
 
-    Quantized weights (FP8 block, MXFP4, NVFP4) stay packed and are placed on ``device`` as is.
-    ``load_mtp=False`` skips ``mtp.*`` tensors; a checkpoint without them loads with a note in the
-    report (speculative decoding then is unavailable). Raises :class:`CheckpointError` /
-    :class:`~dsv4.config.ConfigError` naming the culprit; nothing partial is returned.
-    """
+
+def _header_tensor(handle, name: str, file: Path) -> torch.Tensor:
+    """A data-less tensor with the stored dtype and shape of ``name``."""
+    info = handle.get_slice(name)
+    stored, shape = info.get_dtype(), list(info.get_shape())
+    if stored == "F4" and hasattr(torch, "float4_e2m1fn_x2") and shape and shape[-1] % 2 == 0:
+        # safetensors counts FP4 elements; torch's float4_e2m1fn_x2 holds two per element
+        return torch.empty(shape[:-1] + [shape[-1] // 2], dtype=torch.float4_e2m1fn_x2, device="meta")
+    dtype = _HEADER_DTYPES.get(stored)
+    if dtype is None:
+        raise CheckpointError(f"{file}: tensor `{name}` is stored as {info.get_dtype()}, a dtype no DeepSeek-V4 "
+                              "tensor uses")
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _tensors(shards: list[Path], read_data: bool, bar) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Every stored tensor as ``(file, name, tensor)``: read, or a header-only ``meta`` tensor."""
+    for file in shards:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # truncated or not a safetensors file (the header covers the file's size)
+            raise CheckpointError(f"cannot read {file}: {e}") from None
+        with handle:
+            for name in handle.keys():
+                if not read_data:
+                    yield file, name, _header_tensor(handle, name, file)
+                    continue
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{file}: cannot read tensor `{name}`: {e}") from None
+                bar.update(tensor.numel() * tensor.element_size())
+                yield file, name, tensor
+
+
+@dataclass
+class _Walk:
+    """What a walk over a checkpoint found: the checked tensors and a model skeleton for them."""
+
+    config: ModelConfig
+    plain: dict[str, torch.Tensor]
+    packed: dict[str, QuantWeight]
+    skeleton: Transformer
+    report: LoadReport
+
+
+def _walk(path: str | Path, device: str | torch.device, dtype: torch.dtype, load_mtp: bool, read_data: bool,
+          progress: bool, scan_fp8: bool = False) -> _Walk:
+    """Check every tensor of the checkpoint at ``path`` against its config; tensors end up on
+    ``device`` (``meta`` keeps nothing). Raises :class:`CheckpointError` / ``ConfigError``."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -249,25 +324,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     with torch.device("meta"):
         skeleton = Transformer(config, dtype, with_mtp=load_mtp)
     expected = skeleton.state_dict()
-    collect = _Collector(config, expected, quantized, device, load_mtp, report)
+    collect = _Collector(config, expected, quantized, device, load_mtp, report, scan_fp8)
     total = sum(f.stat().st_size for f in shards)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress, file=sys.stderr)
-    for file in shards:
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:  # truncated or not a safetensors file
-            raise CheckpointError(f"cannot read {file}: {e}") from None
-        with handle:
-            for disk_name in handle.keys():
-                try:
-                    tensor = handle.get_tensor(disk_name)
-                except Exception as e:
-                    raise CheckpointError(f"{file.name}: cannot read tensor `{disk_name}`: {e}") from None
-                bar.update(tensor.numel() * tensor.element_size())
-                collect.add(disk_name, tensor, file)
-                bar.set_postfix(tensors=report.tensors, refresh=False)
-    bar.update(total - bar.n)
-    bar.close()
+    with progress_bar(progress and read_data, total=total, unit="B", unit_scale=True, desc="loading") as bar:
+        for file, name, tensor in _tensors(shards, read_data, bar):
+            collect.add(name, tensor, file)
+            bar.set_postfix(tensors=report.tensors, refresh=False)
+        bar.update(total - bar.n)
     collect.finish()
 
     have = set(collect.plain) | set(collect.packed)
@@ -283,11 +346,40 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: {shown}"
                               + (" ..." if len(missing) > 8 else ""))
     check_quant_rules(quant_rules, collect.packed, collect.plain, config)
+    report.seconds = time.perf_counter() - t0
+    return _Walk(config, collect.plain, collect.packed, skeleton, report)
 
-    skeleton.load_state_dict(collect.plain, strict=False, assign=True)
-    for name, weight in collect.packed.items():
+
+def check_checkpoint(path: str | Path, *, read_data: bool = False, load_mtp: bool = True,
+                     progress: bool = False) -> LoadReport:
+    """Check the checkpoint at ``path`` as :func:`load_model` would, without building a model.
+
+    By default only the config, the index and the safetensors headers are read: every tensor's
+    name, shape and dtype against the config, quantized groups complete and consistent with the
+    quantization config, nothing missing, nothing extra, no file truncated. ``read_data=True``
+    also reads every tensor (NaN/Inf values and scales, FP8 NaN codes, expert tables in range)
+    and keeps none of them. Raises :class:`CheckpointError` / ``ConfigError`` naming the culprit.
+    """
+    return _walk(path, "meta", torch.float32, load_mtp, read_data, progress, scan_fp8=read_data).report
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+               load_mtp: bool = True, progress: bool = True) -> tuple[Transformer, LoadReport]:
+    """Load ``path`` into a model on ``device`` with activations/linear weights in ``dtype``.
+
+    Quantized weights (FP8 block, MXFP4, NVFP4) stay packed and are placed on ``device`` as is.
+    ``load_mtp=False`` skips ``mtp.*`` tensors; a checkpoint without them loads with a note in the
+    report (speculative decoding then is unavailable). The headers are checked first, so a
+    mis-shaped or missing tensor in the last shard fails before any data is read. Raises
+    :class:`CheckpointError` / :class:`~dsv4.config.ConfigError` naming the culprit; nothing
+    partial is returned.
+    """
+    _walk(path, "meta", dtype, load_mtp, read_data=False, progress=False)
+    found = _walk(path, device, dtype, load_mtp, read_data=True, progress=progress)
+    skeleton = found.skeleton
+    skeleton.load_state_dict(found.plain, strict=False, assign=True)
+    for name, weight in found.packed.items():
         skeleton.get_submodule(name[: -len(".weight")]).set_weight(weight)
     skeleton.stack_experts()
     skeleton.init_rope(device)
-    report.seconds = time.perf_counter() - t0
-    return skeleton.eval(), report
+    return skeleton.eval(), found.report
