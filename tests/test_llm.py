@@ -58,9 +58,14 @@ def test_stream_yields_text_incrementally(llm):
     assert "".join(e.text for e in events) == events[-1].output.text
 
 
-def test_context_limit_ends_with_length(tiny_checkpoint):
+def test_context_limit_is_checked_at_admission(tiny_checkpoint):
+    """A request that could not finish within max_model_len is refused before anything runs (both
+    lengths named); one that fits exactly ends with reason "length" at the last position."""
     small = LLM(tiny_checkpoint, max_num_seqs=1, max_model_len=24, progress=False)
-    out = small.generate("Once upon a time", SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    with pytest.raises(ValueError, match=r"prompt 0: prompt \(\d+ tokens\) \+ max_tokens \(100\) = \d+ exceeds max_model_len \(24\)"):
+        small.generate("Once upon a time", SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    n = len(small.tokenizer.encode("Once upon a time", add_bos=True))
+    out = small.generate("Once upon a time", SamplingParams(max_tokens=24 - n, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.token_ids) == 24
     with pytest.raises(ValueError, match="prompt 0 has .* tokens; max_model_len is 24"):

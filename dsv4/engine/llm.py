@@ -9,9 +9,8 @@ text never contains half a UTF-8 character or the beginning of a stop string.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,29 +23,10 @@ from ..weights.loader import CheckpointError, LoadReport, load_model
 from .inputs import check_text, params_list, prompt_list, single_prompt
 from .limits import check_positive, check_state_fits, format_bytes, resolve_max_model_len
 from .runner import Runner
-from .sampler import SamplingBatch, SamplingParams, StopChecker, sample
+from .core import CompletionOutput, Engine
+from .sampler import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "resolve_qat_sim"]
-
-
-@dataclass
-class CompletionOutput:
-    """One finished generation. Times in seconds; ``decode_tokens_per_s`` excludes the first token
-    (None when there was no second token to time)."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    time_to_first_token: float = 0.0
-    total_time: float = 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        span = self.total_time - self.time_to_first_token
-        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else None
 
 
 @dataclass
@@ -98,40 +78,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return table[dtype]
 
 
-class _Request:
-    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
-                 eos_id: int):
-        self.index, self.params = index, params
-        self.out = CompletionOutput(prompt_token_ids=prompt_ids)
-        if params.logprobs is not None:
-            self.out.logprobs, self.out.top_logprobs = [], []
-        # a checkpoint without a tokenizer still generates token ids (text stays empty)
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True) if tokenizer else None
-        self.stops = StopChecker.from_params(params, eos_id)
-        self.t0 = time.perf_counter()
-
-    def take(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
-             context_full: bool) -> StreamEvent:
-        out = self.out
-        if not out.token_ids:
-            out.time_to_first_token = time.perf_counter() - self.t0
-        out.token_ids.append(token)
-        if out.logprobs is not None:
-            out.logprobs.append(logprob)
-            out.top_logprobs.append(top or [])
-        detok = self.detok
-        emit, stopped, reason = self.stops.check(detok.push(token) if detok else "", token)
-        if not stopped and context_full:
-            emit, stopped, reason = emit + (detok.flush() if detok else "") + self.stops.finish(), True, "length"
-        elif stopped and reason == "length" and detok:
-            emit += detok.flush()
-        out.text += emit
-        if stopped:
-            out.finish_reason = reason
-            out.total_time = time.perf_counter() - self.t0
-        return StreamEvent(self.index, emit, token, stopped, out)
-
-
 class LLM:
     """A loaded model ready to generate.
 
@@ -144,14 +90,20 @@ class LLM:
         qat_sim: simulate the FP8 KV cache / FP4 indexer of quantized releases (``auto``: on for them).
         max_num_seqs: sequences generated together (the state holds this many).
         max_model_len: positions per sequence, prompt included (default: 4096, or the model's
-            ``max_position_embeddings`` if smaller; more than that is refused).
+            ``max_position_embeddings`` if smaller; more than that is refused). A request whose
+            prompt plus ``max_tokens`` does not fit is refused with a named error.
+        enforce_eager: no CUDA graphs (on a GPU the decode step is otherwise captured at start-up,
+            one graph per batch bucket, and replayed).
+        max_num_batched_tokens: tokens per engine step (decodes plus prompt chunks); default
+            ``max(512, max_num_seqs + 512)``.
 
     Both limits are checked against the config and the free memory before any weight is read.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int = 4,
-                 max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True):
+                 max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True,
+                 enforce_eager: bool = False, max_num_batched_tokens: int | None = None):
         from ..tiny import resolve_model
         check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
         dev = resolve_device(device)
@@ -176,6 +128,10 @@ class LLM:
         self.config: ModelConfig = net.config
         self.qat_sim = resolve_qat_sim(qat_sim, self.config)
         self.runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim)
+        if dev.type == "cuda" and not enforce_eager:
+            self.runner.capture(progress=progress)
+        self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,
+                             max_num_batched_tokens=max_num_batched_tokens)
 
     # ------------------------------------------------------------------ inputs
     def _require_tokenizer(self) -> Tokenizer:
@@ -204,57 +160,46 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def stream_many(self, prompts: Sequence[str | Sequence[int]],
                     params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamEvent]:
-        """Generate for every prompt, yielding a :class:`StreamEvent` per request per token."""
+        """Generate for every prompt, yielding a :class:`StreamEvent` per request per token.
+
+        All prompts go through the engine's continuous batching: up to ``max_num_seqs`` run at once
+        and a finished request's slot is taken by the next one in the same step. Every prompt is
+        checked (and refused with a named error) before any is started.
+        """
         prompts = prompt_list(prompts, "LLM.stream_many")
         params = params_list(params, len(prompts), "LLM.stream_many")
         return self._stream_many(prompts, params)
 
     def _stream_many(self, prompts: list, params: list[SamplingParams]) -> Iterator[StreamEvent]:
-        requests = [_Request(i, self._prompt_ids(p, i), sp, self.tokenizer, self.config.eos_token_id)
-                    for i, (p, sp) in enumerate(zip(prompts, params))]
-        for lo in range(0, len(requests), self.runner.max_slots):
-            yield from self._wave(requests[lo:lo + self.runner.max_slots])
-
-    def _wave(self, wave: list[_Request]) -> Iterator[StreamEvent]:
-        runner, vocab = self.runner, self.config.vocab_size
-        slots = list(range(len(wave)))
-        runner.reset(slots)
-        device = runner.device
-        logits = torch.stack([runner.prefill(s, r.out.prompt_token_ids) for s, r in zip(slots, wave)])
-        batch = SamplingBatch([r.params for r in wave], vocab, device,
-                              prompt_ids=[r.out.prompt_token_ids for r in wave])
-        active = list(range(len(wave)))  # rows of `batch` <-> wave indices
-        while True:
-            result = sample(logits, batch)
-            batch.update(result.token_ids)
-            tokens = result.token_ids.tolist()  # the one host read per step
-            lps = result.logprobs.tolist() if result.logprobs is not None else None
-            tops = None
-            if result.top_logprobs is not None:
-                ids, vals = result.top_logprobs
-                tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-            keep = []
-            for row, w in enumerate(active):
-                req = wave[w]
-                n_top = req.params.logprobs or 0
-                top = tops[row][:n_top] if tops is not None else None
-                full = runner.lengths[slots[w]] + 1 >= runner.max_context
-                event = req.take(tokens[row], lps[row] if lps else None, top, full)
-                yield event
-                if not event.finished:
-                    keep.append(row)
-            if not keep:
-                return
-            if len(keep) != len(active):
-                batch = batch.select(keep)
-                active = [active[r] for r in keep]
-                tokens = [tokens[r] for r in keep]
-            next_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-            logits = runner.decode([slots[w] for w in active], next_ids)
+        ids = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            try:
+                self.engine.scheduler.check(p, sp)
+            except RequestError as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        index = {}
+        try:
+            for i, (p, sp) in enumerate(zip(ids, params)):
+                index[self.engine.add_request(p, sp)] = i
+            remaining = set(index)
+            while remaining:
+                for out in self.engine.step():
+                    if out.request_id not in remaining:
+                        continue
+                    token = out.new_token_ids[-1] if out.new_token_ids else None
+                    yield StreamEvent(index[out.request_id], out.new_text, token, out.finished, out.output)
+                    if out.finished:
+                        remaining.discard(out.request_id)
+        finally:   # a caller that stops iterating (or an error) must not leave requests running
+            for rid in index:
+                self.engine.abort(rid)
+            while self.engine.has_unfinished:
+                self.engine.step()
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Generate for one prompt or a list of prompts (text or token ids)."""
+        """Generate for one prompt or a list of prompts (text or token ids); one params object for
+        all or one per prompt."""
         prompts = prompt_list(prompts, "LLM.generate")
         params = params_list(params, len(prompts), "LLM.generate")
         outputs: dict[int, CompletionOutput] = {}
