@@ -42,13 +42,15 @@ def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
     return requested
 
 
-def state_bytes(config: ModelConfig, slots: int, context: int, dtype: torch.dtype) -> int:
-    """Bytes of the generation state for ``slots`` sequences of ``context`` positions.
+def state_bytes(config: ModelConfig, slots: int, context: int, dtype: torch.dtype, qat_sim: bool = False) -> int:
+    """Bytes of the generation state for ``slots`` sequences of ``context`` positions (plus the
+    runner's scratch slot), stored as the QAT simulation says (FP8 K=V rows and FP4 indexer keys
+    when on).
 
     Computed by laying the state out on the ``meta`` device, so it is exact for whatever layout
     :class:`~dsv4.engine.state.GenerationState` has, and costs no memory.
     """
-    return GenerationState(config, slots, context, dtype, "meta").nbytes()
+    return GenerationState(config, slots + 1, context, dtype, "meta", qat_sim=qat_sim).nbytes()
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -70,9 +72,9 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_state_fits(config: ModelConfig, slots: int, context: int, dtype: torch.dtype,
-                     device: torch.device) -> int:
+                     device: torch.device, qat_sim: bool = False) -> int:
     """The state's size in bytes; a :class:`UsageError` when ``device`` has less memory free."""
-    need = state_bytes(config, slots, context, dtype)
+    need = state_bytes(config, slots, context, dtype, qat_sim)
     free = available_bytes(device)
     if free is not None and need > free:
         raise UsageError(f"the generation state for max_num_seqs (--max-num-seqs) {slots} x max_model_len "

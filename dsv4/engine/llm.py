@@ -114,7 +114,8 @@ class LLM:
         self.max_model_len = resolve_max_model_len(max_model_len, config)
         self.max_num_seqs = max_num_seqs
         act_dtype = resolve_dtype(dtype, dev)
-        state_size = check_state_fits(config, max_num_seqs, self.max_model_len, act_dtype, dev)
+        state_size = check_state_fits(config, max_num_seqs, self.max_model_len, act_dtype, dev,
+                                      resolve_qat_sim(qat_sim, config))
         if progress:
             print(f"state: {max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(state_size)} on {dev}",
                   file=sys.stderr)

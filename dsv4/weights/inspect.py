@@ -18,7 +18,8 @@ from safetensors import safe_open
 import torch
 
 from ..config import ModelConfig
-from ..engine.limits import format_bytes, state_bytes
+from ..engine.limits import format_bytes
+from ..engine.state import state_layout
 from .loader import CheckpointError, check_checkpoint, list_shards, tensor_group
 
 CHECKS = ("headers", "data", None)
@@ -51,23 +52,32 @@ def check_line(path: Path, check: str | None) -> str:
             "(headers only; --check-data also reads the values)")
 
 
-def state_lines(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Generation-state size per sequence, from :func:`~dsv4.engine.limits.state_bytes`.
+def state_lines(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, qat_sim: bool | None = None,
+                budgets_gib: tuple[int, ...] = (80, 141)) -> list[str]:
+    """Generation-state size per sequence by layer kind (:func:`~dsv4.engine.state.state_layout`),
+    and the longest context one sequence can have in a few amounts of GPU memory.
 
-    The state grows linearly with the context (compressed entries) on top of a fixed part (the
-    sliding-window rings, the compressors' open windows). The per-layer-kind breakdown (sliding,
-    CSA, HCA) belongs here once the cache layout reports it per kind.
+    The state grows linearly with the context (CSA/HCA compressed entries, CSA indexer keys) on top
+    of a fixed part (the sliding-window rings, the compressors' open windows). ``qat_sim`` (default:
+    on for quantized releases, as ``--qat-sim auto``) stores K=V rows as FP8 + BF16 rope dims and
+    indexer keys as FP4.
     """
-    span = 1 << 20  # a multiple of every compression ratio, so the difference is exact
-    one = state_bytes(config, 1, span, dtype)
-    per_token = (state_bytes(config, 1, 2 * span, dtype) - one) / span
-    fixed = one - per_token * span
-    name = str(dtype).removeprefix("torch.")
+    if qat_sim is None:
+        qat_sim = config.quantization_config is not None or config.expert_dtype is not None
+    layout = state_layout(config, dtype, qat_sim)
+    per_token, fixed = sum(layout.per_token.values()), sum(layout.fixed.values())
+    store = "FP8 K=V + FP4 indexer keys (QAT simulation)" if qat_sim else str(dtype).removeprefix("torch.")
     at = [(n, f"{n:,} positions") for n in (4096,) if n < config.max_position_embeddings]
     at.append((config.max_position_embeddings, f"{config.max_position_embeddings:,} (max_position_embeddings)"))
     sizes = ", ".join(f"{label}: {format_bytes(fixed + per_token * n)}" for n, label in at)
-    return [f"state        {format_bytes(per_token)} per token per sequence + {format_bytes(fixed)} fixed "
-            f"({name}, all {config.num_hidden_layers} layers); {sizes}"]
+    fits = ", ".join(f"{g} GiB: {layout.max_context(g << 30):,} tokens" for g in budgets_gib)
+    lines = [f"state        {format_bytes(per_token)} per token per sequence + {format_bytes(fixed)} fixed "
+             f"({store}, all {config.num_hidden_layers} layers); {sizes}",
+             f"             longest context of one sequence if the state alone had {fits}"]
+    for kind, n in layout.layers.items():
+        lines.append(f"             {kind:<8} x{n:<3} {layout.per_token[kind] / n:8.1f} B/token/layer, "
+                     f"{format_bytes(layout.fixed[kind] / n)} fixed/layer")
+    return lines
 
 
 def describe(path: Path, check: str | None = "headers") -> str:
