@@ -8,9 +8,10 @@ attention, hash-routed and top-k MoE. Weights are random, made directly on the d
 layout (``dsv4.model.random_weights``). The generation state is filled with random rows at
 ``--context`` positions (no prefill needed: a decode step's cost does not depend on the values).
 
-Per batch size it prints ms per decode step for transformers' eager ``DeepseekV4ForCausalLM`` on
-the same BF16 slice (prefilled with real tokens), for dsv4 with the reference ops and with the
-registered kernels, and the bytes floor: every dense weight once, the routed experts a batch
+Per batch size it prints ms per decode step (embedding, layers, head and sampler) for transformers'
+eager ``DeepseekV4ForCausalLM`` on the same BF16 slice (prefilled with real tokens), for dsv4 with
+the reference ops and with the registered kernels, eager or replayed as one CUDA graph, and the
+bytes floor: every dense weight once, the routed experts a batch
 selects (expected distinct experts of uniform routing), the embedding rows, and the state a step
 reads (window ring, the CSA top-k entries and all indexer keys, the HCA entries), over the copy
 bandwidth measured in the same run.
@@ -19,6 +20,7 @@ bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -131,17 +133,21 @@ def bench_ours(config: ModelConfig, layout: str, batches: list[int], context: in
     for batch in batches:
         runner = Runner(model, max_slots=batch, max_context=context + steps + 16, qat_sim=qat_sim)
         fill_state(runner, context)
-        ids = torch.randint(2, config.vocab_size, (batch,), device=DEVICE)
+        runner.tokens.random_(2, config.vocab_size)
         slots = list(range(batch))
         for mode in modes:
-            def step():
-                runner.decode(slots, ids)
-            if mode == "reference":
-                with ops.reference_only():
-                    t = time_steps(step, steps)
-            else:
-                t = time_steps(step, steps)
+            ops_kind, _, how = mode.partition("-")
+            scope = ops.reference_only() if ops_kind == "reference" else contextlib.nullcontext()
+            with scope:
+                runner.graphs.clear()
+                if how == "graph":
+                    runner.capture(max_batch=batch, progress=False)
+                t = time_steps(lambda: runner.decode_step(slots), steps)
+                runner.graphs.clear()
             results[(batch, mode)] = t
+            for s in slots:     # keep every slot at the same context for the next mode
+                runner.lengths[s] = context
+            runner.state.positions[:batch] = context
         results[(batch, "bytes")] = weight_bytes(model, batch) + batch * state_bytes(config, qat_sim, model.dtype,
                                                                                         context)
         del runner
@@ -205,7 +211,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--ops", nargs="+", default=["reference", "kernels"], choices=["reference", "kernels"])
+    ap.add_argument("--ops", nargs="+", default=["reference-eager", "kernels-eager", "kernels-graph"],
+                    choices=["reference-eager", "kernels-eager", "reference-graph", "kernels-graph"],
+                    help="which ops (reference or registered kernels) and eager steps or CUDA-graph replay")
     ap.add_argument("--qat-sim", default="auto", choices=["auto", "on", "off"],
                     help="auto: on for the quantized layouts, off for bf16")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' eager model")
