@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install dsv4 (editable) into the active Python environment.
 #   bash scripts/install.sh          # the engine
-#   bash scripts/install.sh test     # the engine + test dependencies (pytest, transformers)
+#   bash scripts/install.sh test     # the engine + test dependencies (pytest, transformers, and
+#                                     # triton where torch has none: the kernel tests' interpreter)
 #
 # torch, first match wins:
 #   1. an installed torch >= 2.11 is kept (e.g. a CUDA build on a GPU machine);
@@ -84,6 +85,13 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
   say "took $(torch_build)"
 else
   install_cpu_torch
+fi
+
+if [ "$TARGET" = ".[test]" ] && ! "$PY" -c "import triton" 2>/dev/null; then
+  # the kernel tests run on CPU through Triton's interpreter; CUDA builds of torch bring their own
+  # triton, so it is only added where torch came without one (the version of the GPU image)
+  say "installing triton==3.6.0 for the kernel tests (Triton's interpreter runs them on CPU)"
+  "$PY" -m pip install "triton==3.6.0"
 fi
 
 "$PY" -m pip install -e "$TARGET"
