@@ -1,0 +1,488 @@
+"""Sparse attention (sliding window + compressed entries + sink) and the lightning indexer's scores.
+
+Computes what :func:`dsv4.ops.reference.sparse_attention` and :func:`dsv4.ops.reference.indexer_scores`
+compute (DSV4_FACTS section 2, "Attention" and "Lightning indexer"; storage layouts in
+:mod:`dsv4.model.cache`).
+
+**Attention.** One shared K=V head (MQA), so for one query the ``H`` heads form the rows of a matrix
+product against the query's keys: ``logits [BH, BN] = Q [BH, hd] @ K^T``, then ``acc += P @ K``.
+Every query ``t = start[b] + s`` has its own key list, walked in blocks of ``BN`` keys:
+
+- the window, ``W`` virtual keys ``i -> position t - W + 1 + i``: positions ``< start`` come from
+  the ring (row ``pos % W`` of the slot, read-only here), the others from this forward's
+  ``kv_new[b, pos - start]``; negative positions are masked (and whole such blocks skipped);
+- the compressed entries of CSA layers, ``comp_idx[b, s, :]`` (``-1`` masked, duplicates count
+  twice), or of HCA layers, entries ``0 .. comp_len[b, s] - 1`` (blocks past ``comp_len`` skipped).
+
+Stored rows are dequantized in registers exactly as ``RowStore.read`` does: ``plain`` as is;
+``fp8`` non-rope dims ``e4m3 * scale`` (an e8m0 byte or fp32 per 64) computed in fp32 and rounded
+to the activation dtype, rope dims as stored. So the operands of both products are bit-equal to the
+reference's; logits and the softmax are fp32 (online, base 2), ``P`` is rounded to the activation
+dtype for ``P @ V`` (flash-attention practice; bf16-level differences).
+
+Grid ``(B*S queries, ceil(H / BH) head blocks, SPLITS)``. The key blocks of a query
+(``ceil(W/BN)`` window blocks then ``ceil(NC/BN)`` compressed ones, ``NC`` = top-k or
+``comp_bound``) are cut into ``SPLITS`` contiguous ranges, chosen on the host from host-known
+shapes so that a decode batch fills the GPU (flash decoding). With one split the kernel finishes
+the softmax itself (sink included) and writes the output; with several, each program writes its
+unnormalized ``acc`` and its ``(max, sum)`` to a workspace and ``_attn_combine_kernel`` (grid
+``(B*S, H)``) merges the splits in split order (deterministic) with the sink. A query that sees
+no key gets ``0`` (the sink takes all the weight).
+
+**Indexer scores.** ``out[b, s, c] = sum_h w[b, s, h] * relu(q[b, s, h] . K[slot_b, c])`` for
+``c < bound``. Grid ``(ceil(S / BQ) * B, entry splits)``; a program decodes a tile of ``BC`` keys
+once (packed e2m1 nibbles and their e8m0 scale per 32, exactly, in the activation dtype) and then,
+for each of its ``BQ`` queries, runs ``tl.dot`` of the tile against the query's ``nI`` heads (the
+low nibbles against the even query dims, the high nibbles against the odd ones, so nothing is
+interleaved), applies ReLU and the head weights and reduces over heads in fp32.
+
+Everything is sized from host-known shapes: no host read of a device value, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_LOG2E = 1.4426950408889634
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+LAYOUT_PLAIN, LAYOUT_FP8, LAYOUT_FP4 = 0, 1, 2
+_LAYOUT = {"plain": LAYOUT_PLAIN, "fp8": LAYOUT_FP8, "fp4": LAYOUT_FP4}
+
+#: decode grids aim at this many programs (about two per SM on an H100) when splitting keys
+TARGET_PROGRAMS = 264
+
+
+class AttentionKernelError(ValueError):
+    """The inputs do not fit the Triton attention / indexer kernels (the message names the argument)."""
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Output / workspace allocation (tests replace it with a NaN-filled one)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- numerics helpers
+@triton.jit
+def _e8m0_to_f32(bits):
+    """e8m0 bytes -> fp32 ``2^(e-127)``, exact (``e = 0`` is the subnormal ``2^-127``, 255 NaN)."""
+    e = bits.to(tl.int32)
+    f = tl.where(e == 0, 0x00400000, e << 23)
+    f = tl.where(e == 255, 0x7FC00000, f)
+    return f.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """e2m1 codes (int32, low 4 bits) -> fp32 values, arithmetically: magnitude code ``2e + m`` is
+    ``0.5 m`` for ``e = 0``, else ``2^(e-1) (1 + m/2)``; bit 3 is the sign."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    pw = ((e + 126) << 23).to(tl.float32, bitcast=True)          # 2^(e-1) for e >= 1
+    mag = tl.where(e == 0, 0.5 * m, pw * (1.0 + 0.5 * m))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _load_rows(data_ptr, scale_ptr, rope_ptr, row, ok, LAYOUT: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
+               NOPE: tl.constexpr, NSC: tl.constexpr, SCALE_E8M0: tl.constexpr, OUT: tl.constexpr):
+    """Rows ``row [BN]`` (int64 flat ``slot * rows + r``) of a K=V store as ``[BN, DP]`` in ``OUT``
+    (zeros where ``~ok`` or past ``HD``), equal to ``RowStore.read``."""
+    if LAYOUT == 0:
+        d = tl.arange(0, DP)
+        m = ok[:, None] & (d < HD)[None, :]
+        x = tl.load(data_ptr + row[:, None] * HD + d[None, :], mask=m, other=0.0)
+        return x.to(OUT)
+    else:
+        # as [BN, DP / 64, 64]: the scale of block c broadcasts over its 64 dims (no gather)
+        CH: tl.constexpr = 64 if DP > 64 else DP
+        NCH: tl.constexpr = DP // CH
+        ROPE: tl.constexpr = HD - NOPE
+        c3 = tl.arange(0, NCH)[None, :, None]
+        d3 = c3 * CH + tl.arange(0, CH)[None, None, :]                       # [1, NCH, CH]
+        r3 = row[:, None, None]
+        ok3 = ok[:, None, None]
+        x = tl.load(data_ptr + r3 * NOPE + d3, mask=ok3 & (d3 < NOPE), other=0.0).to(tl.float32)
+        sc = tl.load(scale_ptr + r3 * NSC + c3, mask=ok3 & (c3 < NSC), other=0)   # [BN, NCH, 1]
+        if SCALE_E8M0:
+            s = _e8m0_to_f32(sc)
+        else:
+            s = sc.to(tl.float32)
+        v = (x * s).to(OUT)
+        rm = ok3 & (d3 >= NOPE) & (d3 < HD)
+        r = tl.load(rope_ptr + r3 * ROPE + (d3 - NOPE), mask=rm, other=0.0).to(OUT)
+        return tl.reshape(tl.where(d3 < NOPE, v, r), (row.shape[0], DP))
+
+
+@triton.jit
+def _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """One block of keys ``k [BN, DP]`` (``ok [BN]`` the visible ones) into the online softmax of
+    ``q [BH, DP]``: base-2 logits, running max ``m_i``, sum ``l_i`` and ``acc [BH, DP]``."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+# ----------------------------------------------------------------------------- attention kernels
+@triton.jit
+def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr, start_ptr,
+                 ring_data, ring_scale, ring_rope, comp_data, comp_scale, comp_rope, idx_ptr, len_ptr,
+                 S, H, ring_rows, comp_rows, NC, qk_scale,
+                 sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h,
+                 W: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                 R_LAYOUT: tl.constexpr, R_NOPE: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
+                 HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr, C_NOPE: tl.constexpr,
+                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, SPLITS: tl.constexpr, BPS: tl.constexpr,
+                 PREC: tl.constexpr):
+    pid_q = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_sp = tl.program_id(2)
+    b = pid_q // S
+    s = pid_q % S
+    dt = q_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    start = tl.load(start_ptr + b).to(tl.int64)
+    t = start + s
+
+    h = pid_h * BH + tl.arange(0, BH)
+    hm = h < H
+    d = tl.arange(0, DP)
+    dm = d < HD
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :],
+                mask=hm[:, None] & dm[None, :], other=0.0)
+
+    m_i = tl.full([BH], -1.0e30, tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, DP], tl.float32)
+    n_wb: tl.constexpr = (W + BN - 1) // BN
+    blk_lo = pid_sp * BPS
+    blk_hi = blk_lo + BPS
+
+    # the window: virtual key i is position t - W + 1 + i (blocks of negative positions skipped)
+    first = tl.maximum(W - 1 - t, 0) // BN
+    for blk in range(tl.maximum(blk_lo, first), tl.minimum(blk_hi, n_wb)):
+        i = blk * BN + tl.arange(0, BN)
+        pos = t - W + 1 + i
+        ok = (i < W) & (pos >= 0)
+        in_ring = ok & (pos < start)
+        in_new = ok & (pos >= start)
+        ring_row = slot * ring_rows + tl.where(in_ring, pos % W, 0)
+        k = _load_rows(ring_data, ring_scale, ring_rope, ring_row, in_ring, R_LAYOUT, HD, DP, R_NOPE, R_NSC,
+                       R_E8M0, dt)
+        new_off = b.to(tl.int64) * skv_b + tl.where(in_new, pos - start, 0) * skv_s
+        kn = tl.load(kvn_ptr + new_off[:, None] + d[None, :], mask=in_new[:, None] & dm[None, :], other=0.0)
+        k = tl.where(in_new[:, None], kn.to(dt), k)
+        m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
+
+    if HAS_COMP:
+        c_hi = tl.minimum(blk_hi, n_wb + tl.cdiv(NC, BN))
+        if DENSE:
+            clen = tl.load(len_ptr + pid_q).to(tl.int32)
+            c_hi = tl.minimum(c_hi, n_wb + tl.cdiv(tl.minimum(clen, NC), BN))
+        for blk in range(tl.maximum(blk_lo, n_wb), c_hi):
+            c = (blk - n_wb) * BN + tl.arange(0, BN)
+            if DENSE:
+                ok = c < clen
+                row = c.to(tl.int64)
+            else:
+                row = tl.load(idx_ptr + pid_q.to(tl.int64) * NC + c, mask=c < NC, other=-1).to(tl.int64)
+                ok = row >= 0
+            k = _load_rows(comp_data, comp_scale, comp_rope, slot * comp_rows + tl.where(ok, row, 0), ok,
+                           C_LAYOUT, HD, DP, C_NOPE, C_NSC, C_E8M0, dt)
+            m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
+
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        den = l_i * alpha + tl.exp2(sink - m_f)
+        o = acc * (alpha / den)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h[:, None] * so_h + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+    else:
+        part = (pid_q.to(tl.int64) * H + h) * SPLITS + pid_sp                    # [BH]
+        tl.store(pml_ptr + part * 2, m_i, mask=hm)
+        tl.store(pml_ptr + part * 2 + 1, l_i, mask=hm)
+        # a split that saw no key leaves its acc unwritten: the combine never reads it (l = 0)
+        tl.store(pacc_ptr + part[:, None] * HD + d[None, :], acc,
+                 mask=(hm & (l_i > 0))[:, None] & dm[None, :])
+
+
+@triton.jit
+def _attn_combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, S, H, so_b, so_s, so_h,
+                         HD: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    pid_q = tl.program_id(0)
+    h = tl.program_id(1)
+    b = pid_q // S
+    s = pid_q % S
+    sp = tl.arange(0, SP)
+    spm = sp < SPLITS
+    part = (pid_q.to(tl.int64) * H + h) * SPLITS + sp
+    m = tl.load(pml_ptr + part * 2, mask=spm, other=-1.0e30)
+    l = tl.load(pml_ptr + part * 2 + 1, mask=spm, other=0.0)
+    sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+    m_f = tl.maximum(tl.max(m, 0), sink)
+    w = tl.exp2(m - m_f)
+    den = tl.sum(l * w, 0) + tl.exp2(sink - m_f)
+    d = tl.arange(0, DP)
+    live = spm & (l > 0)
+    acc = tl.load(pacc_ptr + part[:, None] * HD + d[None, :], mask=live[:, None] & (d < HD)[None, :], other=0.0)
+    o = tl.sum(acc * (w / den)[:, None], 0)
+    tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h * so_h + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < HD)
+
+
+# ----------------------------------------------------------------------------- attention wrapper
+def _store_parts(store: object, name: str, hd: int, dtype: torch.dtype) -> tuple:
+    """Validate a K=V ``RowStore`` and return ``(data, scale, rope, layout, nope, n_scales, e8m0)``."""
+    layout = getattr(store, "layout", None)
+    if layout not in ("plain", "fp8"):
+        raise AttentionKernelError(f"{name}: layout {layout!r} not supported (plain or fp8)")
+    if store.dim != hd:
+        raise AttentionKernelError(f"{name}: row width {store.dim} != head dim {hd}")
+    if store.dtype != dtype:
+        raise AttentionKernelError(f"{name}: dtype {store.dtype} != query dtype {dtype}")
+    for part in store.tensors():
+        if not part.is_contiguous():
+            raise AttentionKernelError(f"{name}: stored tensors must be contiguous")
+        if part.dim() != 3:
+            raise AttentionKernelError(f"{name}: stored tensors must be [slots, rows, ...]")
+    data = store.data
+    if layout == "plain":
+        if data.dtype != dtype or data.shape[-1] != hd:
+            raise AttentionKernelError(f"{name}: plain data must be [slots, rows, {hd}] {dtype}")
+        return data, data, data, LAYOUT_PLAIN, hd, 1, True
+    nope = data.shape[-1]
+    n_sc = -(-nope // 64)
+    if data.dtype != torch.float8_e4m3fn:
+        raise AttentionKernelError(f"{name}: fp8 data must be float8_e4m3fn, got {data.dtype}")
+    if store.scale is None or store.scale.shape[:2] != data.shape[:2] or store.scale.shape[-1] != n_sc:
+        raise AttentionKernelError(f"{name}: fp8 scale must be [slots, rows, {n_sc}]")
+    if store.scale.dtype not in (torch.uint8, torch.float32):
+        raise AttentionKernelError(f"{name}: fp8 scale must be uint8 e8m0 or fp32, got {store.scale.dtype}")
+    rope = store.rope
+    if rope is None or rope.shape[:2] != data.shape[:2] or rope.shape[-1] != hd - nope or rope.dtype != dtype:
+        raise AttentionKernelError(f"{name}: fp8 rope part must be [slots, rows, {hd - nope}] {dtype}")
+    return data, store.scale, rope, LAYOUT_FP8, nope, n_sc, store.scale.dtype == torch.uint8
+
+
+def _attn_config(H: int, hd: int, n_queries: int) -> tuple[int, int, int, int]:
+    """``(BH, BN, num_warps, num_stages)`` by shape."""
+    if _INTERPRET:
+        return max(16, min(32, triton.next_power_of_2(H))), 16, 4, 1
+    dp = triton.next_power_of_2(hd)
+    bh = 16 if dp >= 512 else 32
+    bn = 32 if dp >= 512 else 64
+    return min(bh, max(16, triton.next_power_of_2(H))), bn, 4, 2
+
+
+def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise AttentionKernelError(f"{name}: must be int32 or int64, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise AttentionKernelError(f"{name}: shape {tuple(t.shape)} != {shape}")
+    if t.device != device:
+        raise AttentionKernelError(f"{name}: on {t.device}, queries on {device}")
+
+
+def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
+                            start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
+                            comp: object | None = None, comp_idx: torch.Tensor | None = None,
+                            comp_len: torch.Tensor | None = None, comp_bound: int = 0) -> torch.Tensor:
+    """Triton twin of :func:`dsv4.ops.reference.sparse_attention` (same signature and result)."""
+    if q.dim() != 4:
+        raise AttentionKernelError(f"q must be [B, S, H, hd], got {tuple(q.shape)}")
+    B, S, H, hd = q.shape
+    dtype, dev = q.dtype, q.device
+    if dtype not in _TL_DTYPE:
+        raise AttentionKernelError(f"q: dtype {dtype} not supported (bf16, fp16, fp32)")
+    if q.stride(-1) != 1 or kv_new.stride(-1) != 1:
+        raise AttentionKernelError("q and kv_new need a contiguous last dim")
+    if tuple(kv_new.shape) != (B, S, hd) or kv_new.dtype != dtype:
+        raise AttentionKernelError(f"kv_new must be [{B}, {S}, {hd}] {dtype}, got {tuple(kv_new.shape)} {kv_new.dtype}")
+    _check_int(slots, "slots", (B,), dev)
+    _check_int(start, "start", (B,), dev)
+    if tuple(sink.shape) != (H,) or not sink.is_floating_point():
+        raise AttentionKernelError(f"sink must be a float [{H}], got {tuple(sink.shape)} {sink.dtype}")
+    if window < 1:
+        raise AttentionKernelError(f"window must be >= 1, got {window}")
+    r_data, r_scale, r_rope, r_layout, r_nope, r_nsc, r_e8m0 = _store_parts(ring, "ring", hd, dtype)
+    if r_data.shape[1] < window:
+        raise AttentionKernelError(f"ring has {r_data.shape[1]} rows < window {window}")
+
+    has_comp, dense = comp is not None, comp is not None and comp_idx is None
+    c_data, c_scale, c_rope, c_layout, c_nope, c_nsc, c_e8m0 = r_data, r_scale, r_rope, r_layout, r_nope, r_nsc, r_e8m0
+    idx, clen, nc = slots, slots, 0
+    if has_comp:
+        c_data, c_scale, c_rope, c_layout, c_nope, c_nsc, c_e8m0 = _store_parts(comp, "comp", hd, dtype)
+        if dense:
+            if comp_len is None:
+                raise AttentionKernelError("comp given without comp_idx needs comp_len (HCA)")
+            _check_int(comp_len, "comp_len", (B, S), dev)
+            if not 0 <= comp_bound <= c_data.shape[1]:
+                raise AttentionKernelError(f"comp_bound {comp_bound} outside [0, {c_data.shape[1]}]")
+            clen, nc = comp_len.contiguous(), comp_bound
+        else:
+            if comp_idx.dim() != 3:
+                raise AttentionKernelError(f"comp_idx must be [B, S, k], got {tuple(comp_idx.shape)}")
+            _check_int(comp_idx, "comp_idx", (B, S, comp_idx.shape[-1]), dev)
+            idx, nc = comp_idx.contiguous(), comp_idx.shape[-1]
+        has_comp = nc > 0
+
+    out = _empty((B, S, H, hd), dtype, dev)
+    if B * S == 0 or H == 0:
+        return out
+    bh, bn, warps, stages = _attn_config(H, hd, B * S)
+    dp = max(16, triton.next_power_of_2(hd))
+    n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
+    base = B * S * triton.cdiv(H, bh)
+    splits = min(n_blocks, max(1, triton.cdiv(TARGET_PROGRAMS, base)))
+    bps = triton.cdiv(n_blocks, splits)
+    splits = triton.cdiv(n_blocks, bps)
+    if splits > 1:
+        pacc = _empty((B * S, H, splits, hd), torch.float32, dev)
+        pml = _empty((B * S, H, splits, 2), torch.float32, dev)
+    else:
+        pacc = pml = out
+    grid = (B * S, triton.cdiv(H, bh), splits)
+    _attn_kernel[grid](
+        q, kv_new, out, pacc, pml, sink, slots, start,
+        r_data, r_scale, r_rope, c_data, c_scale, c_rope, idx, clen,
+        S, H, r_data.shape[1], c_data.shape[1], nc, float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), kv_new.stride(0), kv_new.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        W=window, HD=hd, DP=dp, BH=bh, BN=bn,
+        R_LAYOUT=r_layout, R_NOPE=r_nope, R_NSC=r_nsc, R_E8M0=r_e8m0,
+        HAS_COMP=has_comp, DENSE=dense, C_LAYOUT=c_layout, C_NOPE=c_nope, C_NSC=c_nsc, C_E8M0=c_e8m0,
+        SPLITS=splits, BPS=bps, PREC="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
+    if splits > 1:
+        _attn_combine_kernel[(B * S, H)](
+            pacc, pml, sink, out, S, H, out.stride(0), out.stride(1), out.stride(2),
+            HD=hd, DP=dp, SPLITS=splits, SP=triton.next_power_of_2(splits), num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- indexer
+@triton.jit
+def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
+                    S, bound, k_rows, n_qb, tiles_per_split,
+                    sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s,
+                    NI: tl.constexpr, NIP: tl.constexpr, DIM: tl.constexpr, BC: tl.constexpr,
+                    BQ: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr):
+    pid_q = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b = pid_q // n_qb
+    s0 = (pid_q % n_qb) * BQ
+    dt = q_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    hh = tl.arange(0, NIP)
+    hm = hh < NI
+    HALF: tl.constexpr = DIM // 2
+    j = tl.arange(0, HALF)
+    dd = tl.arange(0, DIM)
+    q_b = q_ptr + b.to(tl.int64) * sq_b
+    tile_lo = pid_c * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(bound, BC))
+    for tile in range(tile_lo, tile_hi):
+        c = tile * BC + tl.arange(0, BC)
+        cm = c < bound
+        row = slot * k_rows + c
+        if FP4:
+            byte = tl.load(k_data + row[:, None] * HALF + j[None, :], mask=cm[:, None], other=0).to(tl.int32)
+            sc = _e8m0_to_f32(tl.load(k_scale + row[:, None] * (DIM // 32) + (j // 16)[None, :],
+                                      mask=cm[:, None], other=127))
+            k_lo = (_e2m1_to_f32(byte & 15) * sc).to(dt)        # dims 2j
+            k_hi = (_e2m1_to_f32(byte >> 4) * sc).to(dt)        # dims 2j + 1
+        else:
+            k = tl.load(k_data + row[:, None] * DIM + dd[None, :], mask=cm[:, None], other=0.0).to(dt)
+        for i in range(0, BQ):
+            s = s0 + i
+            if s < S:
+                qrow = q_b + s * sq_s + hh[:, None] * sq_h
+                if FP4:
+                    qe = tl.load(qrow + 2 * j[None, :], mask=hm[:, None], other=0.0)
+                    qo = tl.load(qrow + 2 * j[None, :] + 1, mask=hm[:, None], other=0.0)
+                    dots = tl.dot(k_lo, tl.trans(qe), input_precision=PREC)
+                    dots += tl.dot(k_hi, tl.trans(qo), input_precision=PREC)          # [BC, NIP]
+                else:
+                    qf = tl.load(qrow + dd[None, :], mask=hm[:, None], other=0.0)
+                    dots = tl.dot(k, tl.trans(qf), input_precision=PREC)
+                w = tl.load(w_ptr + b.to(tl.int64) * sw_b + s * sw_s + hh, mask=hm, other=0.0).to(tl.float32)
+                score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
+                tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + c, score, mask=cm)
+
+
+def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
+                          bound: int) -> torch.Tensor:
+    """Triton twin of :func:`dsv4.ops.reference.indexer_scores` (same signature and result)."""
+    if q.dim() != 4:
+        raise AttentionKernelError(f"q must be [B, S, nI, d], got {tuple(q.shape)}")
+    B, S, NI, dim = q.shape
+    dtype, dev = q.dtype, q.device
+    if dtype not in _TL_DTYPE:
+        raise AttentionKernelError(f"q: dtype {dtype} not supported (bf16, fp16, fp32)")
+    if q.stride(-1) != 1:
+        raise AttentionKernelError("q needs a contiguous last dim")
+    if tuple(weights.shape) != (B, S, NI) or not weights.is_floating_point() or weights.stride(-1) != 1:
+        raise AttentionKernelError(f"weights must be a float [{B}, {S}, {NI}] with a contiguous last dim, "
+                                   f"got {tuple(weights.shape)} {weights.dtype}")
+    _check_int(slots, "slots", (B,), dev)
+    layout = getattr(keys, "layout", None)
+    if layout not in ("plain", "fp4"):
+        raise AttentionKernelError(f"keys: layout {layout!r} not supported (plain or fp4)")
+    if keys.dim != dim or keys.dtype != dtype:
+        raise AttentionKernelError(f"keys: rows of {keys.dim} {keys.dtype}, queries {dim} {dtype}")
+    data = keys.data
+    if not data.is_contiguous() or data.dim() != 3:
+        raise AttentionKernelError("keys: data must be a contiguous [slots, rows, ...]")
+    if not 0 <= bound <= data.shape[1]:
+        raise AttentionKernelError(f"bound {bound} outside [0, {data.shape[1]}]")
+    fp4 = layout == "fp4"
+    if fp4:
+        if dim % 32 or data.dtype != torch.uint8 or data.shape[-1] != dim // 2:
+            raise AttentionKernelError(f"keys: fp4 needs d % 32 == 0 and uint8 [slots, rows, {dim // 2}]")
+        sc = keys.scale
+        if sc is None or sc.dtype != torch.uint8 or sc.shape != (*data.shape[:2], dim // 32) or not sc.is_contiguous():
+            raise AttentionKernelError(f"keys: fp4 scale must be contiguous uint8 [slots, rows, {dim // 32}]")
+    else:
+        if data.dtype != dtype or data.shape[-1] != dim:
+            raise AttentionKernelError(f"keys: plain data must be [slots, rows, {dim}] {dtype}")
+        sc = data
+    if dim < 32 or dim & (dim - 1):
+        raise AttentionKernelError(f"index head dim {dim} must be a power of two >= 32")
+    out = _empty((B, S, bound), torch.float32, dev)
+    if B * S == 0 or bound == 0:
+        return out
+    bc = 16 if _INTERPRET else 64
+    bq = 1 if S == 1 else (4 if _INTERPRET else 16)
+    n_qb = triton.cdiv(S, bq)
+    n_tiles = triton.cdiv(bound, bc)
+    splits = min(n_tiles, max(1, triton.cdiv(TARGET_PROGRAMS, B * n_qb)))
+    per = triton.cdiv(n_tiles, splits)
+    splits = triton.cdiv(n_tiles, per)
+    _indexer_kernel[(B * n_qb, splits)](
+        q, weights, out, data, sc, slots, S, bound, data.shape[1], n_qb, per,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
+        NI=NI, NIP=max(16, triton.next_power_of_2(NI)), DIM=dim, BC=bc, BQ=bq, FP4=fp4,
+        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not _INTERPRET else 1)
+    return out
+
+
+REGISTRATIONS = [
+    ("sparse_attention", None, sparse_attention_triton),
+    ("indexer_scores", None, indexer_scores_triton),
+]
+
+__all__ = ["sparse_attention_triton", "indexer_scores_triton", "AttentionKernelError", "REGISTRATIONS"]
