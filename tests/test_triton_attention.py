@@ -129,23 +129,31 @@ def test_attention_decode(kind, layout, dtype, poison):
 
 @cpu_only
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-@pytest.mark.parametrize("layout,dtype", [("fp8", torch.float32), ("plain", torch.float16)])
-@pytest.mark.parametrize("target", [1, ka.TARGET_PROGRAMS])
+@pytest.mark.parametrize("layout,dtype,target", [("fp8", torch.float32, 1), ("plain", torch.float16, 64)],
+                         ids=["fp8-fp32-unsplit", "plain-fp16-split"])
 def test_attention_prefill(kind, layout, dtype, target, poison, monkeypatch):
     """S > W (the chunk's own rows slide out of the window), a chunk after a wrapped ring and one
     from position 0; unsplit (one program per query and head block, softmax finished in-kernel)
     and split key ranges."""
     monkeypatch.setattr(ka, "TARGET_PROGRAMS", target)
-    args, comp = _attn_case(kind, layout, dtype, B=2, S=11, H=3, hd=40, rope=8, W=4, n_ent=12, k=5,
+    args, comp = _attn_case(kind, layout, dtype, B=2, S=9, H=3, hd=40, rope=8, W=4, n_ent=12, k=5,
                             starts=[13, 0], seed=2)
     _check_attention(args, comp, dtype)
 
 
 @cpu_only
-def test_attention_no_key_gives_zero(poison):
-    """A query that sees nothing (HCA length 0 is impossible alone: the window always holds the
-    query itself) gets zeros only through masking; here every key is masked by the sink -> output
-    is exactly the attention over the window, and a huge sink drives it to zero."""
+def test_attention_mixed_layouts(poison):
+    """An fp8 ring with plain compressed entries: one split of the dims (nope | rope) for both."""
+    args, comp = _attn_case("csa", "fp8", torch.float32, B=2, S=2, H=3, hd=48, rope=16, W=4, n_ent=9, k=4,
+                            starts=[6, 1], seed=5)
+    plain = _store("plain", comp["comp"].read(torch.arange(3).view(-1, 1), torch.arange(10).view(1, -1)), 0,
+                   torch.float32)
+    _check_attention(args, dict(comp=plain, comp_idx=comp["comp_idx"]), torch.float32)
+
+
+@cpu_only
+def test_attention_sink_takes_the_weight(poison):
+    """A dominant sink logit (zero value) drives the output to zero, split or not."""
     args, comp = _attn_case("hca", "plain", torch.float32, B=2, S=1, H=4, hd=32, rope=8, W=4, n_ent=8, k=4,
                             starts=[0, 3], seed=3)
     args = list(args)

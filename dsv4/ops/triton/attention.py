@@ -90,48 +90,58 @@ def _e2m1_to_f32(code):
 
 
 @triton.jit
-def _load_rows(data_ptr, scale_ptr, rope_ptr, row, ok, LAYOUT: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr,
-               NOPE: tl.constexpr, NSC: tl.constexpr, SCALE_E8M0: tl.constexpr, OUT: tl.constexpr):
-    """Rows ``row [BN]`` (int64 flat ``slot * rows + r``) of a K=V store as ``[BN, DP]`` in ``OUT``
-    (zeros where ``~ok`` or past ``HD``), equal to ``RowStore.read``."""
+def _load_kv(data_ptr, scale_ptr, rope_ptr, row, ok, BN: tl.constexpr, LAYOUT: tl.constexpr, HD: tl.constexpr,
+             NOPE: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr, ROPE: tl.constexpr, RP: tl.constexpr,
+             NSC: tl.constexpr, E8M0: tl.constexpr, OUT: tl.constexpr):
+    """Rows ``row [BN]`` (int64 flat ``slot * rows + r``) of a K=V store, equal to ``RowStore.read``,
+    as the non-rope part ``[BN, NP]`` (dims ``< NOPE``) and the rope part ``[BN, RP]`` (dims
+    ``NOPE ..``), in ``OUT``; zeros where ``~ok`` or past the width."""
+    dr = tl.arange(0, RP)
     if LAYOUT == 0:
-        d = tl.arange(0, DP)
-        m = ok[:, None] & (d < HD)[None, :]
-        x = tl.load(data_ptr + row[:, None] * HD + d[None, :], mask=m, other=0.0)
-        return x.to(OUT)
+        dn = tl.arange(0, NP)
+        kn = tl.load(data_ptr + row[:, None] * HD + dn[None, :], mask=ok[:, None] & (dn < NOPE)[None, :],
+                     other=0.0).to(OUT)
+        kr = tl.load(data_ptr + row[:, None] * HD + NOPE + dr[None, :], mask=ok[:, None] & (dr < ROPE)[None, :],
+                     other=0.0).to(OUT)
     else:
-        # as [BN, DP / 64, 64]: the scale of block c broadcasts over its 64 dims (no gather)
-        CH: tl.constexpr = 64 if DP > 64 else DP
-        NCH: tl.constexpr = DP // CH
-        ROPE: tl.constexpr = HD - NOPE
+        # e4m3 * scale in fp32, rounded to OUT, as [BN, NP / CH, CH] (CH = min(64, NP)): block c's
+        # scale broadcasts over its 64 dims (one scale load per block, no gather)
+        NCH: tl.constexpr = NP // CH
         c3 = tl.arange(0, NCH)[None, :, None]
         d3 = c3 * CH + tl.arange(0, CH)[None, None, :]                       # [1, NCH, CH]
         r3 = row[:, None, None]
         ok3 = ok[:, None, None]
         x = tl.load(data_ptr + r3 * NOPE + d3, mask=ok3 & (d3 < NOPE), other=0.0).to(tl.float32)
         sc = tl.load(scale_ptr + r3 * NSC + c3, mask=ok3 & (c3 < NSC), other=0)   # [BN, NCH, 1]
-        if SCALE_E8M0:
-            s = _e8m0_to_f32(sc)
+        if E8M0:
+            sf = _e8m0_to_f32(sc)
         else:
-            s = sc.to(tl.float32)
-        v = (x * s).to(OUT)
-        rm = ok3 & (d3 >= NOPE) & (d3 < HD)
-        r = tl.load(rope_ptr + r3 * ROPE + (d3 - NOPE), mask=rm, other=0.0).to(OUT)
-        return tl.reshape(tl.where(d3 < NOPE, v, r), (row.shape[0], DP))
+            sf = sc.to(tl.float32)
+        kn = tl.reshape((x * sf).to(OUT), (BN, NP))
+        kr = tl.load(rope_ptr + row[:, None] * ROPE + dr[None, :], mask=ok[:, None] & (dr < ROPE)[None, :],
+                     other=0.0).to(OUT)
+    return kn, kr
 
 
 @triton.jit
-def _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
-    """One block of keys ``k [BN, DP]`` (``ok [BN]`` the visible ones) into the online softmax of
-    ``q [BH, DP]``: base-2 logits, running max ``m_i``, sum ``l_i`` and ``acc [BH, DP]``."""
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-    s = tl.where(ok[None, :], s, float("-inf"))
+def _softmax_step(qn, qr, kn, kr, ok, m_i, l_i, acc_n, acc_r, qk_scale, HAS_ROPE: tl.constexpr,
+                  PREC: tl.constexpr):
+    """One block of keys (``kn [BN, NP]``, ``kr [BN, RP]``; ``ok [BN]`` the visible ones) into the
+    online softmax of the query heads ``qn [BH, NP]``, ``qr [BH, RP]``: base-2 logits, running max
+    ``m_i``, sum ``l_i`` and the accumulators ``acc_n [BH, NP]``, ``acc_r [BH, RP]``."""
+    s = tl.dot(qn, tl.trans(kn), input_precision=PREC)
+    if HAS_ROPE:
+        s = tl.dot(qr, tl.trans(kr), s, input_precision=PREC)
+    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
-    return m_new, l_i, acc
+    pc = p.to(kn.dtype)
+    acc_n = tl.dot(pc, kn, acc_n * alpha[:, None], input_precision=PREC)
+    if HAS_ROPE:
+        acc_r = tl.dot(pc, kr, acc_r * alpha[:, None], input_precision=PREC)
+    return m_new, l_i, acc_n, acc_r
 
 
 # ----------------------------------------------------------------------------- attention kernels
@@ -140,9 +150,10 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr
                  ring_data, ring_scale, ring_rope, comp_data, comp_scale, comp_rope, idx_ptr, len_ptr,
                  S, H, ring_rows, comp_rows, NC, qk_scale,
                  sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h,
-                 W: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                 R_LAYOUT: tl.constexpr, R_NOPE: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
-                 HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr, C_NOPE: tl.constexpr,
+                 W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr,
+                 ROPE: tl.constexpr, RP: tl.constexpr, HAS_ROPE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                 R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
+                 HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
                  C_NSC: tl.constexpr, C_E8M0: tl.constexpr, SPLITS: tl.constexpr, BPS: tl.constexpr,
                  PREC: tl.constexpr):
     pid_q = tl.program_id(0)
@@ -157,14 +168,18 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr
 
     h = pid_h * BH + tl.arange(0, BH)
     hm = h < H
-    d = tl.arange(0, DP)
-    dm = d < HD
-    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :],
-                mask=hm[:, None] & dm[None, :], other=0.0)
+    dn = tl.arange(0, NP)
+    dr = tl.arange(0, RP)
+    nm = dn < NOPE
+    rm = dr < ROPE
+    q_row = q_ptr + b.to(tl.int64) * sq_b + s * sq_s + h[:, None] * sq_h
+    qn = tl.load(q_row + dn[None, :], mask=hm[:, None] & nm[None, :], other=0.0)
+    qr = tl.load(q_row + NOPE + dr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
 
     m_i = tl.full([BH], -1.0e30, tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, DP], tl.float32)
+    acc_n = tl.zeros([BH, NP], tl.float32)
+    acc_r = tl.zeros([BH, RP], tl.float32)
     n_wb: tl.constexpr = (W + BN - 1) // BN
     blk_lo = pid_sp * BPS
     blk_hi = blk_lo + BPS
@@ -178,12 +193,15 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr
         in_ring = ok & (pos < start)
         in_new = ok & (pos >= start)
         ring_row = slot * ring_rows + tl.where(in_ring, pos % W, 0)
-        k = _load_rows(ring_data, ring_scale, ring_rope, ring_row, in_ring, R_LAYOUT, HD, DP, R_NOPE, R_NSC,
-                       R_E8M0, dt)
-        new_off = b.to(tl.int64) * skv_b + tl.where(in_new, pos - start, 0) * skv_s
-        kn = tl.load(kvn_ptr + new_off[:, None] + d[None, :], mask=in_new[:, None] & dm[None, :], other=0.0)
-        k = tl.where(in_new[:, None], kn.to(dt), k)
-        m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
+        kn, kr = _load_kv(ring_data, ring_scale, ring_rope, ring_row, in_ring, BN, R_LAYOUT, HD, NOPE, NP, CH, ROPE, RP,
+                          R_NSC, R_E8M0, dt)
+        new_row = kvn_ptr + b.to(tl.int64) * skv_b + tl.where(in_new, pos - start, 0)[:, None] * skv_s
+        xn = tl.load(new_row + dn[None, :], mask=in_new[:, None] & nm[None, :], other=0.0)
+        xr = tl.load(new_row + NOPE + dr[None, :], mask=in_new[:, None] & rm[None, :], other=0.0)
+        kn = tl.where(in_new[:, None], xn.to(dt), kn)
+        kr = tl.where(in_new[:, None], xr.to(dt), kr)
+        m_i, l_i, acc_n, acc_r = _softmax_step(qn, qr, kn, kr, ok, m_i, l_i, acc_n, acc_r, qk_scale, HAS_ROPE,
+                                               PREC)
 
     if HAS_COMP:
         c_hi = tl.minimum(blk_hi, n_wb + tl.cdiv(NC, BN))
@@ -198,25 +216,30 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr
             else:
                 row = tl.load(idx_ptr + pid_q.to(tl.int64) * NC + c, mask=c < NC, other=-1).to(tl.int64)
                 ok = row >= 0
-            k = _load_rows(comp_data, comp_scale, comp_rope, slot * comp_rows + tl.where(ok, row, 0), ok,
-                           C_LAYOUT, HD, DP, C_NOPE, C_NSC, C_E8M0, dt)
-            m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
+            kn, kr = _load_kv(comp_data, comp_scale, comp_rope, slot * comp_rows + tl.where(ok, row, 0), ok, BN,
+                              C_LAYOUT, HD, NOPE, NP, CH, ROPE, RP, C_NSC, C_E8M0, dt)
+            m_i, l_i, acc_n, acc_r = _softmax_step(qn, qr, kn, kr, ok, m_i, l_i, acc_n, acc_r, qk_scale,
+                                                   HAS_ROPE, PREC)
 
     if SPLITS == 1:
         sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
         m_f = tl.maximum(m_i, sink)
         alpha = tl.exp2(m_i - m_f)
-        den = l_i * alpha + tl.exp2(sink - m_f)
-        o = acc * (alpha / den)[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h[:, None] * so_h + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+        f = alpha / (l_i * alpha + tl.exp2(sink - m_f))
+        o_row = out_ptr + b.to(tl.int64) * so_b + s * so_s + h[:, None] * so_h
+        ot = out_ptr.dtype.element_ty
+        tl.store(o_row + dn[None, :], (acc_n * f[:, None]).to(ot), mask=hm[:, None] & nm[None, :])
+        if HAS_ROPE:
+            tl.store(o_row + NOPE + dr[None, :], (acc_r * f[:, None]).to(ot), mask=hm[:, None] & rm[None, :])
     else:
         part = (pid_q.to(tl.int64) * H + h) * SPLITS + pid_sp                    # [BH]
         tl.store(pml_ptr + part * 2, m_i, mask=hm)
         tl.store(pml_ptr + part * 2 + 1, l_i, mask=hm)
         # a split that saw no key leaves its acc unwritten: the combine never reads it (l = 0)
-        tl.store(pacc_ptr + part[:, None] * HD + d[None, :], acc,
-                 mask=(hm & (l_i > 0))[:, None] & dm[None, :])
+        live = (hm & (l_i > 0))[:, None]
+        tl.store(pacc_ptr + part[:, None] * HD + dn[None, :], acc_n, mask=live & nm[None, :])
+        if HAS_ROPE:
+            tl.store(pacc_ptr + part[:, None] * HD + NOPE + dr[None, :], acc_r, mask=live & rm[None, :])
 
 
 @triton.jit
@@ -278,13 +301,12 @@ def _store_parts(store: object, name: str, hd: int, dtype: torch.dtype) -> tuple
 
 
 def _attn_config(H: int, hd: int, n_queries: int) -> tuple[int, int, int, int]:
-    """``(BH, BN, num_warps, num_stages)`` by shape."""
+    """``(BH heads, BN keys, num_warps, num_stages)`` per program, by shape."""
     if _INTERPRET:
         return max(16, min(32, triton.next_power_of_2(H))), 16, 4, 1
-    dp = triton.next_power_of_2(hd)
-    bh = 16 if dp >= 512 else 32
-    bn = 32 if dp >= 512 else 64
-    return min(bh, max(16, triton.next_power_of_2(H))), bn, 4, 2
+    big = hd > 256
+    bh = 16 if n_queries < 64 else 32           # decode: more programs; prefill: fewer key re-reads
+    return min(bh, max(16, triton.next_power_of_2(H))), 32 if big else 64, 8 if big else 4, 2
 
 
 def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
@@ -294,6 +316,13 @@ def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch
         raise AttentionKernelError(f"{name}: shape {tuple(t.shape)} != {shape}")
     if t.device != device:
         raise AttentionKernelError(f"{name}: on {t.device}, queries on {device}")
+
+
+def _splits(n_blocks: int, base_programs: int) -> tuple[int, int]:
+    """``(splits, blocks per split)``: enough programs for :data:`TARGET_PROGRAMS`, none empty."""
+    splits = min(n_blocks, max(1, triton.cdiv(TARGET_PROGRAMS, base_programs)))
+    bps = triton.cdiv(n_blocks, splits)
+    return triton.cdiv(n_blocks, bps), bps
 
 
 def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
@@ -317,21 +346,20 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
         raise AttentionKernelError(f"sink must be a float [{H}], got {tuple(sink.shape)} {sink.dtype}")
     if window < 1:
         raise AttentionKernelError(f"window must be >= 1, got {window}")
-    r_data, r_scale, r_rope, r_layout, r_nope, r_nsc, r_e8m0 = _store_parts(ring, "ring", hd, dtype)
-    if r_data.shape[1] < window:
-        raise AttentionKernelError(f"ring has {r_data.shape[1]} rows < window {window}")
+    ring_p = _store_parts(ring, "ring", hd, dtype)
+    if ring_p[0].shape[1] < window:
+        raise AttentionKernelError(f"ring has {ring_p[0].shape[1]} rows < window {window}")
 
     has_comp, dense = comp is not None, comp is not None and comp_idx is None
-    c_data, c_scale, c_rope, c_layout, c_nope, c_nsc, c_e8m0 = r_data, r_scale, r_rope, r_layout, r_nope, r_nsc, r_e8m0
-    idx, clen, nc = slots, slots, 0
+    comp_p, idx, clen, nc = ring_p, slots, slots, 0
     if has_comp:
-        c_data, c_scale, c_rope, c_layout, c_nope, c_nsc, c_e8m0 = _store_parts(comp, "comp", hd, dtype)
+        comp_p = _store_parts(comp, "comp", hd, dtype)
         if dense:
             if comp_len is None:
                 raise AttentionKernelError("comp given without comp_idx needs comp_len (HCA)")
             _check_int(comp_len, "comp_len", (B, S), dev)
-            if not 0 <= comp_bound <= c_data.shape[1]:
-                raise AttentionKernelError(f"comp_bound {comp_bound} outside [0, {c_data.shape[1]}]")
+            if not 0 <= comp_bound <= comp_p[0].shape[1]:
+                raise AttentionKernelError(f"comp_bound {comp_bound} outside [0, {comp_p[0].shape[1]}]")
             clen, nc = comp_len.contiguous(), comp_bound
         else:
             if comp_idx.dim() != 3:
@@ -339,47 +367,87 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
             _check_int(comp_idx, "comp_idx", (B, S, comp_idx.shape[-1]), dev)
             idx, nc = comp_idx.contiguous(), comp_idx.shape[-1]
         has_comp = nc > 0
+    # the products split each row into dims [0, nope) and [nope, hd): an fp8 store's FP8 / rope parts
+    nopes = {p[4] for p in (ring_p, comp_p) if p[3] == LAYOUT_FP8}
+    if len(nopes) > 1:
+        raise AttentionKernelError(f"ring and comp store different rope widths: {hd - max(nopes)} vs {hd - min(nopes)}")
+    nope = nopes.pop() if nopes else hd
 
     out = _empty((B, S, H, hd), dtype, dev)
     if B * S == 0 or H == 0:
         return out
     bh, bn, warps, stages = _attn_config(H, hd, B * S)
-    dp = max(16, triton.next_power_of_2(hd))
     n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
-    base = B * S * triton.cdiv(H, bh)
-    splits = min(n_blocks, max(1, triton.cdiv(TARGET_PROGRAMS, base)))
-    bps = triton.cdiv(n_blocks, splits)
-    splits = triton.cdiv(n_blocks, bps)
+    splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh))
     if splits > 1:
         pacc = _empty((B * S, H, splits, hd), torch.float32, dev)
         pml = _empty((B * S, H, splits, 2), torch.float32, dev)
     else:
         pacc = pml = out
-    grid = (B * S, triton.cdiv(H, bh), splits)
-    _attn_kernel[grid](
-        q, kv_new, out, pacc, pml, sink, slots, start,
-        r_data, r_scale, r_rope, c_data, c_scale, c_rope, idx, clen,
-        S, H, r_data.shape[1], c_data.shape[1], nc, float(scale) * _LOG2E,
+    (rd, rs, rr, r_layout, _, r_nsc, r_e8m0), (cd, cs, cr, c_layout, _, c_nsc, c_e8m0) = ring_p, comp_p
+    n_p = max(16, triton.next_power_of_2(nope))
+    _attn_kernel[(B * S, triton.cdiv(H, bh), splits)](
+        q, kv_new, out, pacc, pml, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
+        S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv_new.stride(0), kv_new.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        W=window, HD=hd, DP=dp, BH=bh, BN=bn,
-        R_LAYOUT=r_layout, R_NOPE=r_nope, R_NSC=r_nsc, R_E8M0=r_e8m0,
-        HAS_COMP=has_comp, DENSE=dense, C_LAYOUT=c_layout, C_NOPE=c_nope, C_NSC=c_nsc, C_E8M0=c_e8m0,
-        SPLITS=splits, BPS=bps, PREC="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+        W=window, HD=hd, NOPE=nope, NP=n_p, CH=min(64, n_p), ROPE=hd - nope,
+        RP=max(16, triton.next_power_of_2(hd - nope)), HAS_ROPE=hd > nope, BH=bh, BN=bn,
+        R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
+        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, SPLITS=splits, BPS=bps,
+        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     if splits > 1:
         _attn_combine_kernel[(B * S, H)](
             pacc, pml, sink, out, S, H, out.stride(0), out.stride(1), out.stride(2),
-            HD=hd, DP=dp, SPLITS=splits, SP=triton.next_power_of_2(splits), num_warps=4)
+            HD=hd, DP=triton.next_power_of_2(hd), SPLITS=splits, SP=triton.next_power_of_2(splits), num_warps=4)
     return out
 
 
 # ----------------------------------------------------------------------------- indexer
 @triton.jit
+def _index_keys(k_data, k_scale, row, cm, HALF: tl.constexpr, FP4: tl.constexpr, OUT: tl.constexpr):
+    """Key rows ``row [BC]`` as their even and odd dims ``[BC, HALF]`` each, in ``OUT`` (exactly
+    ``RowStore.read``): packed e2m1, low nibble = even dim, times the e8m0 scale of its 32; or plain."""
+    j = tl.arange(0, HALF)
+    if FP4:
+        byte = tl.load(k_data + row[:, None] * HALF + j[None, :], mask=cm[:, None], other=0).to(tl.int32)
+        sc = _e8m0_to_f32(tl.load(k_scale + row[:, None] * (HALF // 16) + (j // 16)[None, :],
+                                  mask=cm[:, None], other=127))
+        k_even = (_e2m1_to_f32(byte & 15) * sc).to(OUT)
+        k_odd = (_e2m1_to_f32(byte >> 4) * sc).to(OUT)
+    else:
+        base = k_data + row[:, None] * (2 * HALF) + 2 * j[None, :]
+        k_even = tl.load(base, mask=cm[:, None], other=0.0).to(OUT)
+        k_odd = tl.load(base + 1, mask=cm[:, None], other=0.0).to(OUT)
+    return k_even, k_odd
+
+
+@triton.jit
+def _index_query(q_ptr, w_ptr, s, sq_s, sq_h, sw_s, NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr):
+    """Query ``s``'s heads as even / odd dims ``[NIP, HALF]`` (padded heads zero) and weights ``[NIP]``."""
+    hh = tl.arange(0, NIP)
+    hm = hh < NI
+    j = tl.arange(0, HALF)
+    qrow = q_ptr + s * sq_s + hh[:, None] * sq_h + 2 * j[None, :]
+    q_even = tl.load(qrow, mask=hm[:, None], other=0.0)
+    q_odd = tl.load(qrow + 1, mask=hm[:, None], other=0.0)
+    w = tl.load(w_ptr + s * sw_s + hh, mask=hm, other=0.0).to(tl.float32)
+    return q_even, q_odd, w
+
+
+@triton.jit
+def _index_score(k_even, k_odd, q_even, q_odd, w, PREC: tl.constexpr):
+    """``sum_h w[h] * relu(q[h] . k[c])`` for the tile's keys: ``[BC]`` fp32."""
+    dots = tl.dot(k_even, tl.trans(q_even), input_precision=PREC)
+    dots = tl.dot(k_odd, tl.trans(q_odd), dots, input_precision=PREC)                # [BC, NIP]
+    return tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
+
+
+@triton.jit
 def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
                     S, bound, k_rows, n_qb, tiles_per_split,
                     sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s,
-                    NI: tl.constexpr, NIP: tl.constexpr, DIM: tl.constexpr, BC: tl.constexpr,
+                    NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr,
                     BQ: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -387,41 +455,28 @@ def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
     s0 = (pid_q % n_qb) * BQ
     dt = q_ptr.dtype.element_ty
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    hh = tl.arange(0, NIP)
-    hm = hh < NI
-    HALF: tl.constexpr = DIM // 2
-    j = tl.arange(0, HALF)
-    dd = tl.arange(0, DIM)
     q_b = q_ptr + b.to(tl.int64) * sq_b
+    w_b = w_ptr + b.to(tl.int64) * sw_b
+    o_b = out_ptr + b.to(tl.int64) * so_b
     tile_lo = pid_c * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(bound, BC))
-    for tile in range(tile_lo, tile_hi):
-        c = tile * BC + tl.arange(0, BC)
-        cm = c < bound
-        row = slot * k_rows + c
-        if FP4:
-            byte = tl.load(k_data + row[:, None] * HALF + j[None, :], mask=cm[:, None], other=0).to(tl.int32)
-            sc = _e8m0_to_f32(tl.load(k_scale + row[:, None] * (DIM // 32) + (j // 16)[None, :],
-                                      mask=cm[:, None], other=127))
-            k_lo = (_e2m1_to_f32(byte & 15) * sc).to(dt)        # dims 2j
-            k_hi = (_e2m1_to_f32(byte >> 4) * sc).to(dt)        # dims 2j + 1
-        else:
-            k = tl.load(k_data + row[:, None] * DIM + dd[None, :], mask=cm[:, None], other=0.0).to(dt)
-        for i in range(0, BQ):
-            s = s0 + i
-            if s < S:
-                qrow = q_b + s * sq_s + hh[:, None] * sq_h
-                if FP4:
-                    qe = tl.load(qrow + 2 * j[None, :], mask=hm[:, None], other=0.0)
-                    qo = tl.load(qrow + 2 * j[None, :] + 1, mask=hm[:, None], other=0.0)
-                    dots = tl.dot(k_lo, tl.trans(qe), input_precision=PREC)
-                    dots += tl.dot(k_hi, tl.trans(qo), input_precision=PREC)          # [BC, NIP]
-                else:
-                    qf = tl.load(qrow + dd[None, :], mask=hm[:, None], other=0.0)
-                    dots = tl.dot(k, tl.trans(qf), input_precision=PREC)
-                w = tl.load(w_ptr + b.to(tl.int64) * sw_b + s * sw_s + hh, mask=hm, other=0.0).to(tl.float32)
-                score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
-                tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + c, score, mask=cm)
+    if BQ == 1:                         # decode: the query stays in registers over the key tiles
+        q_even, q_odd, w = _index_query(q_b, w_b, s0, sq_s, sq_h, sw_s, NI, NIP, HALF)
+        for tile in range(tile_lo, tile_hi):
+            c = tile * BC + tl.arange(0, BC)
+            cm = c < bound
+            k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
+            tl.store(o_b + s0 * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
+    else:                               # prefill: each decoded key tile serves BQ queries
+        for tile in range(tile_lo, tile_hi):
+            c = tile * BC + tl.arange(0, BC)
+            cm = c < bound
+            k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
+            for i in range(0, BQ):
+                s = s0 + i
+                if s < S:
+                    q_even, q_odd, w = _index_query(q_b, w_b, s, sq_s, sq_h, sw_s, NI, NIP, HALF)
+                    tl.store(o_b + s * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
 
 
 def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
@@ -475,7 +530,7 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
     _indexer_kernel[(B * n_qb, splits)](
         q, weights, out, data, sc, slots, S, bound, data.shape[1], n_qb, per,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
-        NI=NI, NIP=max(16, triton.next_power_of_2(NI)), DIM=dim, BC=bc, BQ=bq, FP4=fp4,
+        NI=NI, NIP=max(16, triton.next_power_of_2(NI)), HALF=dim // 2, BC=bc, BQ=bq, FP4=fp4,
         PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not _INTERPRET else 1)
     return out
 
