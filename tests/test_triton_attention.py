@@ -121,7 +121,8 @@ def _check_attention(args, comp, dtype):
                                           ("fp8-f32", torch.float32), ("plain", torch.float16)])
 def test_attention_decode(kind, layout, dtype, poison):
     """S = 1, slots at different positions: a fresh ring (start 0), a partly filled one, wrapped ones.
-    Ragged head dim (nope 52: a short last scale block), 5 heads, key ranges split (flash decoding)."""
+    Ragged head dim (nope 52: a short last scale block), 5 heads, key ranges split (flash decoding),
+    the splits merged by the last program of each query (FUSED_COMBINE)."""
     args, comp = _attn_case(kind, layout, dtype, B=4, S=1, H=5, hd=60, rope=8, W=8, n_ent=12, k=6,
                             starts=[0, 5, 19, 40], seed=1)
     _check_attention(args, comp, dtype)
@@ -134,11 +135,22 @@ def test_attention_decode(kind, layout, dtype, poison):
 def test_attention_prefill(kind, layout, dtype, target, poison, monkeypatch):
     """S > W (the chunk's own rows slide out of the window), a chunk after a wrapped ring and one
     from position 0; unsplit (one program per query and head block, softmax finished in-kernel)
-    and split key ranges."""
+    and split key ranges merged by the separate combine kernel."""
     monkeypatch.setattr(ka, "TARGET_PROGRAMS", target)
+    monkeypatch.setattr(ka, "FUSED_COMBINE", False)
     args, comp = _attn_case(kind, layout, dtype, B=2, S=9, H=3, hd=40, rope=8, W=4, n_ent=12, k=5,
                             starts=[13, 0], seed=2)
     _check_attention(args, comp, dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("S,starts", [(1, [3, 30]), (6, [0, 9])])
+def test_attention_rope_chunk(S, starts, poison):
+    """fp8 rows whose rope dims fill exactly the last 64-dim chunk (like 448 + 64): the rope
+    part is loaded once per key and placed as that chunk."""
+    args, comp = _attn_case("csa", "fp8", torch.float16, B=2, S=S, H=3, hd=128, rope=64, W=8, n_ent=9, k=4,
+                            starts=starts, seed=6)
+    _check_attention(args, comp, torch.float16)
 
 
 @cpu_only
@@ -152,8 +164,12 @@ def test_attention_mixed_layouts(poison):
 
 
 @cpu_only
-def test_attention_sink_takes_the_weight(poison):
-    """A dominant sink logit (zero value) drives the output to zero, split or not."""
+@pytest.mark.parametrize("target,fused", [(1, True), (64, True), (64, False)])
+def test_attention_sink_takes_the_weight(target, fused, poison, monkeypatch):
+    """A dominant sink logit (zero value) drives the output to zero: unsplit, split and merged by
+    the last program, split and merged by the combine kernel."""
+    monkeypatch.setattr(ka, "TARGET_PROGRAMS", target)
+    monkeypatch.setattr(ka, "FUSED_COMBINE", fused)
     args, comp = _attn_case("hca", "plain", torch.float32, B=2, S=1, H=4, hd=32, rope=8, W=4, n_ent=8, k=4,
                             starts=[0, 3], seed=3)
     args = list(args)

@@ -55,8 +55,16 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 LAYOUT_PLAIN, LAYOUT_FP8, LAYOUT_FP4 = 0, 1, 2
 _LAYOUT = {"plain": LAYOUT_PLAIN, "fp8": LAYOUT_FP8, "fp4": LAYOUT_FP4}
 
-#: decode grids aim at this many programs (about two per SM on an H100) when splitting keys
-TARGET_PROGRAMS = 264
+#: decode grids split each query's keys until about this many programs run (None: the device's SM
+#: count; one program per SM at a time, register-bound); the interpreter tests set small numbers
+TARGET_PROGRAMS: int | None = None
+#: the last program of a split query merges the splits (no combine launch); False: a combine kernel
+FUSED_COMBINE = True
+#: per device: the merge counters of FUSED_COMBINE (zero between calls; the last program re-arms)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+MAX_SPLIT_PROGRAMS = 4096
+#: the indexer kernel is lighter (4 warps): several programs share an SM
+INDEXER_PROGRAMS_PER_SM = 4
 
 
 class AttentionKernelError(ValueError):
@@ -90,72 +98,70 @@ def _e2m1_to_f32(code):
 
 
 @triton.jit
-def _load_kv(data_ptr, scale_ptr, rope_ptr, row, ok, BN: tl.constexpr, LAYOUT: tl.constexpr, HD: tl.constexpr,
-             NOPE: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr, ROPE: tl.constexpr, RP: tl.constexpr,
-             NSC: tl.constexpr, E8M0: tl.constexpr, OUT: tl.constexpr):
+def _load_kv(data_ptr, scale_ptr, rope_ptr, row, ok, LAYOUT: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr,
+             NCH: tl.constexpr, CH: tl.constexpr, ROPE_ALIGNED: tl.constexpr, NSC: tl.constexpr, E8M0: tl.constexpr,
+             OUT: tl.constexpr):
     """Rows ``row [BN]`` (int64 flat ``slot * rows + r``) of a K=V store, equal to ``RowStore.read``,
-    as the non-rope part ``[BN, NP]`` (dims ``< NOPE``) and the rope part ``[BN, RP]`` (dims
-    ``NOPE ..``), in ``OUT``; zeros where ``~ok`` or past the width."""
-    dr = tl.arange(0, RP)
+    chunk-major ``[NCH, BN, CH]`` in ``OUT`` (dim ``c * CH + e``; zeros where ``~ok`` or past ``HD``).
+
+    ``fp8``: ``e4m3 * scale`` in fp32 rounded to ``OUT`` for dims ``< NOPE`` (the scale of 64 dims
+    is one load per chunk, ``CH = 64``, broadcast), the rope dims as stored."""
+    c3 = tl.arange(0, NCH)[:, None, None]
+    d3 = c3 * CH + tl.arange(0, CH)[None, None, :]                       # [NCH, 1, CH]
+    r3 = row[None, :, None]
+    ok3 = ok[None, :, None]
     if LAYOUT == 0:
-        dn = tl.arange(0, NP)
-        kn = tl.load(data_ptr + row[:, None] * HD + dn[None, :], mask=ok[:, None] & (dn < NOPE)[None, :],
-                     other=0.0).to(OUT)
-        kr = tl.load(data_ptr + row[:, None] * HD + NOPE + dr[None, :], mask=ok[:, None] & (dr < ROPE)[None, :],
-                     other=0.0).to(OUT)
+        return tl.load(data_ptr + r3 * HD + d3, mask=ok3 & (d3 < HD), other=0.0).to(OUT)
     else:
-        # e4m3 * scale in fp32, rounded to OUT, as [BN, NP / CH, CH] (CH = min(64, NP)): block c's
-        # scale broadcasts over its 64 dims (one scale load per block, no gather)
-        NCH: tl.constexpr = NP // CH
-        c3 = tl.arange(0, NCH)[None, :, None]
-        d3 = c3 * CH + tl.arange(0, CH)[None, None, :]                       # [1, NCH, CH]
-        r3 = row[:, None, None]
-        ok3 = ok[:, None, None]
+        ROPE: tl.constexpr = HD - NOPE
         x = tl.load(data_ptr + r3 * NOPE + d3, mask=ok3 & (d3 < NOPE), other=0.0).to(tl.float32)
-        sc = tl.load(scale_ptr + r3 * NSC + c3, mask=ok3 & (c3 < NSC), other=0)   # [BN, NCH, 1]
+        blk = (c3 * CH) // 64
+        sc = tl.load(scale_ptr + r3 * NSC + blk, mask=ok3 & (blk < NSC), other=0)     # [NCH, BN, 1]
         if E8M0:
             sf = _e8m0_to_f32(sc)
         else:
             sf = sc.to(tl.float32)
-        kn = tl.reshape((x * sf).to(OUT), (BN, NP))
-        kr = tl.load(rope_ptr + row[:, None] * ROPE + dr[None, :], mask=ok[:, None] & (dr < ROPE)[None, :],
-                     other=0.0).to(OUT)
-    return kn, kr
+        v = (x * sf).to(OUT)
+        if ROPE_ALIGNED:
+            # the rope dims are exactly the last chunk: load them once as [BN, CH], not as a
+            # mostly-masked [NCH, BN, CH] tile
+            e = tl.arange(0, CH)
+            r = tl.load(rope_ptr + row[:, None] * ROPE + e[None, :], mask=ok[:, None], other=0.0).to(OUT)
+            return tl.where(c3 == NCH - 1, r[None, :, :], v)
+        else:
+            r = tl.load(rope_ptr + r3 * ROPE + (d3 - NOPE), mask=ok3 & (d3 >= NOPE) & (d3 < HD), other=0.0)
+            return tl.where(d3 < NOPE, v, r.to(OUT))
 
 
 @triton.jit
-def _softmax_step(qn, qr, kn, kr, ok, m_i, l_i, acc_n, acc_r, qk_scale, HAS_ROPE: tl.constexpr,
-                  PREC: tl.constexpr):
-    """One block of keys (``kn [BN, NP]``, ``kr [BN, RP]``; ``ok [BN]`` the visible ones) into the
-    online softmax of the query heads ``qn [BH, NP]``, ``qr [BH, RP]``: base-2 logits, running max
-    ``m_i``, sum ``l_i`` and the accumulators ``acc_n [BH, NP]``, ``acc_r [BH, RP]``."""
-    s = tl.dot(qn, tl.trans(kn), input_precision=PREC)
-    if HAS_ROPE:
-        s = tl.dot(qr, tl.trans(kr), s, input_precision=PREC)
+def _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """One block of keys ``k [NCH, BN, CH]`` (``ok [BN]`` the visible ones) into the online softmax
+    of the query heads ``q [NCH, BH, CH]``: base-2 logits, running max ``m_i [BH]``, sum ``l_i`` and
+    ``acc [NCH, BH, CH]``. Products per chunk (a batched dot: each warp owns chunks, so no warp
+    holds all of ``q``), logits summed over the chunks."""
+    s = tl.sum(tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision=PREC), 0)          # [BH, BN]
     s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    pc = p.to(kn.dtype)
-    acc_n = tl.dot(pc, kn, acc_n * alpha[:, None], input_precision=PREC)
-    if HAS_ROPE:
-        acc_r = tl.dot(pc, kr, acc_r * alpha[:, None], input_precision=PREC)
-    return m_new, l_i, acc_n, acc_r
+    p3 = tl.broadcast_to(p.to(k.dtype)[None, :, :], (k.shape[0], p.shape[0], p.shape[1]))
+    acc = tl.dot(p3, k, acc * alpha[None, :, None], input_precision=PREC)
+    return m_new, l_i, acc
 
 
 # ----------------------------------------------------------------------------- attention kernels
 @triton.jit
-def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr, start_ptr,
+def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, slots_ptr, start_ptr,
                  ring_data, ring_scale, ring_rope, comp_data, comp_scale, comp_rope, idx_ptr, len_ptr,
                  S, H, ring_rows, comp_rows, NC, qk_scale,
                  sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h,
-                 W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr,
-                 ROPE: tl.constexpr, RP: tl.constexpr, HAS_ROPE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                 W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
+                 ROPE_ALIGNED: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                  R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
                  HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
                  C_NSC: tl.constexpr, C_E8M0: tl.constexpr, SPLITS: tl.constexpr, BPS: tl.constexpr,
-                 PREC: tl.constexpr):
+                 FUSED: tl.constexpr, PREC: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_sp = tl.program_id(2)
@@ -168,18 +174,15 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr
 
     h = pid_h * BH + tl.arange(0, BH)
     hm = h < H
-    dn = tl.arange(0, NP)
-    dr = tl.arange(0, RP)
-    nm = dn < NOPE
-    rm = dr < ROPE
-    q_row = q_ptr + b.to(tl.int64) * sq_b + s * sq_s + h[:, None] * sq_h
-    qn = tl.load(q_row + dn[None, :], mask=hm[:, None] & nm[None, :], other=0.0)
-    qr = tl.load(q_row + NOPE + dr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    d3 = tl.arange(0, NCH)[:, None, None] * CH + tl.arange(0, CH)[None, None, :]      # [NCH, 1, CH]
+    dm3 = d3 < HD
+    hm3 = hm[None, :, None]
+    h3 = h[None, :, None]
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + s * sq_s + h3 * sq_h + d3, mask=hm3 & dm3, other=0.0)
 
     m_i = tl.full([BH], -1.0e30, tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc_n = tl.zeros([BH, NP], tl.float32)
-    acc_r = tl.zeros([BH, RP], tl.float32)
+    acc = tl.zeros([NCH, BH, CH], tl.float32)
     n_wb: tl.constexpr = (W + BN - 1) // BN
     blk_lo = pid_sp * BPS
     blk_hi = blk_lo + BPS
@@ -193,15 +196,13 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr
         in_ring = ok & (pos < start)
         in_new = ok & (pos >= start)
         ring_row = slot * ring_rows + tl.where(in_ring, pos % W, 0)
-        kn, kr = _load_kv(ring_data, ring_scale, ring_rope, ring_row, in_ring, BN, R_LAYOUT, HD, NOPE, NP, CH, ROPE, RP,
-                          R_NSC, R_E8M0, dt)
-        new_row = kvn_ptr + b.to(tl.int64) * skv_b + tl.where(in_new, pos - start, 0)[:, None] * skv_s
-        xn = tl.load(new_row + dn[None, :], mask=in_new[:, None] & nm[None, :], other=0.0)
-        xr = tl.load(new_row + NOPE + dr[None, :], mask=in_new[:, None] & rm[None, :], other=0.0)
-        kn = tl.where(in_new[:, None], xn.to(dt), kn)
-        kr = tl.where(in_new[:, None], xr.to(dt), kr)
-        m_i, l_i, acc_n, acc_r = _softmax_step(qn, qr, kn, kr, ok, m_i, l_i, acc_n, acc_r, qk_scale, HAS_ROPE,
-                                               PREC)
+        k = _load_kv(ring_data, ring_scale, ring_rope, ring_row, in_ring, R_LAYOUT, HD, NOPE, NCH, CH, ROPE_ALIGNED, R_NSC,
+                     R_E8M0, dt)
+        new3 = in_new[None, :, None]
+        new_row = b.to(tl.int64) * skv_b + tl.where(in_new, pos - start, 0) * skv_s
+        x = tl.load(kvn_ptr + new_row[None, :, None] + d3, mask=new3 & dm3, other=0.0)
+        k = tl.where(new3, x.to(dt), k)
+        m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
 
     if HAS_COMP:
         c_hi = tl.minimum(blk_hi, n_wb + tl.cdiv(NC, BN))
@@ -216,30 +217,61 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, sink_ptr, slots_ptr
             else:
                 row = tl.load(idx_ptr + pid_q.to(tl.int64) * NC + c, mask=c < NC, other=-1).to(tl.int64)
                 ok = row >= 0
-            kn, kr = _load_kv(comp_data, comp_scale, comp_rope, slot * comp_rows + tl.where(ok, row, 0), ok, BN,
-                              C_LAYOUT, HD, NOPE, NP, CH, ROPE, RP, C_NSC, C_E8M0, dt)
-            m_i, l_i, acc_n, acc_r = _softmax_step(qn, qr, kn, kr, ok, m_i, l_i, acc_n, acc_r, qk_scale,
-                                                   HAS_ROPE, PREC)
+            k = _load_kv(comp_data, comp_scale, comp_rope, slot * comp_rows + tl.where(ok, row, 0), ok,
+                         C_LAYOUT, HD, NOPE, NCH, CH, ROPE_ALIGNED, C_NSC, C_E8M0, dt)
+            m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
 
     if SPLITS == 1:
         sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
         m_f = tl.maximum(m_i, sink)
         alpha = tl.exp2(m_i - m_f)
         f = alpha / (l_i * alpha + tl.exp2(sink - m_f))
-        o_row = out_ptr + b.to(tl.int64) * so_b + s * so_s + h[:, None] * so_h
-        ot = out_ptr.dtype.element_ty
-        tl.store(o_row + dn[None, :], (acc_n * f[:, None]).to(ot), mask=hm[:, None] & nm[None, :])
-        if HAS_ROPE:
-            tl.store(o_row + NOPE + dr[None, :], (acc_r * f[:, None]).to(ot), mask=hm[:, None] & rm[None, :])
+        o = acc * f[None, :, None]
+        tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3, o.to(out_ptr.dtype.element_ty),
+                 mask=hm3 & dm3)
     else:
         part = (pid_q.to(tl.int64) * H + h) * SPLITS + pid_sp                    # [BH]
         tl.store(pml_ptr + part * 2, m_i, mask=hm)
         tl.store(pml_ptr + part * 2 + 1, l_i, mask=hm)
         # a split that saw no key leaves its acc unwritten: the combine never reads it (l = 0)
-        live = (hm & (l_i > 0))[:, None]
-        tl.store(pacc_ptr + part[:, None] * HD + dn[None, :], acc_n, mask=live & nm[None, :])
-        if HAS_ROPE:
-            tl.store(pacc_ptr + part[:, None] * HD + NOPE + dr[None, :], acc_r, mask=live & rm[None, :])
+        live3 = (hm & (l_i > 0))[None, :, None]
+        tl.store(pacc_ptr + part[None, :, None] * HD + d3, acc, mask=live3 & dm3)
+        if FUSED:
+            # the last of the SPLITS programs of this (query, head block) merges them all, in
+            # split order (deterministic whichever finishes last), then re-arms the counter
+            cnt = cnt_ptr + pid_q * tl.num_programs(1) + pid_h
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if done == SPLITS - 1:
+                o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * SPLITS, h, hm, d3,
+                                  dm3, HD, NCH, CH, BH, SPLITS)
+                tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3,
+                         o.to(out_ptr.dtype.element_ty), mask=hm3 & dm3)
+                tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _merge_splits(pml_ptr, pacc_ptr, sink_ptr, part0, h, hm, d3, dm3, HD: tl.constexpr, NCH: tl.constexpr,
+                  CH: tl.constexpr, BH: tl.constexpr, SPLITS: tl.constexpr):
+    """Softmax-merge the ``SPLITS`` partial results of heads ``h`` (partials ``part0 + j``) with the
+    sink: ``[NCH, BH, CH]`` fp32, summed in split order. Reads bypass L1 (other SMs wrote them)."""
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_f = sink
+    for j in range(SPLITS):
+        m_f = tl.maximum(m_f, tl.load(pml_ptr + (part0 + j) * 2, mask=hm, other=-1.0e30, cache_modifier=".cg"))
+    den = tl.exp2(sink - m_f)
+    acc = tl.zeros([NCH, BH, CH], tl.float32)
+    for j in range(SPLITS):
+        m_j = tl.load(pml_ptr + (part0 + j) * 2, mask=hm, other=-1.0e30, cache_modifier=".cg")
+        l_j = tl.load(pml_ptr + (part0 + j) * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
+        w_j = tl.exp2(m_j - m_f)
+        den += l_j * w_j
+        live = (hm & (l_j > 0))[None, :, None]
+        a = tl.load(pacc_ptr + (part0 + j)[None, :, None] * HD + d3, mask=live & dm3, other=0.0,
+                    cache_modifier=".cg")
+        acc += a * w_j[None, :, None]
+    return acc / den[None, :, None]
 
 
 @triton.jit
@@ -302,11 +334,13 @@ def _store_parts(store: object, name: str, hd: int, dtype: torch.dtype) -> tuple
 
 def _attn_config(H: int, hd: int, n_queries: int) -> tuple[int, int, int, int]:
     """``(BH heads, BN keys, num_warps, num_stages)`` per program, by shape."""
+    bh = max(16, min(32, triton.next_power_of_2(H)))
     if _INTERPRET:
-        return max(16, min(32, triton.next_power_of_2(H))), 16, 4, 1
-    big = hd > 256
-    bh = 16 if n_queries < 64 else 32           # decode: more programs; prefill: fewer key re-reads
-    return min(bh, max(16, triton.next_power_of_2(H))), 32 if big else 64, 8 if big else 4, 2
+        return bh, 16, 4, 1
+    # hd 512: 32 heads x 32 keys with 8 warps (one 64-dim chunk each) is the largest tile without
+    # spills (sm_90, Triton 3.6: 255 registers, 151 KB shared memory with two stages); 64 heads
+    # would need 128 KB of fp32 accumulators per program
+    return bh, 32, 8, 2
 
 
 def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
@@ -318,11 +352,27 @@ def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch
         raise AttentionKernelError(f"{name}: on {t.device}, queries on {device}")
 
 
-def _splits(n_blocks: int, base_programs: int) -> tuple[int, int]:
-    """``(splits, blocks per split)``: enough programs for :data:`TARGET_PROGRAMS`, none empty."""
-    splits = min(n_blocks, max(1, triton.cdiv(TARGET_PROGRAMS, base_programs)))
-    bps = triton.cdiv(n_blocks, splits)
+def _target_programs(device: torch.device) -> int:
+    if TARGET_PROGRAMS is not None:
+        return TARGET_PROGRAMS
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(n_blocks: int, base_programs: int, target: int) -> tuple[int, int]:
+    """``(splits, blocks per split)`` so that ``base_programs * splits <= target`` (at least one
+    split; the largest count that fits), no split empty."""
+    splits = min(n_blocks, max(1, target // base_programs), MAX_SPLIT_PROGRAMS // max(1, base_programs))
+    bps = triton.cdiv(n_blocks, max(1, splits))
     return triton.cdiv(n_blocks, bps), bps
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    cnt = _COUNTERS.get(device)
+    if cnt is None:
+        cnt = _COUNTERS[device] = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
+    return cnt
 
 
 def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
@@ -372,31 +422,35 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     if len(nopes) > 1:
         raise AttentionKernelError(f"ring and comp store different rope widths: {hd - max(nopes)} vs {hd - min(nopes)}")
     nope = nopes.pop() if nopes else hd
+    dp = max(16, triton.next_power_of_2(hd))
+    ch = min(64, dp)
 
     out = _empty((B, S, H, hd), dtype, dev)
     if B * S == 0 or H == 0:
         return out
     bh, bn, warps, stages = _attn_config(H, hd, B * S)
     n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
-    splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh))
+    splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh), _target_programs(dev))
+    stages = 1 if bps == 1 else stages
+    fused = FUSED_COMBINE and splits > 1
     if splits > 1:
         pacc = _empty((B * S, H, splits, hd), torch.float32, dev)
         pml = _empty((B * S, H, splits, 2), torch.float32, dev)
     else:
         pacc = pml = out
+    cnt = _counters(dev) if fused else out
     (rd, rs, rr, r_layout, _, r_nsc, r_e8m0), (cd, cs, cr, c_layout, _, c_nsc, c_e8m0) = ring_p, comp_p
-    n_p = max(16, triton.next_power_of_2(nope))
     _attn_kernel[(B * S, triton.cdiv(H, bh), splits)](
-        q, kv_new, out, pacc, pml, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
+        q, kv_new, out, pacc, pml, cnt, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
         S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv_new.stride(0), kv_new.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        W=window, HD=hd, NOPE=nope, NP=n_p, CH=min(64, n_p), ROPE=hd - nope,
-        RP=max(16, triton.next_power_of_2(hd - nope)), HAS_ROPE=hd > nope, BH=bh, BN=bn,
+        W=window, HD=hd, NOPE=nope, NCH=dp // ch, CH=ch, ROPE_ALIGNED=nope % ch == 0 and hd - nope == ch == dp - nope,
+        BH=bh, BN=bn,
         R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
-        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, SPLITS=splits, BPS=bps,
+        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, SPLITS=splits, BPS=bps, FUSED=fused,
         PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
-    if splits > 1:
+    if splits > 1 and not fused:
         _attn_combine_kernel[(B * S, H)](
             pacc, pml, sink, out, S, H, out.stride(0), out.stride(1), out.stride(2),
             HD=hd, DP=triton.next_power_of_2(hd), SPLITS=splits, SP=triton.next_power_of_2(splits), num_warps=4)
@@ -524,9 +578,7 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
     bq = 1 if S == 1 else (4 if _INTERPRET else 16)
     n_qb = triton.cdiv(S, bq)
     n_tiles = triton.cdiv(bound, bc)
-    splits = min(n_tiles, max(1, triton.cdiv(TARGET_PROGRAMS, B * n_qb)))
-    per = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, per)
+    splits, per = _splits(n_tiles, B * n_qb, INDEXER_PROGRAMS_PER_SM * _target_programs(dev))
     _indexer_kernel[(B * n_qb, splits)](
         q, weights, out, data, sc, slots, S, bound, data.shape[1], n_qb, per,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
