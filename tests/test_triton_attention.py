@@ -57,7 +57,8 @@ def _gen(seed: int) -> torch.Generator:
 def poison(monkeypatch):
     """Kernel outputs and workspaces start as NaN: an element the kernel does not write shows."""
     def empty(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, fill, dtype=dtype, device=device)
     monkeypatch.setattr(ka, "_empty", empty)
 
 
@@ -234,6 +235,31 @@ def test_indexer_bad_inputs_raise():
         ka.indexer_scores_triton(q.half(), keys, slots, w, 4)
 
 
+def _scores_with_ties(shape, seed, device="cpu"):
+    """Random scores with exact ties (zeros as ReLU makes them), -0.0 and -inf (masked entries)."""
+    x = torch.randn(*shape, generator=_gen(seed)).to(device)
+    x[..., ::5] = 0.0
+    x[..., 1::9] = -0.0
+    x[..., 2::7] = float("-inf")
+    return x
+
+
+@cpu_only
+def test_topk_indices_single_chunk(poison):
+    """Exactly the reference's indices, in its order: ties to the lowest index, -0 ties +0, -inf last."""
+    x = _scores_with_ties((2, 3, 37), 30)
+    for k in (5, 37):
+        assert torch.equal(ka.topk_indices_triton(x, k), ref.topk_indices(x, k))
+
+
+@cpu_only
+def test_topk_indices_levels(poison, monkeypatch):
+    """Rows longer than one chunk: chunk-wise top-k, then top-k of the candidates (three levels)."""
+    monkeypatch.setattr(ka, "TOPK_CHUNK", 16)
+    x = _scores_with_ties((1, 2, 70), 31)
+    assert torch.equal(ka.topk_indices_triton(x, 4), ref.topk_indices(x, 4))
+
+
 # ----------------------------------------------------------------------------- GPU (real shapes)
 FLASH, PRO = dict(H=64, topk=512), dict(H=128, topk=1024)
 
@@ -310,6 +336,21 @@ def test_gpu_attention_cuda_graph_replay_equals_eager(kind, B, S):
     graph.replay()
     torch.testing.assert_close(static, ka.sparse_attention_triton(*args, **comp), rtol=0, atol=0)
     assert not torch.equal(static, eager)
+    graph.replay()                                    # the merge counters were re-armed
+    torch.testing.assert_close(static, ka.sparse_attention_triton(*args, **comp), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_attention_split_merge_is_deterministic(fused, monkeypatch):
+    """Split keys merged by the last program (atomic counter) or by the combine kernel: right,
+    and bitwise the same on every run whichever program finishes last (a race would show)."""
+    monkeypatch.setattr(ka, "FUSED_COMBINE", fused)
+    args, comp = _real_attention("csa", PRO, "fp8", 4, 1, 8192, seed=3)
+    first = _check_gpu(args, comp)
+    for _ in range(20):
+        assert torch.equal(ka.sparse_attention_triton(*args, **comp), first)
 
 
 def _real_indexer(layout, B, S, bound, dev="cuda", seed=0):
@@ -352,8 +393,18 @@ def test_gpu_indexer_cuda_graph_replay_equals_eager():
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("shape,k", [((1, 1, 2048), 512), ((8, 1, 16384), 512), ((32, 1, 4096), 1024),
+                                     ((1, 700, 1024), 512), ((1, 1, 65536), 1024)])
+def test_gpu_topk_indices(shape, k, poison):
+    x = _scores_with_ties(shape, 32, "cuda")
+    assert torch.equal(ka.topk_indices_triton(x, k), ref.topk_indices(x, k))
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_ops_dispatch_uses_the_kernels():
     """``dsv4.ops`` hands CUDA attention / indexer calls to these kernels."""
     from dsv4 import ops
     assert ops.implementation("sparse_attention", torch.device("cuda")) is ka.sparse_attention_triton
     assert ops.implementation("indexer_scores", torch.device("cuda")) is ka.indexer_scores_triton
+    assert ops.implementation("topk_indices", torch.device("cuda")) is ka.topk_indices_triton

@@ -148,7 +148,7 @@ def _prefill_cases(env, c: _Context, S: int) -> list[Case]:
 
 
 def _indexer_cases(env, contexts: dict, prefill: _Context, S: int) -> list[Case]:
-    from dsv4.ops.triton.attention import indexer_scores_triton
+    from dsv4.ops.triton.attention import indexer_scores_triton, topk_indices_triton
     out = []
     dev = env.device
 
@@ -163,12 +163,12 @@ def _indexer_cases(env, contexts: dict, prefill: _Context, S: int) -> list[Case]
         args = (q, c.keys, slots, w, bound)
         out.append(Case("attention", f"indexer scores fp4 {label}", lambda: indexer_scores_triton(*args),
                         nbytes, flops, peer="reference", peer_fn=lambda: ref.indexer_scores(*args)))
-        if S == 1 and B == 1:
-            scores = ref.indexer_scores(*args)
-            k = MODELS["flash"]["topk"]
-            out.append(Case("attention", f"indexer topk {k} (torch reference) {label}",
-                            lambda: ref.topk_indices(scores, k), scores.numel() * 4 + B * k * 8,
-                            notes="not a kernel: the reference top-k, to see whether it shows"))
+        scores = ref.indexer_scores(*args)
+        for model in ("flash", "pro") if S == 1 else ("flash",):
+            k = min(MODELS[model]["topk"], bound)
+            out.append(Case("attention", f"indexer topk {k} {label}", lambda k=k: topk_indices_triton(scores, k),
+                            scores.numel() * 4 + B * S * k * 8, peer="reference",
+                            peer_fn=lambda k=k: ref.topk_indices(scores, k)))
 
     for ctx, c in contexts.items():
         for B in (1, 8, 32):

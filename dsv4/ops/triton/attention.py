@@ -587,9 +587,74 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
     return out
 
 
+# ----------------------------------------------------------------------------- top-k
+#: elements one top-k program ranks at once (int64 keys in registers); longer rows go in levels
+TOPK_CHUNK = 4096
+_INT64_MIN = -(1 << 63)
+
+
+@triton.jit
+def _topk_kernel(src_ptr, dst_ptr, n, k, src_stride, dst_stride, CHUNK: tl.constexpr, KP: tl.constexpr,
+                 FROM_SCORES: tl.constexpr, FINAL: tl.constexpr):
+    """One chunk of one row: the ``KP`` largest keys of ``CHUNK`` (bitonic top-k), where a key is
+    the score's order-preserving int32 in the high half and the inverted index in the low half
+    (exactly :func:`dsv4.ops.reference.topk_indices`: ties go to the lowest index, -0 == +0).
+    ``FINAL``: write the first ``k`` indices; else the ``KP`` keys, for the next level."""
+    row = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1)
+    i = ch * CHUNK + tl.arange(0, CHUNK)
+    m = i < n
+    if FROM_SCORES:
+        bits = tl.load(src_ptr + row * src_stride + i, mask=m, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+        bits = tl.where(bits == -2147483648, 0, bits)                          # -0 ties with +0
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        key = (ordered << 32) | (4294967295 - i.to(tl.int64))
+        key = tl.where(m, key, -9223372036854775808)
+    else:
+        key = tl.load(src_ptr + row * src_stride + i, mask=m, other=-9223372036854775808)
+    top = tl.topk(key, KP)
+    j = tl.arange(0, KP)
+    if FINAL:
+        tl.store(dst_ptr + row * dst_stride + j, 4294967295 - (top & 4294967295), mask=j < k)
+    else:
+        tl.store(dst_ptr + row * dst_stride + ch * KP + j, top)
+
+
+def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Triton twin of :func:`dsv4.ops.reference.topk_indices` (same signature, same indices and
+    order): one launch for rows up to :data:`TOPK_CHUNK` entries, else levels of chunked top-k."""
+    if not scores.is_floating_point() or scores.dim() < 1:
+        raise AttentionKernelError(f"scores must be a float tensor [..., n], got {scores.dtype} {tuple(scores.shape)}")
+    n = scores.shape[-1]
+    if not 0 <= k <= n:
+        raise AttentionKernelError(f"k = {k} outside [0, {n}]")
+    lead = scores.shape[:-1]
+    out = _empty((*lead, k), torch.int64, scores.device)
+    rows = out.numel() // max(1, k)
+    if k == 0 or rows == 0:
+        return out
+    src, n_cur, from_scores = scores.reshape(-1, n).contiguous(), n, True
+    kp = triton.next_power_of_2(k)
+    while True:
+        if triton.next_power_of_2(n_cur) <= max(TOPK_CHUNK, 2 * kp):
+            chunk, n_ch = max(kp, triton.next_power_of_2(n_cur)), 1
+        else:
+            chunk = max(TOPK_CHUNK, 2 * kp)
+            n_ch = triton.cdiv(n_cur, chunk)
+        final = n_ch == 1
+        dst = out.view(rows, k) if final else _empty((rows, n_ch * kp), torch.int64, scores.device)
+        _topk_kernel[(rows, n_ch)](src, dst, n_cur, k, src.stride(0), dst.stride(0), CHUNK=chunk, KP=kp,
+                                   FROM_SCORES=from_scores, FINAL=final, num_warps=8 if chunk >= 4096 else 4)
+        if final:
+            return out
+        src, n_cur, from_scores = dst, n_ch * kp, False
+
+
 REGISTRATIONS = [
     ("sparse_attention", None, sparse_attention_triton),
     ("indexer_scores", None, indexer_scores_triton),
+    ("topk_indices", None, topk_indices_triton),
 ]
 
-__all__ = ["sparse_attention_triton", "indexer_scores_triton", "AttentionKernelError", "REGISTRATIONS"]
+__all__ = ["sparse_attention_triton", "indexer_scores_triton", "topk_indices_triton", "AttentionKernelError",
+           "REGISTRATIONS"]
