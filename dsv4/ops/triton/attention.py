@@ -1,47 +1,61 @@
-"""Sparse attention (sliding window + compressed entries + sink) and the lightning indexer's scores.
+"""Sparse attention (sliding window + compressed entries + sink), the lightning indexer's scores
+and the indexer's top-k.
 
-Computes what :func:`dsv4.ops.reference.sparse_attention` and :func:`dsv4.ops.reference.indexer_scores`
-compute (DSV4_FACTS section 2, "Attention" and "Lightning indexer"; storage layouts in
-:mod:`dsv4.model.cache`).
+Computes what :func:`dsv4.ops.reference.sparse_attention`, :func:`~dsv4.ops.reference.indexer_scores`
+and :func:`~dsv4.ops.reference.topk_indices` compute (DSV4_FACTS section 2, "Attention" and
+"Lightning indexer"; storage layouts in :mod:`dsv4.model.cache`).
 
-**Attention.** One shared K=V head (MQA), so for one query the ``H`` heads form the rows of a matrix
-product against the query's keys: ``logits [BH, BN] = Q [BH, hd] @ K^T``, then ``acc += P @ K``.
-Every query ``t = start[b] + s`` has its own key list, walked in blocks of ``BN`` keys:
+**Attention.** One shared K=V head (MQA), so for one query its heads are the rows of a matrix
+product against the query's keys: ``logits = Q K^T``, then ``acc += P K``. Every query
+``t = start[b] + s`` has its own key list, walked in blocks of ``BN`` keys:
 
 - the window, ``W`` virtual keys ``i -> position t - W + 1 + i``: positions ``< start`` come from
   the ring (row ``pos % W`` of the slot, read-only here), the others from this forward's
-  ``kv_new[b, pos - start]``; negative positions are masked (and whole such blocks skipped);
-- the compressed entries of CSA layers, ``comp_idx[b, s, :]`` (``-1`` masked, duplicates count
-  twice), or of HCA layers, entries ``0 .. comp_len[b, s] - 1`` (blocks past ``comp_len`` skipped).
+  ``kv_new[b, pos - start]``; negative positions are masked (whole such blocks skipped);
+- CSA: ``comp_idx[b, s, :]`` (``-1`` masked, a duplicate counts twice); HCA: entries
+  ``0 .. comp_len[b, s] - 1`` (blocks past ``comp_len`` skipped).
 
-Stored rows are dequantized in registers exactly as ``RowStore.read`` does: ``plain`` as is;
-``fp8`` non-rope dims ``e4m3 * scale`` (an e8m0 byte or fp32 per 64) computed in fp32 and rounded
-to the activation dtype, rope dims as stored. So the operands of both products are bit-equal to the
-reference's; logits and the softmax are fp32 (online, base 2), ``P`` is rounded to the activation
-dtype for ``P @ V`` (flash-attention practice; bf16-level differences).
+Stored rows are dequantized in registers exactly as ``RowStore.read`` does (``fp8``:
+``e4m3 * scale``, an e8m0 byte or fp32 per 64, in fp32 rounded to the activation dtype; rope dims
+as stored), so both products see the reference's operands bit for bit. Logits and the softmax are
+fp32 (online, base 2); ``P`` is rounded to the activation dtype for ``P K`` (flash-attention
+practice: bf16-level differences).
 
-Grid ``(B*S queries, ceil(H / BH) head blocks, SPLITS)``. The key blocks of a query
-(``ceil(W/BN)`` window blocks then ``ceil(NC/BN)`` compressed ones, ``NC`` = top-k or
-``comp_bound``) are cut into ``SPLITS`` contiguous ranges, chosen on the host from host-known
-shapes so that a decode batch fills the GPU (flash decoding). With one split the kernel finishes
-the softmax itself (sink included) and writes the output; with several, each program writes its
-unnormalized ``acc`` and its ``(max, sum)`` to a workspace and ``_attn_combine_kernel`` (grid
-``(B*S, H)``) merges the splits in split order (deterministic) with the sink. A query that sees
-no key gets ``0`` (the sink takes all the weight).
+Tiles are chunk-major, ``[hd / 64, rows, 64]``: the products are batched over the 64-dim chunks
+(one chunk per warp at hd 512 with 8 warps), the logits summed over chunks. So no warp holds all
+512 dims of the queries (a ``[BH, 512]`` operand per warp needs 128 registers alone and spills);
+an e8m0 scale is one load per chunk and row; at 448 + 64 the rope dims are exactly the last chunk
+and are loaded once as ``[BN, 64]``. Program: ``BH = 32`` heads x ``BN = 32`` keys, 8 warps (255
+registers, no spill, 96 / 148 KB of shared memory with 1 / 2 stages on sm_90; see
+``bench/attention_resources.py``).
+
+Grid ``(B*S, ceil(H / BH), SPLITS)``. A query's key blocks (``ceil(W / BN)`` window blocks, then
+``ceil(NC / BN)`` compressed ones, ``NC`` = top-k or ``comp_bound``) are cut into ``SPLITS``
+contiguous ranges so that decode fills the SMs (flash decoding; prefill has one split and finishes
+in-kernel). With several splits, each program writes its unnormalized ``acc`` and ``(max, sum)``,
+and ``_attn_combine_kernel`` (grid ``(B*S, H)``) merges them in split order with the sink. With at
+most :data:`FUSED_MAX_SPLITS` splits the last program of a (query, head block) to finish (an
+atomic counter, re-armed by that program) does that merge itself, saving the launch; in split
+order too, so the result is deterministic whichever finishes last. A query that sees no key gets
+``0`` (the sink takes all the weight).
 
 **Indexer scores.** ``out[b, s, c] = sum_h w[b, s, h] * relu(q[b, s, h] . K[slot_b, c])`` for
-``c < bound``. Grid ``(ceil(S / BQ) * B, entry splits)``; a program decodes a tile of ``BC`` keys
-once (packed e2m1 nibbles and their e8m0 scale per 32, exactly, in the activation dtype) and then,
-for each of its ``BQ`` queries, runs ``tl.dot`` of the tile against the query's ``nI`` heads (the
-low nibbles against the even query dims, the high nibbles against the odd ones, so nothing is
-interleaved), applies ReLU and the head weights and reduces over heads in fp32.
+``c < bound``. Grid ``(B * ceil(S / BQ), entry splits)``; a program decodes a tile of ``BC = 64``
+keys once (packed e2m1 nibbles times their e8m0 scale per 32, exactly, in the activation dtype)
+and for each of its ``BQ`` queries (1 in decode: the query stays in registers) runs ``tl.dot`` of
+the tile against the query's ``nI`` heads (low nibbles against the even query dims, high nibbles
+against the odd ones: nothing is interleaved), then ReLU, the head weights, the sum over heads.
+
+**Top-k.** One program per row chunk ranks int64 keys (the score's order-preserving int32 in the
+high half, the inverted index in the low half: exactly the reference's order, ties to the lowest
+index) with Triton's bitonic ``tl.topk``; rows longer than :data:`TOPK_CHUNK` go through levels
+(each chunk's top-k keys, then the top-k of those).
 
 Everything is sized from host-known shapes: no host read of a device value, CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -52,13 +66,16 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _LOG2E = 1.4426950408889634
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-LAYOUT_PLAIN, LAYOUT_FP8, LAYOUT_FP4 = 0, 1, 2
-_LAYOUT = {"plain": LAYOUT_PLAIN, "fp8": LAYOUT_FP8, "fp4": LAYOUT_FP4}
+LAYOUT_PLAIN, LAYOUT_FP8 = 0, 1
 
 #: decode grids split each query's keys until about this many programs run (None: the device's SM
 #: count; one program per SM at a time, register-bound); the interpreter tests set small numbers
 TARGET_PROGRAMS: int | None = None
-#: the last program of a split query merges the splits (no combine launch); False: a combine kernel
+#: the last program of a split query merges the splits itself (no combine launch) when there are at
+#: most this many: it reads every split's [BH, hd] fp32 partial alone, so for many splits the
+#: combine kernel (one program per query and head, in parallel) is faster despite its launch
+FUSED_MAX_SPLITS = 2
+#: False: always the combine kernel
 FUSED_COMBINE = True
 #: per device: the merge counters of FUSED_COMBINE (zero between calls; the last program re-arms)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -196,8 +213,8 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
         in_ring = ok & (pos < start)
         in_new = ok & (pos >= start)
         ring_row = slot * ring_rows + tl.where(in_ring, pos % W, 0)
-        k = _load_kv(ring_data, ring_scale, ring_rope, ring_row, in_ring, R_LAYOUT, HD, NOPE, NCH, CH, ROPE_ALIGNED, R_NSC,
-                     R_E8M0, dt)
+        k = _load_kv(ring_data, ring_scale, ring_rope, ring_row, in_ring, R_LAYOUT, HD, NOPE, NCH, CH, ROPE_ALIGNED,
+                     R_NSC, R_E8M0, dt)
         new3 = in_new[None, :, None]
         new_row = b.to(tl.int64) * skv_b + tl.where(in_new, pos - start, 0) * skv_s
         x = tl.load(kvn_ptr + new_row[None, :, None] + d3, mask=new3 & dm3, other=0.0)
@@ -212,7 +229,7 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
         for blk in range(tl.maximum(blk_lo, n_wb), c_hi):
             c = (blk - n_wb) * BN + tl.arange(0, BN)
             if DENSE:
-                ok = c < clen
+                ok = (c < clen) & (c < NC)
                 row = c.to(tl.int64)
             else:
                 row = tl.load(idx_ptr + pid_q.to(tl.int64) * NC + c, mask=c < NC, other=-1).to(tl.int64)
@@ -338,8 +355,8 @@ def _attn_config(H: int, hd: int, n_queries: int) -> tuple[int, int, int, int]:
     if _INTERPRET:
         return bh, 16, 4, 1
     # hd 512: 32 heads x 32 keys with 8 warps (one 64-dim chunk each) is the largest tile without
-    # spills (sm_90, Triton 3.6: 255 registers, 151 KB shared memory with two stages); 64 heads
-    # would need 128 KB of fp32 accumulators per program
+    # spills (sm_90, Triton 3.6: 255 registers, 148 KB shared memory with two stages, 96 KB with
+    # one); 64 heads would need 128 KB of fp32 accumulators per program
     return bh, 32, 8, 2
 
 
@@ -432,7 +449,7 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
     splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh), _target_programs(dev))
     stages = 1 if bps == 1 else stages
-    fused = FUSED_COMBINE and splits > 1
+    fused = FUSED_COMBINE and 1 < splits <= FUSED_MAX_SPLITS
     if splits > 1:
         pacc = _empty((B * S, H, splits, hd), torch.float32, dev)
         pml = _empty((B * S, H, splits, 2), torch.float32, dev)
