@@ -19,7 +19,7 @@ import os
 from .. import register
 
 #: kernel modules, imported in this order
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = ("attention",)
 
 
 def available() -> bool:
