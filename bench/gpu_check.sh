@@ -1,24 +1,49 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark in one call (run on the device machine from the repo root):
-#   bash bench/gpu_check.sh [quick]
+# Every GPU test and benchmark, in sections that each fit one 10-minute device call:
+#   bash bench/gpu_check.sh tests      # the GPU tests (kernels vs reference, CUDA graphs, HF parity on CUDA)
+#   bash bench/gpu_check.sh kernels    # bench/kernels.py: per-kernel table vs the roofline and the peers
+#   bash bench/gpu_check.sh decode     # the decode step: reference/kernels, eager/graph, transformers, floor
+#   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves
+#   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
 # Expects transformers>=5.23 (and its newer deps) as wheels in .whl/ when the image's are older.
 set -uo pipefail
+section=${1:-all}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 DSV4_CACHE=/tmp/dsv4cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi -L
-python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
 status=0
 step() { echo; echo "== $1 =="; shift; "$@" || { echo "!! FAILED: $*"; status=1; }; }
-step "tiny model on cuda, bf16 (greedy)" python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype bf16 \
-  --max-tokens 32 --temperature 0
-python3 -c "import torch; a=torch.zeros(2,2,dtype=torch.bfloat16,device=\"cuda\"); print(\"mm out_dtype:\", torch.mm(a,a,out_dtype=torch.float32).dtype)" || echo "mm out_dtype: unsupported"
-step "GPU tests" bash -c "python3 -m pytest -q -rs -m gpu tests 2>&1 | tee $OUT/pytest_gpu.log; exit \${PIPESTATUS[0]}"
-step "reference linear cost per format" bash -c "python3 bench/ref_linear_cost.py 2>&1 | tee $OUT/ref_linear_cost.txt; exit \${PIPESTATUS[0]}"
-step "decode step vs transformers and the bytes floor (Flash x4 slice)" bash -c \
-  "python3 bench/decode_bench.py --layers 4 --batch 1 8 --context 1024 --format bf16 fp8-mxfp4 --ops reference 2>&1 | tee $OUT/decode_bench.txt; exit \${PIPESTATUS[0]}"
+tee_to() { local f=$1; shift; "$@" 2>&1 | tee "$OUT/$f"; return "${PIPESTATUS[0]}"; }
+want() { [ "$section" = all ] || [ "$section" = "$1" ]; }
+
+nvidia-smi -L
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
+
+if want tests; then
+  step "tiny model on cuda, bf16 (greedy, CUDA graphs)" python3 -m dsv4.cli generate "Once upon a time" --device cuda \
+    --dtype bf16 --max-tokens 32 --temperature 0
+  step "GPU tests" tee_to pytest_gpu.log python3 -m pytest -q -rs -m gpu tests
+fi
+if want kernels; then
+  step "per-kernel benchmark" tee_to kernels.txt python3 bench/kernels.py --out "$OUT"
+fi
+if want decode; then
+  step "reference linear cost per format" tee_to ref_linear_cost.txt python3 bench/ref_linear_cost.py --rows 1 8
+  step "decode step vs transformers and the bytes floor (Flash x4 slice)" tee_to decode_bench.txt \
+    python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format bf16 fp8-mxfp4 fp8-nvfp4 \
+      --ops reference-eager kernels-eager kernels-graph
+fi
+if want engine; then
+  for layers in 2 4 8; do
+    step "decode profile, graph replay, $layers layers" tee_to "profile_$layers.txt" \
+      python3 bench/profile_decode.py --layers "$layers" --format fp8-mxfp4 --batch 1 --ops kernels --graph --top 12
+  done
+  step "continuous batching vs static waves (Flash x4 slice)" tee_to throughput.txt \
+    python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"
+fi
 exit $status
