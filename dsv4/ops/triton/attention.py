@@ -62,6 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import KernelUnsupported
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _LOG2E = 1.4426950408889634
 
@@ -84,7 +86,7 @@ MAX_SPLIT_PROGRAMS = 4096
 INDEXER_PROGRAMS_PER_SM = 4
 
 
-class AttentionKernelError(ValueError):
+class AttentionKernelError(KernelUnsupported):
     """The inputs do not fit the Triton attention / indexer kernels (the message names the argument)."""
 
 
