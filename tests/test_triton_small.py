@@ -1,0 +1,170 @@
+"""The small-op Triton kernels (dsv4/ops/triton/small*.py) against their references.
+
+CPU: through Triton's interpreter (``TRITON_INTERPRET=1``, set here before triton is imported)
+at small, odd shapes with fp32/fp16 activations (the interpreter mis-rounds bf16), outputs
+poisoned with NaN so every element must be written. GPU (``-m gpu``): real DeepSeek-V4 shapes,
+bf16, and a CUDA-graph replay equal to eager.
+
+Bit-exact where the reference is elementwise fp32 arithmetic (RoPE, the FP8/FP4 round trips, the
+mHC post mix in the interpreter); where the reference reduces (norm statistics, the mHC
+projection, softmaxes, Hadamard) the sums run in another order: tolerances of a few fp32 ulps
+of the statistic, i.e. at most one step of the output dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from dsv4.model.cache import RowStore  # noqa: E402
+from dsv4.ops import reference as ref  # noqa: E402
+from dsv4.ops.triton import small, small_util  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS = {op: fn for op, _, fn in small.REGISTRATIONS}
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    small_util.POISON = True
+    yield
+    small_util.POISON = False
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed: int, dtype=torch.float32, scale: float = 1.0, device=DEV) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype).to(device)
+
+
+def _ulps(dtype: torch.dtype) -> float:
+    return {torch.float32: 2.0 ** -22, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+
+
+def _close(out: torch.Tensor, want: torch.Tensor, steps: float = 1.0) -> None:
+    """Equal up to ``steps`` steps of the output dtype, relative to the element plus its row's
+    largest element (a rotation can cancel), and no NaN / unwritten element."""
+    assert out.shape == want.shape and out.dtype == want.dtype, (out.shape, want.shape, out.dtype, want.dtype)
+    assert not out.isnan().any(), "unwritten (NaN) elements"
+    o, w = out.double(), want.double()
+    tol = steps * _ulps(out.dtype) * (w.abs() + w.abs().amax(-1, keepdim=True)) + 1e-30
+    bad = (o - w).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} elements off; worst {(o - w).abs().max().item():.3g}"
+
+
+def _exact(out: torch.Tensor, want: torch.Tensor) -> None:
+    assert out.shape == want.shape and out.dtype == want.dtype
+    assert not out.isnan().any(), "unwritten (NaN) elements"
+    assert torch.equal(out, want), f"max diff {(out.double() - want.double()).abs().max().item():.3g}"
+
+
+# ----------------------------------------------------------------------------- norms / rope
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 96), (1, 37), (2, 130)])
+def test_rms_norm(dtype, shape):
+    x = _randn(*shape, seed=1, dtype=dtype, scale=3.0)
+    w = _randn(shape[-1], seed=2)
+    _close(KERNELS["rms_norm"](x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_unweighted(dtype):
+    x = _randn(2, 3, 5, 72, seed=3, dtype=dtype, scale=2.0)
+    _close(KERNELS["rms_norm_unweighted"](x, 1e-6), ref.rms_norm_unweighted(x, 1e-6))
+
+
+def _rope_tables(lead: tuple[int, ...], rd2: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.rand(*lead, rd2, generator=_gen(seed)) * 50
+    return ang.cos().to(DEV), ang.sin().to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope_bit_exact(dtype, inverse):
+    x = _randn(2, 3, 5, 40, seed=4, dtype=dtype)          # [B, S, H, hd], rd = 12
+    cos, sin = _rope_tables((2, 3), 6, seed=5)
+    cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
+    _exact(KERNELS["apply_rope"](x, cos_h, sin_h, inverse), ref.apply_rope(x, cos_h, sin_h, inverse))
+    kv = _randn(2, 3, 40, seed=6, dtype=dtype)
+    _exact(KERNELS["apply_rope"](kv, cos, sin, inverse), ref.apply_rope(kv, cos, sin, inverse))
+    # a broadcast that is not over trailing dims, and a non-contiguous input
+    c1, s1 = _rope_tables((3,), 6, seed=7)            # [3, 6] against rows [2, 3]
+    xt = _randn(3, 2, 40, seed=8, dtype=dtype).transpose(0, 1)
+    _exact(KERNELS["apply_rope"](xt, c1, s1), ref.apply_rope(xt, c1, s1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_qnorm(dtype):
+    q = _randn(2, 1, 6, 48, seed=9, dtype=dtype, scale=4.0)
+    cos, sin = _rope_tables((2, 1), 8, seed=10)
+    cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
+    want = ref.rope_qnorm(q, cos_h, sin_h, 1e-6)
+    _close(KERNELS["rope_qnorm"](q, cos_h, sin_h, 1e-6), want)
+
+
+@pytest.mark.parametrize("layout, pow2", [("plain", True), ("fp8", True), ("fp8", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kv_prepare(layout, pow2, dtype):
+    hd, rd = 160, 32                                     # nope 128: two FP8 blocks of 64
+    kv = _randn(3, 2, hd, seed=11, dtype=dtype, scale=5.0)
+    w = _randn(hd, seed=12)
+    cos, sin = _rope_tables((3, 2), rd // 2, seed=13)
+    store = RowStore.allocate(layout, 2, 4, hd, dtype, DEV, rope_dim=rd, pow2=pow2)
+    want = ref.kv_prepare(kv, w, 1e-6, cos, sin, store)
+    out = KERNELS["kv_prepare"](kv, w, 1e-6, cos, sin, store)
+    _close(out, want, steps=1.0 if layout == "plain" else 16.0)   # an ulp of the norm can move an FP8 step
+    exact_rows = (out == want).all(-1).float().mean()
+    assert exact_rows > 0.8, f"only {exact_rows:.2f} of rows bit-exact"
+
+
+# ----------------------------------------------------------------------------- mHC
+def _mixer(nc: int, D: int, n_mix: int, n_scale: int, seed: int):
+    fn = _randn(n_mix, nc * D, seed=seed, scale=0.1)
+    base = _randn(n_mix, seed=seed + 1, scale=0.5)
+    scale = _randn(n_scale, seed=seed + 2, scale=0.5) + 1.0
+    return fn, base, scale
+
+
+@pytest.mark.parametrize("dtype, lead, nc, D, iters", [
+    (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (3,), 3, 33, 20),
+    (torch.float16, (17,), 4, 24, 2)])       # 17 tokens: two token blocks (few iterations: interpreter time)
+def test_mhc_pre(dtype, lead, nc, D, iters):
+    h = _randn(*lead, nc, D, seed=20, dtype=dtype, scale=2.0)
+    fn, base, scale = _mixer(nc, D, (2 + nc) * nc, 3, seed=21)
+    want = ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)
+    got = KERNELS["mhc_pre"](h, fn, base, scale, iters, 1e-6, 1e-6)
+    _close(got[0], want[0], steps=1.0 if dtype != torch.float32 else 16.0)
+    _close(got[1], want[1], steps=16.0)
+    _close(got[2], want[2], steps=64.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hc_head(dtype):
+    nc, D = 4, 72
+    h = _randn(3, 2, nc, D, seed=22, dtype=dtype, scale=2.0)
+    fn, base, scale = _mixer(nc, D, nc, 1, seed=23)
+    want = ref.hc_head(h, fn, base, scale, 1e-6, 1e-6)
+    _close(KERNELS["hc_head"](h, fn, base, scale, 1e-6, 1e-6), want, steps=1.0 if dtype != torch.float32 else 16.0)
+    # a strided view, as the model's last-position logits pass it
+    hs = h[:, -1:]
+    _close(KERNELS["hc_head"](hs, fn, base, scale, 1e-6, 1e-6), ref.hc_head(hs, fn, base, scale, 1e-6, 1e-6),
+           steps=1.0 if dtype != torch.float32 else 16.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lead, nc, D", [((2, 3), 4, 40), ((5,), 3, 600)])
+def test_mhc_post(dtype, lead, nc, D):
+    out = _randn(*lead, D, seed=24, dtype=dtype)
+    h = _randn(*lead, nc, D, seed=25, dtype=dtype)
+    post = _randn(*lead, nc, seed=26).sigmoid() * 2
+    comb = _randn(*lead, nc, nc, seed=27).softmax(-1)
+    _close(KERNELS["mhc_post"](out, h, post, comb), ref.mhc_post(out, h, post, comb), steps=4.0)
