@@ -168,3 +168,114 @@ def test_mhc_post(dtype, lead, nc, D):
     post = _randn(*lead, nc, seed=26).sigmoid() * 2
     comb = _randn(*lead, nc, nc, seed=27).softmax(-1)
     _close(KERNELS["mhc_post"](out, h, post, comb), ref.mhc_post(out, h, post, comb), steps=4.0)
+
+
+# ----------------------------------------------------------------------------- FP8 / FP4 / stores
+def _hard_values(*shape, seed: int, dtype) -> torch.Tensor:
+    """Random values with the awkward cases mixed in: zeros, -0, exact powers of two, e4m3/e2m1
+    ties, tiny blocks (amax floors), huge values."""
+    g = _gen(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g).float())
+    pick = torch.randint(0, 8, shape, generator=g)
+    x = torch.where(pick == 0, torch.zeros_like(x), x)
+    x = torch.where(pick == 1, -torch.zeros_like(x), x)
+    x = torch.where(pick == 2, torch.exp2(torch.randint(-8, 8, shape, generator=g).float()), x)
+    x = torch.where(pick == 3, (torch.randint(-60, 60, shape, generator=g).float() + 0.5) / 8, x)   # ties
+    x[..., :7] = 1e-7 * torch.randn(*x.shape[:-1], 7, generator=g)   # a block below the floors
+    return x.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block, pow2, shape", [(64, True, (3, 200)), (128, False, (2, 2, 300)), (48, True, (5, 96))])
+def test_fp8_sim_bit_exact(dtype, block, pow2, shape):
+    x = _hard_values(*shape, seed=30, dtype=dtype)
+    _exact(KERNELS["fp8_sim"](x, block, pow2), ref.fp8_sim(x, block, pow2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 200), (4, 64)])
+def test_fp4_sim_bit_exact(dtype, shape):
+    x = _hard_values(*shape, seed=31, dtype=dtype)
+    out, want = KERNELS["fp4_sim"](x, 32), ref.fp4_sim(x, 32)
+    _exact(out, want)
+    assert torch.equal(out.signbit(), want.signbit())
+
+
+def _fill(store: RowStore, seed: int) -> None:
+    g = _gen(seed)
+    for t in store.tensors():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("layout, pow2, dtype, dim, rope", [
+    ("plain", True, torch.float16, 40, 0), ("fp8", True, torch.float16, 160, 32), ("fp8", False, torch.float32, 100, 8),
+    ("fp4", True, torch.float16, 96, 0), ("fp4", True, torch.float32, 40, 0)])
+@pytest.mark.parametrize("lead", ["ring", "entries", "flat"])
+def test_store_rows_bit_exact(layout, pow2, dtype, dim, rope, lead):
+    a = RowStore.allocate(layout, 3, 6, dim, dtype, DEV, rope_dim=rope, pow2=pow2)
+    b = RowStore.allocate(layout, 3, 6, dim, dtype, DEV, rope_dim=rope, pow2=pow2)
+    _fill(a, 40)
+    _fill(b, 40)
+    if lead == "ring":           # [B, keep] rows of slots [B, 1]
+        slots, rows_ = torch.tensor([[2], [0]]), torch.tensor([[1, 4], [5, 0]])
+        values = _hard_values(2, 2, dim, seed=41, dtype=torch.float32)
+    elif lead == "entries":      # a sink row written twice
+        slots, rows_ = torch.tensor([[1]]), torch.tensor([[3, 5, 5]])
+        values = _hard_values(1, 3, dim, seed=42, dtype=dtype)
+        values[0, 2] = values[0, 1]
+    else:
+        slots, rows_ = torch.tensor([0, 2, 1]), torch.tensor([2, 2, 0])
+        values = _hard_values(3, dim, seed=43, dtype=dtype)
+    slots, rows_ = slots.to(DEV), rows_.to(DEV)
+    ref.store_rows(a, slots, rows_, values)
+    KERNELS["store_rows"](b, slots, rows_, values)
+    for ta, tb in zip(a.tensors(), b.tensors()):
+        assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- Hadamard
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 128), (2, 32)])
+def test_hadamard(dtype, shape):
+    x = _randn(*shape, seed=50, dtype=dtype)
+    _close(KERNELS["hadamard"](x), ref.hadamard(x), steps=2.0 if dtype != torch.float32 else 64.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_rope_hadamard(dtype, fp4):
+    x = _randn(2, 3, 4, 64, seed=51, dtype=dtype, scale=3.0)   # [B, S, nI, d], rd = 32
+    cos, sin = _rope_tables((2, 3), 16, seed=52)
+    cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
+    out, want = KERNELS["rope_hadamard"](x, cos_h, sin_h, fp4), ref.rope_hadamard(x, cos_h, sin_h, fp4)
+    if not fp4:
+        _close(out, want, steps=2.0 if dtype != torch.float32 else 64.0)
+        return
+    # FP4 steps are coarse: an ulp of the rotation may flip a value sitting on a rounding boundary
+    same = (out == want).float().mean()
+    assert not out.isnan().any() and same > 0.99, f"{same:.4f} equal"
+    step = want.abs().amax(-1, keepdim=True) / 6 * 2   # the largest e2m1 step of a block (2 in units of scale)
+    assert ((out - want).abs() <= step).all()
+
+
+# ----------------------------------------------------------------------------- compressor pooling, SwiGLU
+@pytest.mark.parametrize("overlap, m, hd", [(False, 4, 24), (True, 4, 20), (False, 16, 8)])
+def test_compress_windows(overlap, m, hd):
+    width = 2 * hd if overlap else hd
+    kv = _randn(2, 3, m, width, seed=60)
+    gate = _randn(2, 3, m, width, seed=61, scale=3.0)
+    prev_kv = prev_gate = None
+    if overlap:
+        prev_kv = _randn(2, 3, m, hd, seed=62)
+        prev_gate = _randn(2, 3, m, hd, seed=63, scale=3.0)
+        prev_gate[0, 0] = float("-inf")                  # the first window has no previous one
+    _close(KERNELS["compress_windows"](kv, gate, prev_kv, prev_gate), ref.compress_windows(kv, gate, prev_kv, prev_gate),
+           steps=16.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("limit", [0.0, 2.5])
+def test_swiglu(dtype, limit):
+    g = _randn(3, 1100, seed=64, dtype=dtype, scale=3.0)
+    u = _randn(3, 1100, seed=65, dtype=dtype, scale=3.0)
+    _close(KERNELS["swiglu"](g, u, limit), ref.swiglu(g, u, limit), steps=1.0 if dtype != torch.float32 else 8.0)

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .small_util import (broadcast_rows, check, check_float, empty, fp8_round_trip, fp8_scale, pow2, row_stride,
-                         rows, sm_count)
+from .small_util import (broadcast_rows, check, check_float, empty, fp8_round_trip, fp8_scale, neg, pow2,
+                         row_stride, rows, sm_count)
 
 _FP8_BLOCK = 64
 _MAX_ROW = 16384
@@ -87,7 +87,7 @@ def _row_kernel(x_ptr, sx, w_ptr, cos_ptr, sin_ptr, y_ptr, sy, R, D, Df, NOPE, R
         c = tl.load(cos_ptr + t, mask=m2, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t, mask=m2, other=0.0).to(tl.float32)
         if INVERSE:
-            s = -s
+            s = neg(s)
         ra = a * c - b * s
         rb = a * s + b * c
         py = y_ptr + r64[:, None] * sy + ea

@@ -116,6 +116,12 @@ def exp2_biased(e):
 
 
 @triton.jit
+def neg(x):
+    """``-x`` for fp32 by flipping the sign bit (Triton's unary minus is ``0 - x``: it loses ``-0``)."""
+    return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def pow2_ceil(v):
     """The smallest power of two ``>= v`` for positive normal fp32 ``v``, exactly (from the bits)."""
     bits = v.to(tl.int32, bitcast=True)
@@ -188,4 +194,4 @@ def e2m1_value(c):
     e = (c >> 1) & 3
     m = (c & 1).to(tl.float32)
     mag = tl.where(e == 0, 0.5 * m, exp2_biased(tl.maximum(e, 1) + 126) * (1.0 + 0.5 * m))
-    return tl.where((c & 8) != 0, -mag, mag)
+    return tl.where((c & 8) != 0, neg(mag), mag)
