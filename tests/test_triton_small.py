@@ -235,7 +235,7 @@ def test_store_rows_bit_exact(layout, pow2, dtype, dim, rope, lead):
 
 # ----------------------------------------------------------------------------- Hadamard
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 5, 128), (2, 32)])
+@pytest.mark.parametrize("shape", [(3, 5, 128), (2, 32), (3, 16), (2, 2)])
 def test_hadamard(dtype, shape):
     x = _randn(*shape, seed=50, dtype=dtype)
     _close(KERNELS["hadamard"](x), ref.hadamard(x), steps=2.0 if dtype != torch.float32 else 64.0)
@@ -243,9 +243,10 @@ def test_hadamard(dtype, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fp4", [False, True])
-def test_rope_hadamard(dtype, fp4):
-    x = _randn(2, 3, 4, 64, seed=51, dtype=dtype, scale=3.0)   # [B, S, nI, d], rd = 32
-    cos, sin = _rope_tables((2, 3), 16, seed=52)
+@pytest.mark.parametrize("d, rd", [(64, 32), (16, 8)])
+def test_rope_hadamard(dtype, fp4, d, rd):
+    x = _randn(2, 3, 4, d, seed=51, dtype=dtype, scale=3.0)   # [B, S, nI, d]
+    cos, sin = _rope_tables((2, 3), rd // 2, seed=52)
     cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
     out, want = KERNELS["rope_hadamard"](x, cos_h, sin_h, fp4), ref.rope_hadamard(x, cos_h, sin_h, fp4)
     if not fp4:
@@ -279,3 +280,106 @@ def test_swiglu(dtype, limit):
     g = _randn(3, 1100, seed=64, dtype=dtype, scale=3.0)
     u = _randn(3, 1100, seed=65, dtype=dtype, scale=3.0)
     _close(KERNELS["swiglu"](g, u, limit), ref.swiglu(g, u, limit), steps=1.0 if dtype != torch.float32 else 8.0)
+
+
+# ----------------------------------------------------------------------------- compressor decode step
+def _compressor_case(overlap: bool, ratio: int, dim: int, layout: str, dtype, seed: int):
+    from dsv4.engine.state import _compressor
+    from dsv4.model.compressor import Compressor
+    hidden, slots = 24, 3
+    torch.manual_seed(seed)
+    comp = Compressor(hidden, dim, ratio, overlap, 1e-6, dtype).to(DEV)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.copy_(torch.randn(p.shape, generator=_gen(seed + p.numel())) * 0.5)
+        comp.norm.weight.add_(1.0)
+    rope = 16 if layout == "fp8" else 0
+    entries = RowStore.allocate(layout, slots, 64 // ratio + 1, dim, dtype, DEV, rope_dim=rope)
+    return comp, _compressor(entries, slots, ratio, dim, overlap, DEV), hidden
+
+
+def _clone_state(st):
+    import copy
+    out = copy.copy(st)
+    out.entries = copy.copy(st.entries)
+    for name in ("data", "scale", "rope"):
+        t = getattr(st.entries, name)
+        setattr(out.entries, name, None if t is None else t.clone())
+    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
+        t = getattr(st, name)
+        setattr(out, name, None if t is None else t.clone())
+    return out
+
+
+def _states_equal(a, b, exact: bool) -> None:
+    """Window state and every entry row but the sink (never read) equal."""
+    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
+        ta, tb = getattr(a, name), getattr(b, name)
+        if ta is not None:
+            assert torch.equal(ta, tb), name
+    for ta, tb in zip(a.entries.tensors(), b.entries.tensors()):
+        ta, tb = ta[:, :-1], tb[:, :-1]
+        if exact or ta.dtype == torch.uint8 or ta.dtype == torch.float8_e4m3fn:
+            same = (ta.view(torch.uint8) == tb.view(torch.uint8)).float().mean()
+            assert same >= (1.0 if exact else 0.99), f"{same:.4f} of entry bytes equal"
+        else:
+            _close(tb, ta, steps=64.0)
+
+
+def _decode_run(comp, state, hidden, rotate, steps, step_fn, seed):
+    """``steps`` decode tokens on slots 2 and 0 (different positions), by ``step_fn``."""
+    from types import SimpleNamespace
+    from dsv4.ops import reference as r
+    inv = r.rope_inv_freq(16, 10000.0).to(DEV)
+    start = torch.tensor([5, 2], device=DEV)
+    slots = torch.tensor([2, 0], device=DEV)
+    for t in range(steps):
+        x = _randn(2, 1, hidden, seed=seed + t, dtype=comp.wkv.w.dtype)
+        pos = (start + t).unsqueeze(1)
+        ctx = SimpleNamespace(slots=slots, start=start + t, positions=pos, qat_sim=False, pow2=True)
+        step_fn(comp, state, x, ctx, inv, rotate)
+
+
+def _step_module(comp, state, x, ctx, inv, rotate):
+    from dsv4.ops import reference as r
+
+    def finish(entry, pos):
+        cos, sin = r.rope_cos_sin(pos, inv)
+        e = r.apply_rope(entry, cos, sin)
+        return r.hadamard(e) if rotate else e
+    comp(x, ctx, state, finish)
+
+
+def _step_fused(impl):
+    def run(comp, state, x, ctx, inv, rotate):
+        from dsv4.ops import reference as r
+        f32 = torch.float32
+        kv = r.linear(x, comp.wkv.w, out_dtype=f32)
+        gate = r.linear(x, comp.wgate.w, out_dtype=f32)
+        cos, sin = r.rope_cos_sin(ctx.positions // comp.ratio * comp.ratio, inv)
+        impl(kv, gate, comp.ape, state, ctx.slots, ctx.positions, comp.norm.weight, comp.norm.eps, cos, sin, rotate)
+    return run
+
+
+@pytest.mark.parametrize("overlap, ratio, dim, layout, rotate", [
+    (True, 4, 32, "plain", True), (False, 8, 48, "fp8", False), (True, 4, 32, "fp4", True)])
+def test_compressor_step_reference_equals_module(overlap, ratio, dim, layout, rotate):
+    """The fused op's spec is the batched compressor at S = 1 (CPU reference vs reference; the
+    Hadamard matmul of a [B, dim] batch and of a [B, 2, dim] one may sum in another order)."""
+    comp, state, hidden = _compressor_case(overlap, ratio, dim, layout, torch.float32, seed=70)
+    other = _clone_state(state)
+    _decode_run(comp, state, hidden, rotate, 11, _step_module, seed=71)
+    _decode_run(comp, other, hidden, rotate, 11, _step_fused(ref.compressor_step), seed=71)
+    _states_equal(state, other, exact=not rotate)
+
+
+@pytest.mark.parametrize("overlap, ratio, dim, layout, rotate, dtype", [
+    (True, 4, 64, "fp4", True, torch.float16), (False, 8, 64, "fp8", False, torch.float16),
+    (True, 4, 32, "plain", False, torch.float32)])
+def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
+    comp, state, hidden = _compressor_case(overlap, ratio, dim, layout, dtype, seed=72)
+    other = _clone_state(state)
+    steps = 2 * ratio + 1                                  # two windows close
+    _decode_run(comp, state, hidden, rotate, steps, _step_fused(ref.compressor_step), seed=73)
+    _decode_run(comp, other, hidden, rotate, steps, _step_fused(KERNELS["compressor_step"]), seed=73)
+    _states_equal(state, other, exact=False)

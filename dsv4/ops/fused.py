@@ -32,4 +32,12 @@ def rope_hadamard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp4: bo
     return implementation("rope_hadamard", x.device)(x, cos, sin, fp4)
 
 
-__all__ = ["rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard"]
+def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
+                    positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, rotate: bool) -> None:
+    """A KV compressor's decode update in one call; see :func:`reference_fused.compressor_step`."""
+    return implementation("compressor_step", kv.device)(kv, gate, ape, state, slots, positions, norm_weight, eps,
+                                                        cos, sin, rotate)
+
+
+__all__ = ["rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]

@@ -194,16 +194,21 @@ def _sign_pm1(i, j):
 
 
 @triton.jit
-def _dot_pm1(x, h, IEEE: tl.constexpr):
-    """``x @ h`` for a +-1 matrix ``h``: IEEE fp32, or on the tensor cores in x's half dtype (exact)."""
-    if IEEE:
-        return tl.dot(x, h, input_precision="ieee")
-    return tl.dot(x, h.to(x.dtype))
+def _mul_pm1(x, h, IEEE: tl.constexpr, DOT: tl.constexpr):
+    """``x [BM, K] @ h [K, N]`` for a +-1 matrix ``h``, fp32 result: ``tl.dot`` (IEEE fp32, or on the
+    tensor cores in x's half dtype: exact products) when the tile allows it, else a broadcast
+    product summed over K (small ``n``)."""
+    if DOT:
+        if IEEE:
+            return tl.dot(x, h, input_precision="ieee")
+        return tl.dot(x, h.to(x.dtype))
+    return tl.sum(x.to(tl.float32)[:, :, None] * h[None, :, :], axis=1)
 
 
 @triton.jit
 def _hadamard_kernel(x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale,
-                     N: tl.constexpr, BM: tl.constexpr, ROPE: tl.constexpr, FP4: tl.constexpr, IEEE: tl.constexpr):
+                     N: tl.constexpr, BM: tl.constexpr, ROPE: tl.constexpr, FP4: tl.constexpr, IEEE: tl.constexpr,
+                     DOT: tl.constexpr, FB: tl.constexpr):
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     rm = r < R
@@ -228,10 +233,10 @@ def _hadamard_kernel(x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale,
     if IEEE:
         xe = xe.to(tl.float32)
         xo = xo.to(tl.float32)
-    y = _dot_pm1(xe, he, IEEE) + _dot_pm1(xo, ho, IEEE)                 # [BM, N] fp32
+    y = _mul_pm1(xe, he, IEEE, DOT) + _mul_pm1(xo, ho, IEEE, DOT)       # [BM, N] fp32
     y = (y * scale).to(XDT)
-    if FP4:
-        y3 = tl.reshape(y.to(tl.float32), [BM, N // 32, 32])
+    if FP4:                                                             # blocks of 32 (one block if N < 32)
+        y3 = tl.reshape(y.to(tl.float32), [BM, N // FB, FB])
         sc = fp4_scale(tl.max(tl.abs(y3), axis=2))[:, :, None]
         y = tl.reshape(e2m1_value(e2m1_code(tl.div_rn(y3, sc))) * sc, [BM, N]).to(XDT)
     tl.store(y_ptr + r64[:, None] * N + j[None, :], y, mask=rm[:, None])
@@ -240,7 +245,7 @@ def _hadamard_kernel(x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale,
 def _hadamard(op: str, x: torch.Tensor, cos=None, sin=None, fp4: bool = False) -> torch.Tensor:
     check_float(op, x=x)
     n = x.shape[-1]
-    check(n & (n - 1) == 0 and 32 <= n <= 256, op, f"last dim {n}: the kernel does powers of two from 32 to 256")
+    check(n & (n - 1) == 0 and 2 <= n <= 256, op, f"last dim {n}: the kernel does powers of two from 2 to 256")
     lead = tuple(x.shape[:-1])
     x2 = rows(x, n)
     R = x2.shape[0]
@@ -254,11 +259,12 @@ def _hadamard(op: str, x: torch.Tensor, cos=None, sin=None, fp4: bool = False) -
         sin, _ = broadcast_rows(sin, lead, rd2, op, "sin")
     if R == 0:
         return y
-    bm = 16 if R <= 16 * sm_count(x.device) or n > 128 else 32
+    dot = n >= 32                                   # tl.dot tiles need K = n / 2 >= 16
+    bm = (16 if R <= 16 * sm_count(x.device) or n > 128 else 32) if dot else max(1, min(64, 4096 // (n * n // 2)))
     _hadamard_kernel[(triton.cdiv(R, bm),)](
         x2, row_stride(x2), cos if cos is not None else x2, sin if sin is not None else x2, y, R, g, rd2,
         float(torch.tensor(n ** -0.5, dtype=torch.float32)), N=n, BM=bm, ROPE=cos is not None, FP4=bool(fp4),
-        IEEE=x.dtype == torch.float32, num_warps=4, enable_fp_fusion=False)
+        IEEE=x.dtype == torch.float32, DOT=dot, FB=min(32, n), num_warps=4, enable_fp_fusion=False)
     return y
 
 
