@@ -383,3 +383,187 @@ def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
     _decode_run(comp, state, hidden, rotate, steps, _step_fused(ref.compressor_step), seed=73)
     _decode_run(comp, other, hidden, rotate, steps, _step_fused(KERNELS["compressor_step"]), seed=73)
     _states_equal(state, other, exact=False)
+
+
+# ============================================================================= GPU: real shapes, bf16, graphs
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu(fn):
+    """Marked ``gpu`` (``pytest -m gpu``) and skipped without CUDA."""
+    return pytest.mark.gpu(_needs_cuda(fn))
+
+#: the GPU tests' device and activation dtype (a dry run of their logic can set "cpu", float16)
+GDEV, GDT = "cuda", torch.bfloat16
+#: (hidden, heads, q_lora) of V4-Flash and V4-Pro
+GEOMETRY = {"flash": (4096, 64, 1024), "pro": (7168, 128, 1536)}
+
+
+def _g(*shape, seed: int, scale: float = 1.0, dtype=None) -> torch.Tensor:
+    return _randn(*shape, seed=seed, scale=scale, dtype=dtype or GDT, device=GDEV)
+
+
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@gpu
+def test_gpu_mhc(geo, batch):
+    D = GEOMETRY[geo][0]
+    h = _g(batch, 1, 4, D, seed=100, scale=2.0)
+    fn = _g(24, 4 * D, seed=101, scale=0.02, dtype=torch.float32)
+    base = _g(24, seed=102, scale=0.5, dtype=torch.float32)
+    scale = _g(3, seed=103, scale=0.5, dtype=torch.float32) + 1
+    want, got = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6), KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
+    _close(got[0], want[0], steps=1.0)
+    _close(got[1], want[1], steps=64.0)
+    _close(got[2], want[2], steps=256.0)
+    out = _g(batch, 1, D, seed=104)
+    _close(KERNELS["mhc_post"](out, h, want[1], want[2]), ref.mhc_post(out, h, want[1], want[2]), steps=1.0)
+    hf = _g(4, D * 4, seed=105, scale=0.02, dtype=torch.float32)
+    hb, hs = _g(4, seed=106, dtype=torch.float32), _g(1, seed=107, dtype=torch.float32)
+    _close(KERNELS["hc_head"](h, hf, hb, hs, 1e-6, 1e-6), ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), steps=1.0)
+
+
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("batch", [1, 32])
+@gpu
+def test_gpu_norms_rope(geo, batch):
+    D, H, ql = GEOMETRY[geo]
+    for width in (D, ql, 512):
+        x, w = _g(batch, 1, width, seed=110, scale=3.0), _g(width, seed=111, dtype=torch.float32)
+        _close(KERNELS["rms_norm"](x, w, 1e-6), ref.rms_norm(x, w, 1e-6), steps=1.0)
+    ang = torch.rand(batch, 1, 32, generator=_gen(112), device="cpu").to(GDEV) * 1000
+    cos, sin = ang.cos(), ang.sin()
+    q = _g(batch, 1, H, 512, seed=113, scale=2.0)
+    ch, sh = cos.unsqueeze(2), sin.unsqueeze(2)
+    _close(KERNELS["rope_qnorm"](q, ch, sh, 1e-6), ref.rope_qnorm(q, ch, sh, 1e-6), steps=1.0)
+    _exact(KERNELS["apply_rope"](q, ch, sh, True), ref.apply_rope(q, ch, sh, True))
+    kv, kw = _g(batch, 1, 512, seed=114, scale=3.0), _g(512, seed=115, dtype=torch.float32)
+    for layout in ("plain", "fp8"):
+        ring = RowStore.allocate(layout, 33, 128, 512, GDT, GDEV, rope_dim=64)
+        want = ref.kv_prepare(kv, kw, 1e-6, cos, sin, ring)
+        got = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
+        assert (got == want).float().mean() > 0.999
+        _close(got, want, steps=16.0)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@gpu
+def test_gpu_quant_and_stores(batch):
+    x = _g(batch, 4096, seed=120, scale=5.0)
+    _exact(KERNELS["fp8_sim"](x, 128, True), ref.fp8_sim(x, 128, True))
+    _exact(KERNELS["fp8_sim"](x, 64, False), ref.fp8_sim(x, 64, False))
+    qi = _g(batch, 1, 64, 128, seed=121)
+    _exact(KERNELS["fp4_sim"](qi, 32), ref.fp4_sim(qi, 32))
+    for layout, dim, rope in (("fp8", 512, 64), ("fp4", 128, 0), ("plain", 512, 0)):
+        a = RowStore.allocate(layout, 33, 130, dim, GDT, GDEV, rope_dim=rope)
+        b = RowStore.allocate(layout, 33, 130, dim, GDT, GDEV, rope_dim=rope)
+        slots = torch.randperm(33, generator=_gen(122))[:batch].to(GDEV).unsqueeze(1)
+        rows_ = torch.randint(0, 130, (batch, 1), generator=_gen(123)).to(GDEV)
+        v = _g(batch, 1, dim, seed=124, scale=4.0, dtype=torch.float32 if layout == "fp4" else GDT)
+        ref.store_rows(a, slots, rows_, v)
+        KERNELS["store_rows"](b, slots, rows_, v)
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), layout
+    ang = torch.rand(batch, 1, 32, generator=_gen(125)).to(GDEV) * 1000
+    ch, sh = ang.cos().unsqueeze(2), ang.sin().unsqueeze(2)
+    _close(KERNELS["rope_hadamard"](qi, ch, sh, False), ref.rope_hadamard(qi, ch, sh, False), steps=1.0)
+    got, want = KERNELS["rope_hadamard"](qi, ch, sh, True), ref.rope_hadamard(qi, ch, sh, True)
+    assert (got == want).float().mean() > 0.99
+    g, u = _g(batch, 2048, seed=126, scale=4.0, dtype=torch.float32), _g(batch, 2048, seed=127, scale=4.0,
+                                                                           dtype=torch.float32)
+    _close(KERNELS["swiglu"](g, u, 10.0), ref.swiglu(g, u, 10.0), steps=8.0)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@gpu
+def test_gpu_compress_windows(batch):
+    f32 = torch.float32
+    kv, gate = _g(batch, 2, 4, 1024, seed=130, dtype=f32), _g(batch, 2, 4, 1024, seed=131, scale=3.0, dtype=f32)
+    pk, pg = _g(batch, 2, 4, 512, seed=132, dtype=f32), _g(batch, 2, 4, 512, seed=133, scale=3.0, dtype=f32)
+    _close(KERNELS["compress_windows"](kv, gate, pk, pg), ref.compress_windows(kv, gate, pk, pg), steps=64.0)
+    kv, gate = _g(batch, 1, 128, 512, seed=134, dtype=f32), _g(batch, 1, 128, 512, seed=135, scale=3.0, dtype=f32)
+    _close(KERNELS["compress_windows"](kv, gate), ref.compress_windows(kv, gate), steps=64.0)
+
+
+def _gpu_compressor(dim, ratio, overlap, layout, slots, seed):
+    from dsv4.engine.state import _compressor
+    width = 2 * dim if overlap else dim
+    entries = RowStore.allocate(layout, slots, 4096 // ratio + 1, dim, GDT, GDEV,
+                                rope_dim=64 if layout == "fp8" else 0)
+    st = _compressor(entries, slots, ratio, dim, overlap, GDEV)
+    st.win_kv.normal_(generator=torch.Generator(GDEV).manual_seed(seed))
+    st.win_gate.normal_(generator=torch.Generator(GDEV).manual_seed(seed + 1))
+    if overlap:
+        st.prev_kv.normal_(generator=torch.Generator(GDEV).manual_seed(seed + 2))
+        st.prev_gate.normal_(generator=torch.Generator(GDEV).manual_seed(seed + 3))
+    return st, width
+
+
+@pytest.mark.parametrize("dim, ratio, overlap, layout, rotate", [
+    (512, 4, True, "fp8", False), (128, 4, True, "fp4", True), (512, 128, False, "fp8", False)])
+@pytest.mark.parametrize("batch", [1, 32])
+@gpu
+def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
+    a, width = _gpu_compressor(dim, ratio, overlap, layout, 33, seed=140)
+    b = _clone_state(a)
+    slots = torch.randperm(33, generator=_gen(141))[:batch].to(GDEV)
+    pos = torch.randint(0, 4000, (batch, 1), generator=_gen(142)).to(GDEV)
+    pos[::2] = (pos[::2] // ratio) * ratio + ratio - 1               # half of the rows close a window
+    kv, gate = _g(batch, 1, width, seed=143, dtype=torch.float32), _g(batch, 1, width, seed=144, dtype=torch.float32)
+    ape, w = _g(ratio, width, seed=145, dtype=torch.float32), _g(dim, seed=146, dtype=torch.float32) + 1
+    ang = (pos // ratio * ratio).float() * torch.rand(32, generator=_gen(147)).to(GDEV)
+    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+    ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
+    KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate)
+    _states_equal(a, b, exact=False)
+
+
+@gpu
+def test_gpu_graph_replay_equals_eager():
+    """A decode layer's small ops captured in one CUDA graph replay to exactly the eager results."""
+    D, H, batch = 4096, 64, 8
+    h = _g(batch, 1, 4, D, seed=150)
+    fn, base = _g(24, 4 * D, seed=151, scale=0.02, dtype=torch.float32), _g(24, seed=152, dtype=torch.float32)
+    scale = _g(3, seed=153, dtype=torch.float32)
+    q, kv = _g(batch, 1, H, 512, seed=154), _g(batch, 1, 512, seed=155)
+    kw = _g(512, seed=156, dtype=torch.float32)
+    ang = torch.rand(batch, 1, 32, generator=_gen(157)).to(GDEV) * 100
+    cos, sin = ang.cos(), ang.sin()
+    ring = RowStore.allocate("fp8", batch, 128, 512, GDT, GDEV, rope_dim=64)
+    st, width = _gpu_compressor(512, 4, True, "fp8", batch, seed=158)
+    slots = torch.arange(batch, device=GDEV)
+    pos = torch.arange(batch, device=GDEV).unsqueeze(1) * 3 + 3
+    ckv, cg = _g(batch, 1, width, seed=159, dtype=torch.float32), _g(batch, 1, width, seed=160, dtype=torch.float32)
+    ape = _g(4, width, seed=161, dtype=torch.float32)
+
+    def step():
+        y, post, comb = KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
+        qq = KERNELS["rope_qnorm"](q, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6)
+        k = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
+        KERNELS["store_rows"](ring, slots.unsqueeze(1), pos % 128, k)
+        KERNELS["compressor_step"](ckv, cg, ape, st, slots, pos, kw, 1e-6, cos, sin, False)
+        return [KERNELS["mhc_post"](KERNELS["rms_norm"](y, kw[:1].expand(D).contiguous(), 1e-6), h, post, comb), qq, k]
+
+    saved = [t.clone() for t in ring.tensors() + st.entries.tensors() + [st.win_kv, st.win_gate, st.prev_kv,
+                                                                           st.prev_gate]]
+    live = ring.tensors() + st.entries.tensors() + [st.win_kv, st.win_gate, st.prev_kv, st.prev_gate]
+    eager = step()
+    after = [t.clone() for t in live]
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                                       # warm-up (compiles) outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for t, s in zip(live, saved):
+        t.copy_(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, eager):
+        assert torch.equal(a, b)
+    for a, b in zip(live, after):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
