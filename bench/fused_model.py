@@ -7,6 +7,8 @@ report lists the same edits as diffs); :func:`apply` installs the ones the model
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from dsv4 import ops
@@ -123,25 +125,29 @@ def indexer_forward(self: indexer.Indexer, x, qr, ctx, state):
     return torch.where(picks < visible, picks, torch.full_like(picks, -1))
 
 
-def apply() -> None:
-    if not hasattr(common.ForwardContext, "window_rope"):
-        common.ForwardContext.window_rope = window_rope
-    if not hasattr(compressor.Compressor, "rotate"):
-        compressor.Compressor.rotate = False          # the edit: a constructor argument, True in the indexer
-        orig_init = indexer.Indexer.__init__
+def _has(fn, name: str) -> bool:
+    """Whether the model's ``fn`` already calls the fused op ``name`` (the edit is applied)."""
+    return name in inspect.getsource(fn)
 
-        def init(self, *a, **k):
-            orig_init(self, *a, **k)
-            self.compressor.rotate = True
-        indexer.Indexer.__init__ = init
-        compressor.Compressor.forward = compressor_forward
-        attention.Attention.forward = attention_forward
-        attention.Attention._store_window = store_window
-        indexer.Indexer.forward = indexer_forward
+
+def apply(set_attr=setattr) -> None:
+    """Install the edits the model lacks (``set_attr``: e.g. pytest's ``monkeypatch.setattr``)."""
+    if not hasattr(common.ForwardContext, "window_rope"):
+        set_attr(common.ForwardContext, "window_rope", window_rope)
+    if not _has(compressor.Compressor.forward, "compressor_step"):
+        set_attr(compressor.Compressor, "rotate", False)   # the edit: a constructor argument, True in the indexer
+        set_attr(compressor.Compressor, "forward", compressor_forward)
+    if not _has(attention.Attention.forward, "rope_qnorm"):
+        set_attr(attention.Attention, "forward", attention_forward)
+    if not _has(attention.Attention._store_window, "store_rows"):
+        set_attr(attention.Attention, "_store_window", store_window)
+    if not _has(indexer.Indexer.forward, "rope_hadamard"):
+        set_attr(indexer.Indexer, "forward", indexer_forward)
 
 
 def mark_indexer_compressors(model: torch.nn.Module) -> None:
-    """Set ``rotate`` on the indexers' compressors of an already built model."""
+    """Set ``rotate`` on the indexers' compressors of a built model (the edit makes it a
+    constructor argument of ``Compressor``, ``True`` where the indexer builds its compressor)."""
     for mod in model.modules():
         if isinstance(mod, indexer.Indexer):
             mod.compressor.rotate = True

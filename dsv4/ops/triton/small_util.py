@@ -79,9 +79,9 @@ _SMS: dict[int, int] = {}
 
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (cached); 4 elsewhere (the interpreter: small grids)."""
+    """Multiprocessors of a CUDA device (cached); 1 elsewhere (the interpreter: few programs)."""
     if device.type != "cuda":
-        return 4
+        return 1
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SMS:
         _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
