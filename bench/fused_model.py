@@ -1,8 +1,9 @@
 """The model edits that switch decode to the fused small ops (``dsv4.ops.fused``), applied as
 monkeypatches for measurements (``bench/count_launches.py --fused``) until the model has them.
 
-Each function below is the model method as it reads after the proposed edit (the kernel
-report lists the same edits as diffs); :func:`apply` installs the ones the model lacks.
+Each function below is the model method as it reads after the proposed edit; the same edits
+as a patch: ``bench/fused_model_edits.patch`` (``git apply`` it to switch the model itself).
+:func:`apply` installs the ones the model lacks.
 """
 
 from __future__ import annotations

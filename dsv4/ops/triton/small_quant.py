@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .small_util import (broadcast_rows, check, check_float, e2m1_code, e2m1_value, e4m3_bits, empty, fp4_scale,
-                         fp8_round_trip, fp8_scale, pow2, round_e4m3, row_stride, rows, sm_count)
+                         fp8_round_trip, fp8_scale, pow2, round_e4m3, row_stride, rows)
 
 
 # ----------------------------------------------------------------------------- fp8_sim / fp4_sim
@@ -260,7 +260,7 @@ def _hadamard(op: str, x: torch.Tensor, cos=None, sin=None, fp4: bool = False) -
     if R == 0:
         return y
     dot = n >= 32                                   # tl.dot tiles need K = n / 2 >= 16
-    bm = (16 if R <= 16 * sm_count(x.device) or n > 128 else 32) if dot else max(1, min(64, 4096 // (n * n // 2)))
+    bm = 16 if dot else max(1, min(64, 4096 // (n * n // 2)))
     _hadamard_kernel[(triton.cdiv(R, bm),)](
         x2, row_stride(x2), cos if cos is not None else x2, sin if sin is not None else x2, y, R, g, rd2,
         float(torch.tensor(n ** -0.5, dtype=torch.float32)), N=n, BM=bm, ROPE=cos is not None, FP4=bool(fp4),
