@@ -270,8 +270,8 @@ def test_compress_windows(overlap, m, hd):
         prev_kv = _randn(2, 3, m, hd, seed=62)
         prev_gate = _randn(2, 3, m, hd, seed=63, scale=3.0)
         prev_gate[0, 0] = float("-inf")                  # the first window has no previous one
-    _close(KERNELS["compress_windows"](kv, gate, prev_kv, prev_gate), ref.compress_windows(kv, gate, prev_kv, prev_gate),
-           steps=16.0)
+    want = ref.compress_windows(kv, gate, prev_kv, prev_gate)
+    _close(KERNELS["compress_windows"](kv, gate, prev_kv, prev_gate), want, steps=16.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -96,6 +96,7 @@ def _cache_cases(k, ref, dev, tag, T) -> list[Case]:
     rows = torch.randint(0, 128, (T, 1), device=dev)
     kvr = ref.kv_prepare(kv, w, 1e-6, cos, sin, ring)
     qi = _rand(T, 1, INDEX_HEADS, INDEX_DIM, dev=dev)
+    ch, sh = cos.unsqueeze(2), sin.unsqueeze(2)
     row_bytes = HD - RD + (HD - RD) // 64 + RD * 2            # 448 fp8 + 7 e8m0 + 64 bf16
     out = [
         Case("small", f"kv_prepare fp8 {tag}", lambda: k["kv_prepare"](kv, w, 1e-6, cos, sin, ring),
@@ -104,14 +105,15 @@ def _cache_cases(k, ref, dev, tag, T) -> list[Case]:
         Case("small", f"store_rows fp8 ring {tag}", lambda: k["store_rows"](ring, slots.unsqueeze(1), rows, kvr),
              bytes=kvr.numel() * 2 + T * row_bytes + 2 * T * 8, peer=PEER,
              peer_fn=lambda: ref.store_rows(ring, slots.unsqueeze(1), rows, kvr)),
-        Case("small", f"rope_hadamard fp4 {tag}", lambda: k["rope_hadamard"](qi, cos.unsqueeze(2), sin.unsqueeze(2), True),
+        Case("small", f"rope_hadamard fp4 {tag}", lambda: k["rope_hadamard"](qi, ch, sh, True),
              bytes=2 * qi.numel() * 2 + 2 * cos.numel() * 4, peer=PEER,
-             peer_fn=lambda: ref.rope_hadamard(qi, cos.unsqueeze(2), sin.unsqueeze(2), True)),
+             peer_fn=lambda: ref.rope_hadamard(qi, ch, sh, True)),
     ]
     for name, dim, ratio, overlap, layout, rotate in (("csa", HD, 4, True, "fp8", False),
                                                        ("indexer", INDEX_DIM, 4, True, "fp4", True),
                                                        ("hca", HD, 128, False, "fp8", False)):
-        entries = RowStore.allocate(layout, max(T, 2), 65, dim, torch.bfloat16, dev, rope_dim=RD if layout == "fp8" else 0)
+        entries = RowStore.allocate(layout, max(T, 2), 65, dim, torch.bfloat16, dev,
+                                    rope_dim=RD if layout == "fp8" else 0)
         st = _compressor(entries, max(T, 2), ratio, dim, overlap, dev)
         width = 2 * dim if overlap else dim
         ckv, cg = _rand(T, 1, width, dtype=f32, dev=dev), _rand(T, 1, width, dtype=f32, dev=dev)

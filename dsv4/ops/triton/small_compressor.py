@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .small_quant import _sign_pm1
 from .small_util import (check, check_float, e2m1_code, e4m3_bits, fp4_scale, fp8_scale, pow2, round_e4m3,
-                         row_stride)
+                         row_stride, rows)
 
 
 @triton.jit
@@ -260,13 +260,14 @@ def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tens
     data, scale, rope, nscale = store.data, store.data, store.data, 1
     if layout == 1:
         nope, qp = store.data.shape[-1], 32
-        check(dim - nope == 2 * rd2 and nope % 2 == 0, op, f"the store keeps {dim - nope} rope dims; cos gives {2 * rd2}")
+        check(dim - nope == 2 * rd2 and nope % 2 == 0, op,
+              f"the store keeps {dim - nope} rope dims; cos gives {2 * rd2}")
         check(store.scale.dtype == (torch.uint8 if store.pow2 else torch.float32), op,
               f"fp8 store with pow2={store.pow2} has {store.scale.dtype} scales")
         data, scale, rope, nscale = store.data.view(torch.uint8), store.scale, store.rope, store.scale.shape[-1]
     elif layout == 2:
         data, scale, nscale = store.data, store.scale, store.scale.shape[-1]
-    kv2, g2 = kv.reshape(B, width), gate.reshape(B, width)
+    kv2, g2 = rows(kv, width), rows(gate, width)
     pos2 = positions.reshape(B)
     cos2, sin2 = cos.reshape(B, rd2).float().contiguous(), sin.reshape(B, rd2).float().contiguous()
     mc = 1
@@ -277,11 +278,11 @@ def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tens
     prev_kv = state.prev_kv if overlap else state.win_kv
     prev_g = state.prev_gate if overlap else state.win_gate
     _compressor_step_kernel[(B,)](
-        kv2, row_stride(kv2) if B > 1 else width, g2, row_stride(g2) if B > 1 else width, ape.contiguous(),
-        state.win_kv, state.win_gate, prev_kv, prev_g, slots.reshape(B).contiguous(), pos2, pos2.stride(0) if B > 1 else 1,
-        norm_weight.float().contiguous(), float(eps), cos2, sin2, data, scale, rope, store.data.shape[1], nscale,
-        m, width, dim, float(dim), nope, rd2, hscale, OVERLAP=overlap, ROTATE=bool(rotate), LAYOUT=layout, POW2=bool(store.pow2),
-        MC=mc, DP2=dp2, QP=qp, BLK=min(1024, pow2(width)), num_warps=8, enable_fp_fusion=False)
+        kv2, row_stride(kv2), g2, row_stride(g2), ape.contiguous(), state.win_kv, state.win_gate, prev_kv, prev_g,
+        slots.reshape(B).contiguous(), pos2, pos2.stride(0) if B > 1 else 1, norm_weight.float().contiguous(),
+        float(eps), cos2, sin2, data, scale, rope, store.data.shape[1], nscale, m, width, dim, float(dim), nope, rd2,
+        hscale, OVERLAP=overlap, ROTATE=bool(rotate), LAYOUT=layout, POW2=bool(store.pow2), MC=mc, DP2=dp2, QP=qp,
+        BLK=min(1024, pow2(width)), num_warps=8, enable_fp_fusion=False)
 
 
 REGISTRATIONS = [("compressor_step", None, compressor_step_triton)]
