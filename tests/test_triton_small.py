@@ -5,6 +5,9 @@ at small, odd shapes with fp32/fp16 activations (the interpreter mis-rounds bf16
 poisoned with NaN so every element must be written. GPU (``-m gpu``): real DeepSeek-V4 shapes,
 bf16, and a CUDA-graph replay equal to eager.
 
+Also on CPU: a tiny model (every layer kind) decodes with every small kernel and the fused-op
+model edits (``bench/fused_model.py``) and matches the reference decode.
+
 Bit-exact where the reference is elementwise fp32 arithmetic (RoPE, the FP8/FP4 round trips, the
 mHC post mix in the interpreter); where the reference reduces (norm statistics, the mHC
 projection, softmaxes, Hadamard) the sums run in another order: tolerances of a few fp32 ulps
