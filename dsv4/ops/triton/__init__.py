@@ -19,7 +19,7 @@ import os
 from .. import register
 
 #: kernel modules, imported in this order
-MODULES: tuple[str, ...] = ("attention",)
+MODULES: tuple[str, ...] = ("attention", "small")
 
 
 def available() -> bool:
