@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
     gen.add_argument("--prompt-ids", type=prompt_ids, default=None, metavar="IDS",
-                     help="the prompt as token ids separated by commas or spaces (e.g. 0,464,3290), "
+                     help="the prompt as token ids separated by commas or spaces (e.g. 0,15,27), "
                           "for checkpoints without a tokenizer")
     _add_engine_args(gen)
     _add_sampling_args(gen, 64)
