@@ -14,7 +14,7 @@ import sys
 import time
 
 from . import __version__
-from .cli_common import HelpFormatter, add_device_arg, add_model_arg, pick_model, positive_int
+from .cli_common import HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
 from .cli_prompt import clean_text, prompt_ids, read_stdin
 from .errors import Dsv4Error, UsageError
 
@@ -31,6 +31,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="positions per sequence, prompt included (default: 4096, or the model's "
                         "max_position_embeddings if smaller)")
     p.add_argument("--max-num-seqs", type=positive_int, default=1, help="sequences generated together")
+    add_threads_arg(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
     gen.add_argument("--prompt-ids", type=prompt_ids, default=None, metavar="IDS",
-                     help="the prompt as token ids separated by commas or spaces (e.g. 0,464,3290), "
+                     help="the prompt as token ids separated by commas or spaces (e.g. 0,15,27), "
                           "for checkpoints without a tokenizer")
     _add_engine_args(gen)
     _add_sampling_args(gen, 64)
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .quant_cli import HANDLERS
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
+    restore = _set_threads(getattr(args, "threads", None))
     try:
         return handlers[args.command](args)
     except Dsv4Error as e:
@@ -169,6 +171,22 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `dsv4 generate ... | head`: the reader left; exit quietly, as Unix tools do
         _discard_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
+    finally:
+        restore()
+
+
+def _set_threads(requested: str | int | None):
+    """Set torch's CPU threads for this command (see :mod:`dsv4.cpu_threads`); returns the undo."""
+    if requested is None:  # a command that runs no model
+        return lambda: None
+    import torch
+
+    from .cpu_threads import choose_threads
+    threads, why = choose_threads(requested)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    print(f"cpu: {threads} thread{'s' if threads > 1 else ''} ({why}; --threads N overrides)", file=sys.stderr)
+    return lambda: torch.set_num_threads(previous)
 
 
 def _discard_stdout() -> None:

@@ -36,6 +36,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def threads_value(text: str) -> str | int:
+    """argparse type of ``--threads``: ``auto`` or a positive integer."""
+    return text if text == "auto" else positive_int(text)
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=threads_value, default="auto",
+                   help="CPU threads for torch: auto = the physical cores other processes leave free "
+                        "(OMP_NUM_THREADS when set), or a number")
+
+
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
 

@@ -50,7 +50,7 @@ def prompt_ids(text: str) -> list[int]:
     """argparse type of ``--prompt-ids``: token ids separated by commas and/or spaces."""
     items = [t for t in re.split(r"[,\s]+", text.strip()) if t]
     if not items:
-        raise argparse.ArgumentTypeError("needs at least one token id, e.g. --prompt-ids 0,464,3290")
+        raise argparse.ArgumentTypeError("needs at least one token id, e.g. --prompt-ids 0,15,27")
     try:
         ids = [int(t) for t in items]
     except ValueError:

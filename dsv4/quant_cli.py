@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .cli_common import HelpFormatter, add_device_arg, add_model_arg, pick_model, positive_int
+from .cli_common import HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
 from .errors import UsageError
 from .weights.quantize import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
 
@@ -43,6 +43,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--overwrite", action="store_true", help="replace DST if it is a previous dsv4 output")
     add_device_arg(q)
     q.add_argument("--shard-gb", type=float, default=4.0, help="max output shard size in GiB")
+    add_threads_arg(q)
     q.set_defaults(handler=cmd_quantize)
 
     e = subparsers.add_parser("eval-quant", help="KL / top-1 / logit error of quantized variants vs the source",
@@ -59,6 +60,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens per sequence (>= 2, at most the model's max_position_embeddings)")
     e.add_argument("--seed", type=int, default=0, help="seed of the random sequences")
     e.add_argument("--work-dir", default=None, help="where variants are written (default: system temp)")
+    add_threads_arg(e)
     e.set_defaults(handler=cmd_eval_quant)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -38,6 +39,9 @@ def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: 
 # dominate on a 2-core CI machine, and makes CPU reductions bitwise repeatable between tests and
 # module-scoped fixtures whatever the machine's core count.
 torch.set_num_threads(1)
+# The same for the `dsv4` command, in-process and in subprocesses: its automatic thread count
+# (dsv4.cpu_threads) honours OMP_NUM_THREADS, so CLI results equal the in-process references bit for bit.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

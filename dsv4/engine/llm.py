@@ -138,8 +138,8 @@ class LLM:
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise RequestError(f"{self.path} has no tokenizer.json, so a text prompt cannot be encoded: pass "
-                               "token ids instead (LLM.generate([[0, 464, 3290]]), or on the command line "
-                               "dsv4 generate --prompt-ids 0,464,3290)")
+                               "token ids instead (LLM.generate([[0, 15, 27]]), or on the command line "
+                               "dsv4 generate --prompt-ids 0,15,27)")
         return self.tokenizer
 
     def _prompt_ids(self, prompt: str | Sequence[int], index: int) -> list[int]:
