@@ -10,8 +10,7 @@ in it: aten ops with no aten op below them (what would become one GPU kernel eac
 the ones that launch nothing (views, ``empty*``, ``detach``), plus one per Triton kernel launch.
 
 ``--fused`` registers the small-op Triton kernels for the CPU (run through Triton's
-interpreter, ``TRITON_INTERPRET=1``) and switches the model to the fused ops the way the edits
-proposed in the kernel report do (monkeypatched here, see ``_use_fused``); the other hot ops
+interpreter, ``TRITON_INTERPRET=1``), which the model's fused decode ops then use; the other hot ops
 (linear, MoE, attention, indexer scores) stay on their references and are counted as they are.
 Geometry does not change the counts (no op count depends on sizes), so the model is small.
 """
@@ -170,9 +169,6 @@ def _use_fused(model) -> None:
             return orig_call(self, *a, **k)
     interpreter.GridExecutor.__call__ = call
 
-    from bench import fused_model
-    fused_model.apply()
-    fused_model.mark_indexer_compressors(model)
 
 
 if __name__ == "__main__":

@@ -27,24 +27,9 @@ from dsv4.ops.triton import attention as ka  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _interpreter_scalar_index_fix() -> None:
-    """Triton 3.6's interpreter turns a scalar tensor into a Python int with ``int(array)``, which
-    NumPy >= 2.4 refuses for its 1-element 1-d arrays, so any ``range()`` with run-time bounds
-    fails in the interpreter (never on the GPU). Take the element instead."""
-    from triton.runtime import interpreter
-    if getattr(interpreter, "_dsv4_index_fix", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interpreter._patch_lang_tensor = patched
-    interpreter._dsv4_index_fix = True
-
-
 if INTERPRET:
-    _interpreter_scalar_index_fix()
+    from dsv4.ops.triton import fix_interpreter
+    fix_interpreter()
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run through Triton's interpreter")
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU (no interpreter)")
 

@@ -6,7 +6,7 @@ poisoned with NaN so every element must be written. GPU (``-m gpu``): real DeepS
 bf16, and a CUDA-graph replay equal to eager.
 
 Also on CPU: a tiny model (every layer kind) decodes with every small kernel and the fused-op
-model edits (``bench/fused_model.py``) and matches the reference decode.
+model's fused decode path (``dsv4.ops.fused``) and matches the reference decode.
 
 Bit-exact where the reference is elementwise fp32 arithmetic (RoPE, the FP8/FP4 round trips, the
 mHC post mix in the interpreter); where the reference reduces (norm statistics, the mHC
@@ -585,14 +585,9 @@ def test_decode_with_small_kernels_equals_reference(qat, monkeypatch):
     """A tiny model (every layer kind) decodes with every small-op kernel (interpreter) and the
     fused ops switched in by the proposed model edits: logits and the generation state match the
     reference decode."""
-    import sys
-    from pathlib import Path
-
     from conftest import parity_config, random_model
     from dsv4 import ops
     from dsv4.engine.runner import Runner
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench import fused_model
 
     kinds = ["sliding", "csa", "hca"]
     config = parity_config(num_hidden_layers=3, layer_kinds=kinds, compress_ratios=[0, 4, 16],
@@ -603,8 +598,6 @@ def test_decode_with_small_kernels_equals_reference(qat, monkeypatch):
         for r in runners:
             r.prefill(0, list(range(2, 17)))
             r.prefill(1, list(range(3, 9)))
-    fused_model.mark_indexer_compressors(model)
-    fused_model.apply(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False))
     for op, _, fn in small.REGISTRATIONS:
         monkeypatch.setitem(ops._KERNELS, (op, DEV, None), fn)
     for step in range(2):                       # positions 15, 16 and 6, 7: CSA and HCA windows close

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import fused
 from ..config import ModelConfig
 from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm, fp32_param
@@ -53,9 +54,9 @@ class Attention(nn.Module):
 
         qr = self.q_norm(ops.linear(x, self.wq_a.w, q8, p2))
         q = ops.linear(qr, self.wq_b.w, q8, p2).unflatten(-1, (self.n_heads, self.head_dim))
-        q = ops.apply_rope(ops.rms_norm_unweighted(q, self.eps), cos_h, sin_h)      # [B, S, H, hd]
-        kv = self.kv_norm(ops.linear(x, self.wkv.w, q8, p2))
-        kv = cache.ring.round_trip(ops.apply_rope(kv, rope.cos, rope.sin))        # [B, S, hd] as stored
+        q = fused.rope_qnorm(q, cos_h, sin_h, self.eps)                             # [B, S, H, hd]
+        kv = fused.kv_prepare(ops.linear(x, self.wkv.w, q8, p2), self.kv_norm.weight, self.kv_norm.eps,
+                              rope.cos, rope.sin, cache.ring)                        # [B, S, hd] as stored
 
         comp = dict(comp=None)
         if self.kind != "sliding":
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         W, S = self.window, kv.shape[1]
         keep = min(S, W)
         rows = torch.remainder(ctx.positions[:, S - keep:], W)                      # [B, keep]
-        cache.ring.write(ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
+        fused.store_rows(cache.ring, ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments

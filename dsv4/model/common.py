@@ -154,6 +154,14 @@ class ForwardContext:
         """cos, sin for other positions (compressed entries sit at their window's first position)."""
         return ops.rope_cos_sin(positions, self.inv_freq[kind])
 
+    def window_rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, S, rd/2]`` at each token's window start ``pos // ratio * ratio`` (where its
+        compressed entry sits), computed once per forward and ratio (every compressor shares it)."""
+        cache = self.__dict__.setdefault("_window_rope", {})
+        if ratio not in cache:
+            cache[ratio] = self.rope_at("compress", self.positions // ratio * ratio)
+        return cache[ratio]
+
     def entry_bound(self, ratio: int, max_entries: int) -> int:
         """How many compressed entries (ratio ``ratio``) any query of this forward can see, >= 1."""
         return max(1, min(max_entries, self.context_bound // ratio))
