@@ -1,4 +1,4 @@
-"""The ``dsv4`` command: ``generate``, ``chat``, ``inspect``, ``quantize``, ``eval-quant``.
+"""The ``dsv4`` command: ``generate``, ``chat``, ``serve``, ``bench serve``, ``inspect``, ``quantize``, ``eval-quant``.
 
 Errors a user can cause (bad flag values, a corrupt checkpoint, a bad config) are the project's
 own :class:`~dsv4.errors.Dsv4Error` classes: they print one line naming the culprit and exit with
@@ -19,7 +19,7 @@ from .cli_prompt import clean_text, prompt_ids, read_stdin
 from .errors import Dsv4Error, UsageError
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 1) -> None:
     add_model_arg(p)
     add_device_arg(p)
     p.add_argument("--dtype", default="auto", help="activations and unquantized weights: auto (bf16 on cuda, "
@@ -30,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="positions per sequence, prompt included (default: 4096, or the model's "
                         "max_position_embeddings if smaller)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=1, help="sequences generated together")
+    p.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs, help="sequences generated together")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--check-data", action="store_true",
                      help="also read every tensor: NaN/Inf values and scales, unreadable or truncated data")
 
+    from .serve.cli import add_bench_parser, add_serve_parser
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
+                         formatter_class=HelpFormatter)
+    _add_engine_args(srv, max_num_seqs=8)
+    add_serve_parser(srv)
+    add_bench_parser(sub)
+
     from .quant_cli import add_parsers
     add_parsers(sub)
     return parser
@@ -85,10 +92,10 @@ def _sampling(args: argparse.Namespace):
                           top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _llm(args: argparse.Namespace):
+def _llm(args: argparse.Namespace, **extra):
     from .engine.llm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **extra)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -154,10 +161,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(_llm(args), _sampling(args), thinking=args.think, system=args.system)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.cli import serve
+    return serve(args, lambda: _llm(args, enforce_eager=args.enforce_eager,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .serve.cli import bench
+    return bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .quant_cli import HANDLERS
-    handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
+    handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, "serve": cmd_serve,
+                "bench": cmd_bench, **HANDLERS}
     try:
         return handlers[args.command](args)
     except Dsv4Error as e:

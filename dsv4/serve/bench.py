@@ -1,0 +1,1 @@
+def run_bench(args): raise NotImplementedError
