@@ -193,8 +193,9 @@ def create_app(load: Callable[[], Any] | Any, *, model_names: list[str], api_key
 def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        if exc.status >= 400 and request.url.path.startswith("/v1/"):
-            log_request(request.url.path.rsplit("/", 1)[-1], "-", exc.status, None, 0, 0.0, note=exc.message)
+        if not exc.logged and request.url.path.startswith("/v1/"):
+            kind = "chat" if request.url.path.endswith("chat/completions") else request.url.path.rsplit("/", 1)[-1]
+            log_request(kind, "-", exc.status, None, 0, 0.0, note=exc.message)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)

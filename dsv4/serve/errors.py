@@ -19,8 +19,9 @@ class APIError(Exception):
     parameter (``param``) when one is at fault."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, logged: bool = False):
         super().__init__(message)
+        self.logged = logged          # the request's log line already says it
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 

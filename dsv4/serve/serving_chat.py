@@ -159,7 +159,7 @@ class ChatServing:
         log_request("chat", rid, 500 if failed else 200, sub, len(ids), started, [c.finish_reason for c in choices],
                     failed.error if failed else "")
         if failed is not None:
-            raise APIError(500, f"the request failed in the engine: {failed.error}", code="engine_error")
+            raise APIError(500, f"the request failed in the engine: {failed.error}", code="engine_error", logged=True)
         return {**head, "object": "chat.completion", "system_fingerprint": None,
                 "choices": [self._final_choice(c, want_logprobs) for c in choices],
                 "usage": _usage(len(ids), choices)}

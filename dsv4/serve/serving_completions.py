@@ -125,7 +125,7 @@ class CompletionServing:
         log_request("completion", rid, 500 if error else 200, sub, prompt_tokens, started,
                     [c.finish_reason for c in choices], result if error else "")
         if error is not None:
-            raise APIError(500, f"the request failed in the engine: {result}", code="engine_error")
+            raise APIError(500, f"the request failed in the engine: {result}", code="engine_error", logged=True)
         usage = _usage(prompt_tokens, choices)
         return {**head, "object": "text_completion", "system_fingerprint": None, "usage": usage,
                 "choices": [{"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
