@@ -103,8 +103,8 @@ def test_64_streaming_clients_with_disconnects(served):
             "temperature": 0, "ignore_eos": True}).json()
         assert [c["text"] for c in r["choices"]] == [texts[i] for i in ids]
     after = httpx.get(served.url + "/metrics").text
-    aborted = (metric(after, 'dsv4_request_success_total{finish_reason="abort",model_name="tiny"}')
-               - _or0(before, 'dsv4_request_success_total{finish_reason="abort",model_name="tiny"}'))
+    name = 'dsv4_requests_finished_total{finish_reason="abort",model_name="tiny"}'
+    aborted = metric(after, name) - _or0(before, name)
     assert aborted == QUITTERS
     assert metric(after, "dsv4_slots_used") == 0 and metric(after, "dsv4_num_requests_running") == 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import httpx
 import openai
@@ -215,3 +216,24 @@ def test_metrics_and_health(served, client):
     health = httpx.get(served.url + "/health").json()
     assert health["status"] == "ok" and health["slots_total"] == 16
     assert "completion cmpl-" in served.log() and "ttft" in served.log()
+
+
+def test_a_non_streaming_client_that_hangs_up_frees_its_slot(served):
+    name = 'dsv4_requests_finished_total{finish_reason="abort",model_name="tiny"}'
+
+    def aborted() -> float:
+        try:
+            return metric(httpx.get(served.url + "/metrics").text, name)
+        except KeyError:
+            return 0.0
+
+    before = aborted()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", timeout=httpx.Timeout(60, read=0.5),
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True})
+    for _ in range(100):
+        health = httpx.get(served.url + "/health").json()
+        if health["slots_used"] == 0 and aborted() == before + 1:
+            break
+        time.sleep(0.05)
+    assert health["slots_used"] == 0 and aborted() == before + 1

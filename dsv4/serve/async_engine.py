@@ -67,7 +67,6 @@ class _Live:
     first: float | None = None
     last: float | None = None
     tokens: int = 0
-    prompt_sent: bool = False
 
 
 class Submission:
@@ -207,12 +206,19 @@ class AsyncEngine:
                 if self._stop and not self.engine.has_unfinished:
                     return
                 commands, self._commands = self._commands, []
-            deltas = self._apply(commands)
-            if self.engine.has_unfinished:
-                deltas += self._step()
-            self._update_stats()
+            try:
+                deltas = self._apply(commands)
+                if self.engine.has_unfinished:
+                    deltas += self._step()
+                self._update_stats()
+            except Exception as e:  # a bug outside the step: fail what runs, keep the thread alive
+                log.exception("engine loop error; failing the running requests")
+                deltas = self._fail_running(f"{type(e).__name__}: {e}")
             if deltas:
-                self.loop.call_soon_threadsafe(self._dispatch, deltas)
+                try:
+                    self.loop.call_soon_threadsafe(self._dispatch, deltas)
+                except RuntimeError:  # the event loop is closed: the server is gone
+                    return
 
     def _apply(self, commands: list[tuple]) -> list[tuple[str, Delta]]:
         failed = []
@@ -244,8 +250,11 @@ class AsyncEngine:
         failed = []
         for req in list(sched.running) + list(sched.waiting):
             sched.finish(req, "error")
-            self.engine.tracks.pop(req.request_id, None)
             failed.append((req.request_id, Delta([], "", True, "error", error=error)))
+        for rid in list(self.engine.tracks):   # the engine's own output state of those requests
+            self.engine.tracks.pop(rid, None)
+            if not any(rid == f[0] for f in failed):
+                failed.append((rid, Delta([], "", True, "error", error=error)))
         self.engine._inflight.clear()
         return failed
 

@@ -6,7 +6,7 @@ follow Prometheus conventions with a ``dsv4_`` prefix:
 - gauges ``dsv4_num_requests_running``, ``dsv4_num_requests_waiting``, ``dsv4_slots_used``,
   ``dsv4_slots_total``, ``dsv4_slot_usage_ratio`` (written by the engine thread after each step);
 - counters ``dsv4_prompt_tokens_total``, ``dsv4_generation_tokens_total``,
-  ``dsv4_request_success_total{finish_reason}``, ``dsv4_http_requests_total{endpoint,status}``;
+  ``dsv4_requests_finished_total{finish_reason}``, ``dsv4_http_requests_total{endpoint,status}``;
 - histograms ``dsv4_time_to_first_token_seconds``, ``dsv4_inter_token_latency_seconds``,
   ``dsv4_e2e_request_latency_seconds``.
 """
@@ -42,8 +42,8 @@ class Metrics:
                                      registry=r).labels(**label)
         self.generation_tokens = Counter("dsv4_generation_tokens", "Tokens generated", ["model_name"],
                                          registry=r).labels(**label)
-        self._success = Counter("dsv4_request_success", "Engine requests finished, by finish reason",
-                                ["model_name", "finish_reason"], registry=r)
+        self._finished = Counter("dsv4_requests_finished", "Engine requests finished, by finish reason (stop, "
+                                 "length, abort, error)", ["model_name", "finish_reason"], registry=r)
         self._http = Counter("dsv4_http_requests", "HTTP responses by endpoint and status", ["endpoint", "status"],
                              registry=r)
         self.ttft = Histogram("dsv4_time_to_first_token_seconds", "Time to first token", ["model_name"],
@@ -77,7 +77,7 @@ class Metrics:
 
     def request_done(self, prompt_tokens: int, output_tokens: int, seconds: float, finish_reason: str | None) -> None:
         self.e2e.observe(seconds)
-        self._success.labels(self.model_name, finish_reason or "unknown").inc()
+        self._finished.labels(self.model_name, finish_reason or "unknown").inc()
 
     def http(self, endpoint: str, status: int) -> None:
         self._http.labels(endpoint, str(status)).inc()

@@ -117,7 +117,7 @@ class CompletionServing:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             body = self._stream(sub, choices, head, usage, req.logprobs, prompt_tokens, started)
             return StreamingResponse(aclosing_iter(body, sub.abort), media_type="text/event-stream")
-        result = await until_done_or_disconnect(raw, self._collect(sub, choices, req.logprobs), sub.abort)
+        result = await until_done_or_disconnect(raw, self._collect(sub, choices), sub.abort)
         if result is None:
             log_request("completion", rid, "client gone", sub, prompt_tokens, started)
             return None
@@ -155,7 +155,7 @@ class CompletionServing:
         c.text.append(text)
         return text, entries
 
-    async def _collect(self, sub: Submission, choices: list[_Choice], logprobs) -> str:
+    async def _collect(self, sub: Submission, choices: list[_Choice]) -> str:
         error = ""
         async for i, d in sub:
             c = choices[i]
