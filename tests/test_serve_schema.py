@@ -4,7 +4,6 @@ codes, content types and schemas. Generation lengths are capped so the tiny mode
 
 from __future__ import annotations
 
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode

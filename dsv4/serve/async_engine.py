@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..engine.core import Engine, RequestOutput
 from ..engine.sampler import SamplingParams
