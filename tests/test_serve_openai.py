@@ -237,3 +237,21 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_slot(served):
             break
         time.sleep(0.05)
     assert health["slots_used"] == 0 and aborted() == before + 1
+
+
+def test_every_role_response_format_and_penalties(client, served):
+    from dsv4.text.chat import encode_messages
+    messages = [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"},
+                {"role": "user", "content": [{"type": "text", "text": "U1"}, {"type": "text", "text": "U2"}]},
+                {"role": "assistant", "content": "A"}, {"role": "user", "content": "U3"},
+                {"role": "latest_reminder", "content": "R"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, response_format=fmt,
+                                       frequency_penalty=1.5, presence_penalty=0.5,
+                                       extra_body={"repetition_penalty": 1.3, "top_k": 5, "min_p": 0.1})
+    assert r.choices[0].finish_reason in ("length", "stop")
+    # the server's prompt is the DSV4 encoding of the same conversation (text parts joined)
+    plain = [{**m, "content": "U1\n\nU2"} if isinstance(m["content"], list) else m for m in messages]
+    want = encode_messages(plain, response_format=fmt)
+    ids = httpx.post(served.url + "/tokenize", json={"prompt": want, "add_special_tokens": False}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids)
