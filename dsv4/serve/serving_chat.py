@@ -321,6 +321,8 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
         if getattr(m, key) is not None:
             d[key] = getattr(m, key)
     extra = m.model_extra or {}
+    if m.reasoning_content is None and isinstance(extra.get("reasoning"), str):   # vLLM's newer name
+        d["reasoning_content"] = extra["reasoning"]
     for key in ("tools", "response_format"):
         if extra.get(key) is not None:
             d[key] = extra[key]
