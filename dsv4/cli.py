@@ -19,7 +19,7 @@ from .cli_prompt import clean_text, prompt_ids, read_stdin
 from .errors import Dsv4Error, UsageError
 
 
-def _add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 1) -> None:
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
     add_device_arg(p)
     p.add_argument("--dtype", default="auto", help="activations and unquantized weights: auto (bf16 on cuda, "
@@ -30,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 1) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="positions per sequence, prompt included (default: 4096, or the model's "
                         "max_position_embeddings if smaller)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs, help="sequences generated together")
+    p.add_argument("--max-num-seqs", type=positive_int, default=1, help="sequences generated together")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.cli import add_bench_parser, add_serve_parser
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
                          formatter_class=HelpFormatter)
-    _add_engine_args(srv, max_num_seqs=8)
+    _add_engine_args(srv)
+    srv.set_defaults(max_num_seqs=8)
     add_serve_parser(srv)
     add_bench_parser(sub)
 
@@ -174,9 +175,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .quant_cli import HANDLERS
-    handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, "serve": cmd_serve,
-                "bench": cmd_bench, **HANDLERS}
+    from .quant_cli import HANDLERS as QUANT_HANDLERS
+    HANDLERS = {**QUANT_HANDLERS, "serve": cmd_serve, "bench": cmd_bench}
+    handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
     try:
         return handlers[args.command](args)
     except Dsv4Error as e:
