@@ -1,4 +1,4 @@
-"""The ``dsv4`` command: ``generate``, ``chat``, ``inspect``, ``quantize``, ``eval-quant``.
+"""The ``dsv4`` command: ``generate``, ``chat``, ``serve``, ``bench serve``, ``inspect``, ``quantize``, ``eval-quant``.
 
 Errors a user can cause (bad flag values, a corrupt checkpoint, a bad config) are the project's
 own :class:`~dsv4.errors.Dsv4Error` classes: they print one line naming the culprit and exit with
@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--check-data", action="store_true",
                      help="also read every tensor: NaN/Inf values and scales, unreadable or truncated data")
 
+    from .serve.cli import add_bench_parser, add_serve_parser
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
+                         formatter_class=HelpFormatter)
+    _add_engine_args(srv)
+    srv.set_defaults(max_num_seqs=8)
+    add_serve_parser(srv)
+    add_bench_parser(sub)
+
     from .quant_cli import add_parsers
     add_parsers(sub)
     return parser
@@ -86,10 +94,10 @@ def _sampling(args: argparse.Namespace):
                           top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _llm(args: argparse.Namespace):
+def _llm(args: argparse.Namespace, **extra):
     from .engine.llm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **extra)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -155,9 +163,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(_llm(args), _sampling(args), thinking=args.think, system=args.system)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.cli import serve
+    return serve(args, lambda: _llm(args, enforce_eager=args.enforce_eager,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .serve.cli import bench
+    return bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .quant_cli import HANDLERS
+    from .quant_cli import HANDLERS as QUANT_HANDLERS
+    HANDLERS = {**QUANT_HANDLERS, "serve": cmd_serve, "bench": cmd_bench}
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
     restore = _set_threads(getattr(args, "threads", None))
     try:

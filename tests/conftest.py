@@ -57,3 +57,16 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 __all__ = ["parity_config", "random_model", "dataclasses"]
+
+
+@pytest.fixture(scope="session")
+def served():
+    """`dsv4 serve` on the embedded tiny model, in a subprocess shared by the server tests."""
+    from serve_util import ServerProcess
+    server = ServerProcess("--max-num-seqs", "16", "--max-model-len", "512", "--served-model-name", "tiny", "dsv4-tiny",
+                           env={"OMP_NUM_THREADS": "1"})
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

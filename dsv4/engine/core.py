@@ -42,6 +42,10 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: with ``SamplingParams.prompt_logprobs``: each prompt token's logprob (None for the first) and
+    #: the top alternatives at its position; complete when the first output arrives
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     error: str | None = None
@@ -71,12 +75,15 @@ class RequestOutput:
 class _Track:
     """Host-side output state of one request: detokenizer, stop checker, the output."""
 
-    def __init__(self, request: Request, tokenizer: Tokenizer | None, eos_id: int, detokenize: bool):
+    def __init__(self, request: Request, tokenizer: Tokenizer | None, eos_id: int, detokenize: bool,
+                 skip_special_tokens: bool = True):
         self.request = request
         self.out = CompletionOutput(prompt_token_ids=request.prompt_ids)
         if request.params.logprobs is not None:
             self.out.logprobs, self.out.top_logprobs = [], []
-        self.detok = (IncrementalDetokenizer(tokenizer, request.prompt_ids, skip_special_tokens=True)
+        if request.params.prompt_logprobs is not None:
+            self.out.prompt_logprobs, self.out.prompt_top_logprobs = [None], [[]]
+        self.detok = (IncrementalDetokenizer(tokenizer, request.prompt_ids, skip_special_tokens=skip_special_tokens)
                       if tokenizer is not None and detokenize else None)
         # max_tokens is the scheduler's (it must not schedule past it); stops are ours
         p = request.params
@@ -124,9 +131,12 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    detokenize: bool = True) -> str:
+                    detokenize: bool = True, skip_special_tokens: bool = True) -> str:
         """Queue a tokenized prompt; returns its request id. Raises a ``RequestError`` naming the
-        problem (and changes nothing) when the request can never run."""
+        problem (and changes nothing) when the request can never run.
+
+        ``skip_special_tokens=False`` keeps special tokens (``</think>``, DSML) in the output text,
+        which the chat parser needs; stop strings are then matched against that text."""
         vocab = self.runner.model.config.vocab_size
         ids = [int(t) for t in prompt_ids]
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -136,7 +146,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(rid, ids, params)
         self.scheduler.add(request)
-        self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize)
+        self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -180,7 +190,12 @@ class Engine:
             req = chunk.request
             if chunk.start == 0:
                 runner.start(req.slot, req.params, req.prompt_ids)
-            logits = runner.prefill(req.slot, chunk.token_ids)
+            if req.params.prompt_logprobs is None:
+                logits = runner.prefill(req.slot, chunk.token_ids)
+            else:
+                every = runner.prefill(req.slot, chunk.token_ids, all_logits=True)   # [n, vocab]
+                _add_prompt_logprobs(self.tracks[req.request_id].out, chunk, every)
+                logits = every[-1]
             if chunk.last:
                 firsts.append((req.slot, logits, self.tracks[req.request_id]))
         launched = False
@@ -263,3 +278,22 @@ class Engine:
         track.out.total_time = time.monotonic() - req.arrival
         self.tracks.pop(req.request_id, None)
         return RequestOutput(req.request_id, [], "", True, track.out)
+
+
+def _add_prompt_logprobs(out: CompletionOutput, chunk, logits: torch.Tensor) -> None:
+    """Append the logprobs of the prompt tokens that ``chunk``'s logits ``[n, vocab]`` predict: row
+    j gives position ``start + j + 1`` (the last chunk's last row predicts the first output token,
+    not a prompt token). Raw model distribution: no penalties, temperature 1."""
+    prompt = chunk.request.prompt_ids
+    targets = prompt[chunk.start + 1:chunk.start + 1 + len(chunk.token_ids)]
+    if not targets:
+        return
+    logp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)             # [t, vocab]
+    ids = torch.tensor(targets, dtype=torch.int64, device=logp.device)
+    out.prompt_logprobs += logp.gather(1, ids[:, None])[:, 0].tolist()
+    k = chunk.request.params.prompt_logprobs
+    if k:
+        top = logp.topk(k, dim=-1)
+        out.prompt_top_logprobs += [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        out.prompt_top_logprobs += [[] for _ in targets]

@@ -73,6 +73,10 @@ class SamplingParams:
     """Same seed, same logits -> same tokens, whatever the batch. None: a random seed."""
     logprobs: int | None = None
     """None: no logprobs; n in [0, 20]: the sampled token's logprob and the top n."""
+    prompt_logprobs: int | None = None
+    """None: none; n in [0, 20]: each prompt token's logprob given the tokens before it (the
+    model's distribution, before penalties and temperature; None for the first token) and the top
+    n at each position. Delivered with the request's first output (lm-eval's loglikelihood)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end generation (their text is not emitted)."""
     stop: list[str] = field(default_factory=list)
@@ -119,6 +123,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "seed": (lambda v: v is None or _is_int(v), "an int or None"),
     "logprobs": (
+        lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        f"None or an int in [0, {MAX_LOGPROBS}]",
+    ),
+    "prompt_logprobs": (
         lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
         f"None or an int in [0, {MAX_LOGPROBS}]",
     ),
