@@ -4,6 +4,7 @@
 #   bash bench/gpu_check.sh kernels    # bench/kernels.py: per-kernel table vs the roofline and the peers
 #   bash bench/gpu_check.sh decode     # the decode step: reference/kernels, eager/graph, transformers, floor
 #   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves
+#   bash bench/gpu_check.sh serve      # dsv4 serve on the Flash x4 slice + dsv4 bench serve
 #   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
 # Expects transformers>=5.23 (and its newer deps) as wheels in .whl/ when the image's are older.
 set -uo pipefail
@@ -45,5 +46,21 @@ if want engine; then
   done
   step "continuous batching vs static waves (Flash x4 slice)" tee_to throughput.txt \
     python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"
+fi
+if want serve; then
+  python3 bench/serve_random.py --preset flash --layers 4 --format fp8-mxfp4 --max-num-seqs 64 --max-model-len 4096 \
+    --port 8000 > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do
+    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code!=200)" 2>/dev/null && break
+    kill -0 $server 2>/dev/null || break
+    sleep 2
+  done
+  step "dsv4 bench serve, 64 concurrent" python3 -m dsv4.cli bench serve -n 256 --concurrency 64 --input-len 512 \
+    --output-len 128 --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"
+  step "dsv4 bench serve, 1 at a time" python3 -m dsv4.cli bench serve -n 16 --concurrency 1 --input-len 512 \
+    --output-len 128 --plot "$OUT/bench_serve_c1.png"
+  kill -TERM $server; wait $server
+  tail -5 "$OUT/server.log"
 fi
 exit $status
