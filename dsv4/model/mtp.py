@@ -12,6 +12,7 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
+from ..parallel import SINGLE, ParallelGroup
 from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm
 from .mhc import add_head_params, collapse_head
@@ -21,8 +22,8 @@ from .transformer import Block
 class MTPBlock(Block):
     """Block parameters plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``, ``hc_head_*``."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__(config, config.num_hidden_layers, dtype)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: ParallelGroup = SINGLE, prefix: str = "mtp.0"):
+        super().__init__(config, config.num_hidden_layers, dtype, tp, prefix)
         c = self.config = config
         self.e_proj = Linear(c.hidden_size, c.hidden_size, dtype)
         self.h_proj = Linear(c.hidden_size, c.hidden_size, dtype)
