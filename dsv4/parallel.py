@@ -39,6 +39,8 @@ import torch
 #: seconds a collective may wait for the other ranks before the group fails with an error
 #: (``DSV4_DIST_TIMEOUT`` overrides; a rank that dies is noticed by its launcher much sooner)
 DEFAULT_TIMEOUT_S = 600.0
+#: seconds a follower rank waits for rank 0's next step plan (``DSV4_IDLE_TIMEOUT`` overrides)
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class ParallelError(RuntimeError):
@@ -134,14 +136,14 @@ class ParallelGroup:
             return x
         self._need_group("all_gather")
         import torch.distributed as dist
-        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        flat = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         try:
-            gather(out, x.contiguous(), group=self.group)
+            gather(flat, x.contiguous().view(-1), group=self.group)
         except RuntimeError as e:
             raise self._failed("all_gather", e) from e
         dim = dim % x.dim()
-        return out.movedim(0, dim).flatten(dim, dim + 1)
+        return flat.view(self.world_size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``x`` from rank ``src`` on every rank, in place (e.g. rank 0's sampled token ids)."""
@@ -266,7 +268,10 @@ def init_parallel(world_size: int | None = None, rank: int | None = None, *, loc
         raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                          f"{dist.get_world_size()}, not {rank} of {world_size}")
     group = dist.group.WORLD
-    control = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    # host messages wait as long as rank 0 is idle (a server between requests); a rank that dies
+    # closes its sockets, which ends such a wait at once
+    idle = datetime.timedelta(seconds=max(timeout_s, float(os.environ.get("DSV4_IDLE_TIMEOUT", IDLE_TIMEOUT_S))))
+    control = dist.new_group(backend="gloo", timeout=idle)
     pg = ParallelGroup(rank, world_size, group, control, device, timeout_s)
     # first collective now, so communicators exist before any CUDA graph capture
     pg.all_reduce_sum(torch.zeros(1, device=device))

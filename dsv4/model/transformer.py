@@ -74,8 +74,15 @@ class Transformer(nn.Module):
     def init_rope(self, device: torch.device | str) -> None:
         """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build)."""
         c = self.config
-        inv = {"main": ops.rope_inv_freq(c.rope_dim, c.rope_theta),
-               "compress": ops.rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)}
+        device = torch.device(device)
+        if device.type == "meta":   # a skeleton: shapes only (computing on meta costs seconds of imports)
+            for kind in ("main", "compress"):
+                self.register_buffer(f"inv_freq_{kind}", torch.empty(c.rope_dim // 2, device=device),
+                                     persistent=False)
+            return
+        with torch.device("cpu"):
+            inv = {"main": ops.rope_inv_freq(c.rope_dim, c.rope_theta),
+                   "compress": ops.rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)}
         for kind, freqs in inv.items():
             self.register_buffer(f"inv_freq_{kind}", freqs.to(device), persistent=False)
 
