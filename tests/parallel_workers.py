@@ -1,0 +1,67 @@
+"""What each rank runs in the multi-process tests (module-level, so spawned processes import them)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.engine.distributed import ParallelRunner, follow, greedy
+from dsv4.engine.runner import Runner
+from dsv4.model.init import random_sharded
+from dsv4.parallel import ParallelGroup
+from dsv4.weights.loader import load_model
+
+
+def _drive(tp: ParallelGroup, runner: Runner, prompts, steps: int) -> dict:
+    """Rank 0 runs greedy decoding (then a call that fails its checks, then greedy again: the other
+    ranks must survive the failed plan); the others follow."""
+    if tp.rank != 0:
+        follow(runner, tp)
+        return {}
+    with ParallelRunner(runner, tp) as r:
+        tokens, logits = greedy(r, prompts, steps)
+        try:
+            r.decode([len(prompts) + 5], torch.tensor([3]))
+        except IndexError as e:
+            failed = str(e)
+        again, _ = greedy(r, prompts, 3)
+    return dict(tokens=tokens, logits=logits, failed=failed, again=again)
+
+
+def checkpoint(tp: ParallelGroup, path, prompts, steps: int, qat_sim: bool) -> dict:
+    model, report = load_model(path, dtype=torch.float32, progress=False, parallel=tp)
+    runner = Runner(model, max_slots=len(prompts), max_context=96, qat_sim=qat_sim)
+    return dict(_drive(tp, runner, prompts, steps), rank_bytes=report.rank_bytes, line=report.one_line())
+
+
+def random(tp: ParallelGroup, config: dict, prompts, steps: int) -> dict:
+    model = random_sharded(ModelConfig.from_dict(config), torch.float32, tp.device, tp, seed=7)
+    runner = Runner(model, max_slots=len(prompts), max_context=96, qat_sim=True)
+    return _drive(tp, runner, prompts, steps)
+
+
+def collectives(tp: ParallelGroup) -> dict:
+    r = tp.rank
+    x = torch.arange(6.0).view(2, 3) + 10 * r
+    gathered = [tp.all_gather(x, dim).tolist() for dim in (0, 1, -1)]
+    summed = tp.all_reduce_sum(torch.full((3,), float(r + 1))).tolist()
+    ids = tp.broadcast(torch.tensor([7, 8, 9]) if r == 0 else torch.zeros(3, dtype=torch.int64)).tolist()
+    plan = tp.broadcast_object({"from": r})
+    return dict(gathered=gathered, summed=summed, ids=ids, plan=plan, objects=tp.all_gather_object(r * r))
+
+
+def scenarios(tp: ParallelGroup, jobs: list[tuple[str, str, tuple]]) -> dict:
+    """Run several jobs in one group (one process start-up for all of them)."""
+    table = dict(checkpoint=checkpoint, random=random, collectives=collectives)
+    return {key: table[kind](tp, *args) for key, kind, args in jobs}
+
+
+def dies(tp: ParallelGroup) -> None:
+    """Rank 1 vanishes (as a crashed process would); rank 0's next collective must fail, not hang."""
+    if tp.rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    tp.all_reduce_sum(torch.ones(4))
