@@ -37,8 +37,8 @@ def checkpoint(tp: ParallelGroup, path, prompts, steps: int, qat_sim: bool) -> d
     return dict(_drive(tp, runner, prompts, steps), rank_bytes=report.rank_bytes, line=report.one_line())
 
 
-def random(tp: ParallelGroup, config: dict, prompts, steps: int) -> dict:
-    model = random_sharded(ModelConfig.from_dict(config), torch.float32, tp.device, tp, seed=7)
+def random(tp: ParallelGroup, config: dict, prompts, steps: int, dtype: torch.dtype = torch.float32) -> dict:
+    model = random_sharded(ModelConfig.from_dict(config), dtype, tp.device, tp, seed=7)
     runner = Runner(model, max_slots=len(prompts), max_context=96, qat_sim=True)
     return _drive(tp, runner, prompts, steps)
 
@@ -55,7 +55,8 @@ def collectives(tp: ParallelGroup) -> dict:
 
 def scenarios(tp: ParallelGroup, jobs: list[tuple[str, str, tuple]]) -> dict:
     """Run several jobs in one group (one process start-up for all of them)."""
-    table = dict(checkpoint=checkpoint, random=random, collectives=collectives)
+    table = dict(checkpoint=checkpoint, random=random, collectives=collectives,
+                 random_cuda=lambda tp, *a: random(tp, *a, dtype=torch.bfloat16))
     return {key: table[kind](tp, *args) for key, kind, args in jobs}
 
 
@@ -65,3 +66,30 @@ def dies(tp: ParallelGroup) -> None:
         os._exit(0)
     time.sleep(0.5)
     tp.all_reduce_sum(torch.ones(4))
+
+
+def graph_collectives(tp: ParallelGroup) -> dict:
+    """The collectives captured in one CUDA graph (NCCL), replayed on new inputs."""
+    dev = tp.device
+    x = torch.zeros(4, 8, device=dev)
+
+    def step():
+        y = tp.all_reduce_sum(x * 2)
+        return y, tp.all_gather(y[:, : 4] + tp.rank, dim=-1), tp.broadcast(x[0].clone())
+
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    results = []
+    for value in (1.0, 3.0):
+        x.fill_(value + tp.rank)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        results.append([t.cpu() for t in outs])
+    return dict(results=results)
