@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel import SINGLE, ParallelGroup
 from .attention import Attention
 from .cache import LayerCache
 from .common import ForwardContext, RMSNorm
@@ -17,15 +18,17 @@ from .moe import MoE
 class Block(nn.Module):
     """``h = post(attn(attn_norm(pre_attn(h))))`` then the same with the MoE and ``ffn_norm``."""
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
+                 prefix: str | None = None):
         super().__init__()
         c = config
+        prefix = prefix or f"layers.{layer}"
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         add_mixer_params(self, "hc_attn", c.hc_mult, c.hidden_size)
         add_mixer_params(self, "hc_ffn", c.hc_mult, c.hidden_size)
-        self.attn = Attention(c, layer, dtype)
-        self.ffn = MoE(c, layer, dtype)
+        self.attn = Attention(c, layer, dtype, tp, f"{prefix}.attn")
+        self.ffn = MoE(c, layer, dtype, tp, f"{prefix}.ffn")
         self._mix_attn = Mixer(self, "hc_attn", c)
         self._mix_ffn = Mixer(self, "hc_ffn", c)
 
