@@ -31,6 +31,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="positions per sequence, prompt included (default: 4096, or the model's "
                         "max_position_embeddings if smaller)")
     p.add_argument("--max-num-seqs", type=positive_int, default=1, help="sequences generated together")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=None, metavar="N",
+                   help="split the model over N GPUs (cuda:0..N-1, or N CPU processes), one process each; "
+                        "under torchrun, its WORLD_SIZE")
     add_threads_arg(p)
 
 
@@ -97,7 +100,8 @@ def _sampling(args: argparse.Namespace):
 def _llm(args: argparse.Namespace, **extra):
     from .engine.llm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **extra)
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+               tensor_parallel_size=args.tensor_parallel_size, **extra)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -122,7 +126,11 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     params = _sampling(args)
-    llm = _llm(args)
+    with _llm(args) as llm:      # closing releases a tensor-parallel group's other ranks
+        return _generate(args, llm, prompt, params)
+
+
+def _generate(args: argparse.Namespace, llm, prompt, params) -> int:
     t0 = time.perf_counter()
     out = None
     for event in llm.stream(prompt, params):
@@ -160,7 +168,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .chat_repl import run_chat
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD, not a traceback
         sys.stdin.reconfigure(errors="replace")
-    return run_chat(_llm(args), _sampling(args), thinking=args.think, system=args.system)
+    with _llm(args) as llm:
+        return run_chat(llm, _sampling(args), thinking=args.think, system=args.system)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .errors import Dsv4Error
+
 #: seconds a collective may wait for the other ranks before the group fails with an error
 #: (``DSV4_DIST_TIMEOUT`` overrides; a rank that dies is noticed by its launcher much sooner)
 DEFAULT_TIMEOUT_S = 600.0
@@ -43,11 +45,11 @@ DEFAULT_TIMEOUT_S = 600.0
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
-class ParallelError(RuntimeError):
+class ParallelError(Dsv4Error, RuntimeError):
     """A collective failed (a peer rank died, timed out or raised); the message says which op and rank."""
 
 
-class ShardError(ValueError):
+class ShardError(Dsv4Error, ValueError):
     """A tensor does not split evenly across the ranks; the message names the tensor and the sizes."""
 
 

@@ -33,10 +33,12 @@ from typing import Any
 
 import torch
 
-from ..parallel import ParallelGroup, init_parallel
+from ..parallel import ParallelError, ParallelGroup, init_parallel
 from .runner import Runner
+from .sampler import SampleOutput, SamplingParams
+from .slot_sampling import SampleFlags
 
-OPS = ("reset", "prefill", "decode", "stop")
+OPS = ("reset", "start", "prefill", "sample_first", "decode", "decode_step", "capture", "stop")
 
 
 @dataclass(frozen=True)
@@ -45,29 +47,55 @@ class StepPlan:
 
     op: str                              # one of OPS
     slots: tuple[int, ...] = ()
-    token_ids: tuple[int, ...] = ()      # prefill: the tokens; decode: none (broadcast on the device)
+    token_ids: tuple[int, ...] = ()      # prefill, start: the tokens; decode: none (broadcast on the device)
     n_tokens: int = 0                    # decode: how many ids the device broadcast carries
     all_logits: bool = False
+    params: SamplingParams | None = None                # start: the request's sampling parameters
+    flag_sets: tuple[SampleFlags, ...] = ()             # capture
+    max_batch: int | None = None                        # capture
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"unknown step plan op {self.op!r}; known: {', '.join(OPS)}")
 
 
-def execute(runner: Runner, plan: StepPlan, tp: ParallelGroup, token_ids: torch.Tensor | None = None
-            ) -> torch.Tensor | None:
+class _Follower:
+    """A follower rank's side: the runner, plus the last prefill logits of each slot (the input of
+    the next ``sample_first``, which rank 0 passes by value and the others recompute)."""
+
+    def __init__(self, runner: Runner, tp: ParallelGroup):
+        self.runner, self.tp = runner, tp
+        self.last_logits: dict[int, torch.Tensor] = {}
+
+
+def execute(runner: Runner, plan: StepPlan, tp: ParallelGroup, token_ids: torch.Tensor | None = None,
+            logits: torch.Tensor | None = None, follower: _Follower | None = None) -> Any:
     """Make the runner call ``plan`` describes, on any rank. ``token_ids``: rank 0's decode ids (the
-    other ranks receive them by the broadcast). Returns the call's logits (full vocab on every rank)."""
-    if plan.op == "reset":
-        runner.reset(list(plan.slots))
-        return None
-    if plan.op == "prefill":
-        return runner.prefill(plan.slots[0], list(plan.token_ids), all_logits=plan.all_logits)
-    if plan.op == "decode":
+    other ranks receive them by the broadcast); ``logits``: rank 0's ``sample_first`` input (the
+    others use their own copy of the same prefill logits)."""
+    op = plan.op
+    if op == "reset":
+        return runner.reset(list(plan.slots))
+    if op == "start":
+        return runner.start(plan.slots[0], plan.params, list(plan.token_ids))
+    if op == "prefill":
+        out = runner.prefill(plan.slots[0], list(plan.token_ids), all_logits=plan.all_logits)
+        if follower is not None:
+            follower.last_logits[plan.slots[0]] = out[-1] if plan.all_logits else out
+        return out
+    if op == "sample_first":
+        if logits is None:
+            logits = torch.stack([follower.last_logits.pop(s) for s in plan.slots])
+        return runner.sample_first(list(plan.slots), logits)
+    if op == "decode":
         if token_ids is None:
             token_ids = torch.empty(plan.n_tokens, dtype=torch.int64, device=runner.device)
         ids = tp.broadcast(token_ids, src=0)
         return runner.decode(list(plan.slots), ids)
+    if op == "decode_step":
+        return runner.decode_step(list(plan.slots))
+    if op == "capture":
+        return runner.capture(plan.flag_sets, plan.max_batch, progress=tp.rank == 0)
     return None
 
 
@@ -77,25 +105,32 @@ def follow(runner: Runner, tp: ParallelGroup) -> None:
     A plan that fails its host-side checks here (a full context, a bad slot) failed the same way on
     rank 0 before any collective, and rank 0 has told its caller; this rank waits for the next plan.
     """
+    me = _Follower(runner, tp)
     while True:
         plan: StepPlan = tp.broadcast_object(None, src=0)
         if plan.op == "stop":
             return
         try:
-            execute(runner, plan, tp)
+            execute(runner, plan, tp, follower=me)
         except (ValueError, IndexError):
             continue
 
 
 class ParallelRunner:
     """Rank 0's runner for a tensor-parallel group: the :class:`Runner` interface (``reset``,
-    ``prefill``, ``decode``, and its attributes), each call broadcast as a :class:`StepPlan` first.
-    Close it (or leave its ``with`` block) to release the followers."""
+    ``start``, ``prefill``, ``sample_first``, ``decode``, ``decode_step``, ``capture`` and the
+    runner's attributes), each call broadcast as a :class:`StepPlan` first, so an :class:`Engine`
+    drives N ranks exactly as it drives one. Close it (or leave its ``with`` block) to release the
+    followers.
 
-    def __init__(self, runner: Runner, tp: ParallelGroup):
+    ``health``: called before every plan goes out (a launcher's check that every follower process is
+    still alive), so a dead rank is reported by name instead of waiting out a collective's timeout.
+    """
+
+    def __init__(self, runner: Runner, tp: ParallelGroup, health: Callable[[], None] | None = None):
         if tp.rank != 0:
             raise ValueError(f"ParallelRunner runs on rank 0; rank {tp.rank} calls follow()")
-        self.runner, self.tp, self.closed = runner, tp, False
+        self.runner, self.tp, self.closed, self.health = runner, tp, False, health
 
     def __getattr__(self, name: str) -> Any:   # lengths, max_slots, max_context, device, state, model ...
         return getattr(self.runner, name)
@@ -103,31 +138,55 @@ class ParallelRunner:
     def _send(self, plan: StepPlan) -> None:
         if self.closed:
             raise RuntimeError("ParallelRunner is closed: the other ranks no longer follow")
+        if self.health is not None:
+            self.health()
         self.tp.broadcast_object(plan, src=0)
 
-    def reset(self, slots: Sequence[int]) -> None:
-        plan = StepPlan("reset", tuple(int(s) for s in slots))
+    def _run(self, plan: StepPlan, **kw: Any) -> Any:
         self._send(plan)
-        execute(self.runner, plan, self.tp)
+        return execute(self.runner, plan, self.tp, **kw)
+
+    def reset(self, slots: Sequence[int]) -> None:
+        self._run(StepPlan("reset", tuple(int(s) for s in slots)))
+
+    def start(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+        self._run(StepPlan("start", (int(slot),), tuple(int(t) for t in prompt_ids), params=params))
 
     def prefill(self, slot: int, token_ids: Sequence[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         ids = tuple(int(t) for t in torch.as_tensor(token_ids).flatten().tolist())
-        plan = StepPlan("prefill", (int(slot),), ids, all_logits=all_logits)
-        self._send(plan)
-        return execute(self.runner, plan, self.tp)
+        return self._run(StepPlan("prefill", (int(slot),), ids, all_logits=all_logits))
+
+    def sample_first(self, slots: Sequence[int], logits: torch.Tensor) -> SampleOutput:
+        return self._run(StepPlan("sample_first", tuple(int(s) for s in slots)), logits=logits)
 
     def decode(self, slots: Sequence[int], token_ids: torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(token_ids).to(self.runner.device, torch.int64).flatten()
         if ids.numel() != len(slots):   # checked before the plan goes out: the broadcast needs both sizes equal
             raise ValueError(f"decode got {ids.numel()} token ids for {len(slots)} slots")
         plan = StepPlan("decode", tuple(int(s) for s in slots), n_tokens=len(slots))
-        self._send(plan)
-        return execute(self.runner, plan, self.tp, ids.clone())
+        return self._run(plan, token_ids=ids.clone())
+
+    def decode_step(self, slots: Sequence[int]) -> SampleOutput:
+        return self._run(StepPlan("decode_step", tuple(int(s) for s in slots)))
+
+    def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
+                max_batch: int | None = None, progress: bool = True) -> None:
+        """Every rank captures the same graphs in the same order (their collectives meet inside)."""
+        self._send(StepPlan("capture", flag_sets=tuple(flag_sets), max_batch=max_batch))
+        self.runner.capture(flag_sets, max_batch, progress=progress)
 
     def close(self) -> None:
-        if not self.closed:
-            self._send(StepPlan("stop"))
-            self.closed = True
+        """Send the followers ``stop``. Never raises for a group that already broke (a dead rank has
+        nothing left to release; the launcher tears the rest down)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.health is not None:
+                self.health()
+            self.tp.broadcast_object(StepPlan("stop"), src=0)
+        except ParallelError:
+            pass
 
     def __enter__(self) -> "ParallelRunner":
         return self

@@ -8,6 +8,7 @@ text never contains half a UTF-8 character or the beginning of a stop string.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from .inputs import check_text, params_list, prompt_list, single_prompt
 from .limits import check_positive, check_state_fits, format_bytes, resolve_max_model_len
 from .runner import Runner
 from .core import CompletionOutput, Engine
+from .launch import RankSpec, torchrun_world_size
 from .sampler import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "resolve_qat_sim"]
@@ -78,6 +80,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return table[dtype]
 
 
+def _world_size(requested: int | None) -> int:
+    """``tensor_parallel_size``, checked against torchrun's ``WORLD_SIZE`` when both are given."""
+    env = torchrun_world_size()
+    if requested is None:
+        return env
+    check_positive("tensor_parallel_size (--tensor-parallel-size)", requested)
+    if env > 1 and requested != env:
+        raise UsageError(f"tensor_parallel_size {requested} differs from torchrun's WORLD_SIZE {env}")
+    return requested
+
+
 class LLM:
     """A loaded model ready to generate.
 
@@ -96,6 +109,11 @@ class LLM:
             one graph per batch bucket, and replayed).
         max_num_batched_tokens: tokens per engine step (decodes plus prompt chunks); default
             ``max(512, max_num_seqs + 512)``.
+        tensor_parallel_size: split every layer over this many ranks, one process per GPU
+            (``cuda:0..N-1``; on the CPU, N processes over gloo). This process is rank 0 and starts
+            the others; :meth:`close` (or the end of a ``with`` block) stops them. Under ``torchrun``
+            the group comes from its environment instead, and on ranks other than 0 the constructor
+            follows rank 0 until it closes, then exits the process (see :mod:`dsv4.engine.launch`).
 
     Both limits are checked against the config and the free memory before any weight is read.
     """
@@ -103,10 +121,17 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int = 4,
                  max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True,
-                 enforce_eager: bool = False, max_num_batched_tokens: int | None = None):
+                 enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
+                 tensor_parallel_size: int | None = None):
         from ..tiny import resolve_model
         check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
+        world = _world_size(tensor_parallel_size)
         dev = resolve_device(device)
+        if world > 1 and dev.type == "cuda" and dev.index not in (None, 0):
+            raise UsageError(f"with tensor_parallel_size {world} the ranks use cuda:0..{world - 1}; choose the "
+                             f"GPUs with CUDA_VISIBLE_DEVICES, not device={device!r}")
+        if world > 1 and dev.type == "cuda":
+            dev = torch.device("cuda", 0)
         self.path = resolve_model(model)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
@@ -121,18 +146,79 @@ class LLM:
                   file=sys.stderr)
         has_tokenizer = (self.path / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
-        net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
+        self.qat_sim = resolve_qat_sim(qat_sim, config)
+        self.tensor_parallel_size = world
+        self._group = None
+        spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
+                        load_mtp, torch.get_num_threads() if dev.type == "cpu" else None)
+        if world == 1:
+            net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
+            runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim)
+        else:
+            runner, report = self._start_group(spec, world, progress)
         self.load_report: LoadReport = report
         if progress:
             print(self.load_report.one_line(), file=sys.stderr)
-        self.model: torch.nn.Module = net
-        self.config: ModelConfig = net.config
-        self.qat_sim = resolve_qat_sim(qat_sim, self.config)
-        self.runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim)
+        self.model: torch.nn.Module = runner.model
+        self.config: ModelConfig = runner.model.config
+        self.runner = runner
         if dev.type == "cuda" and not enforce_eager:
             self.runner.capture(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,
                              max_num_batched_tokens=max_num_batched_tokens)
+
+    # ------------------------------------------------------------------ tensor parallel
+    def _start_group(self, spec: RankSpec, world: int, progress: bool):
+        """Rank 0's side of a tensor-parallel group: start (or join) it, load this rank's shard, and
+        wrap the runner so that every call is broadcast to the followers first."""
+        from ..parallel import init_parallel
+        from .distributed import ParallelRunner
+        from .launch import SpawnedGroup, build_runner, check_gpus, serve_as_follower, torchrun_world_size
+
+        if torchrun_world_size() > 1:
+            check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", world)), spec.device_type)   # this node's ranks
+            tp = init_parallel(device=None if spec.device_type == "cuda" else "cpu")
+            if tp.rank != 0:             # a torchrun follower: serve rank 0, then leave
+                try:
+                    serve_as_follower(spec, tp)
+                finally:
+                    tp.close()
+                sys.exit(0)
+            health = None
+        else:
+            if progress:
+                print(f"tensor parallel: starting {world - 1} more rank(s) on "
+                      f"{'cuda:1..' + str(world - 1) if spec.device_type == 'cuda' else 'the CPU (gloo)'}",
+                      file=sys.stderr)
+            self._group = SpawnedGroup(spec, world)
+            tp, health = self._group.tp, self._group.check_alive
+        try:
+            runner, report = build_runner(spec, tp, progress)
+        except BaseException:
+            if self._group is not None:
+                self._group.terminate()
+            tp.close()
+            raise
+        return ParallelRunner(runner, tp, health=health), report
+
+    def close(self) -> None:
+        """Release the other ranks of a tensor-parallel group (no-op for one rank). Idempotent."""
+        close = getattr(self.runner, "close", None) if hasattr(self, "runner") else None
+        try:
+            if close is not None:
+                close()
+        finally:
+            if self._group is not None:
+                self._group.close()
+                self._group = None
+            elif close is not None:
+                self.runner.tp.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ inputs
     def _require_tokenizer(self) -> Tokenizer:

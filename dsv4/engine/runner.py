@@ -30,6 +30,7 @@ from tqdm import tqdm
 from .. import ops
 from ..errors import ContextOverflowError
 from ..model.transformer import Transformer
+from ..parallel import SINGLE
 from .sampler import SampleOutput, SamplingParams
 from .slot_sampling import SampleFlags, SlotSampling
 from .state import GenerationState
@@ -81,6 +82,8 @@ class Runner:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.model, self.qat_sim, self.prefill_chunk = model, qat_sim, prefill_chunk
         self.device = model.embed.weight.device
+        #: tensor-parallel group of the model: every rank runs the sampler, rank 0's ids win
+        self.tp = getattr(model, "tp", SINGLE)
         self.state = GenerationState(model.config, max_slots + 1, max_context, model.dtype, self.device,
                                      qat_sim=qat_sim)
         self.scratch = max_slots                      # padding rows of a graph bucket run here
@@ -163,9 +166,17 @@ class Runner:
         """Sample each slot's first token from its prompt's last logits ``[B, vocab]``; the ids stay
         on the device as the slots' next inputs."""
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        out = self.sampling.sample(logits, idx, self.sampling.flags(slots))
+        out = self._agree(self.sampling.sample(logits, idx, self.sampling.flags(slots)))
         self.tokens[idx] = out.token_ids
         return out
+
+    def _agree(self, out: SampleOutput) -> SampleOutput:
+        """Tensor parallel: every rank holds the same full-vocab logits and samples, but rank 0's ids
+        are the ones every rank feeds next (a device broadcast, captured in the step's graph), so no
+        rank can drift even where a draw is not bit-reproducible across processes."""
+        if not self.tp.parallel:
+            return out
+        return out._replace(token_ids=self.tp.broadcast(out.token_ids.contiguous(), src=0))
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
@@ -226,7 +237,7 @@ class Runner:
         start = positions[idx]
         logits, _ = self.model(self.tokens[idx].view(-1, 1), idx, start, self.state.layers, self.qat_sim,
                                context_bound=bound)
-        out = self.sampling.sample(logits[:, 0], idx, flags)
+        out = self._agree(self.sampling.sample(logits[:, 0], idx, flags))
         self.tokens[idx] = out.token_ids
         positions[idx] = start + 1
         positions[self.scratch] = 0     # padding rows never move the scratch slot along

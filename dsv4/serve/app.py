@@ -118,6 +118,9 @@ class ServerState:
     def stop(self) -> None:
         if self.ctx is not None:
             self.ctx.engine.stop()
+        close = getattr(self.llm, "close", None)   # a tensor-parallel group's other ranks
+        if close is not None:
+            close()
         self.status = "stopped"
 
 
