@@ -53,6 +53,7 @@ class StepPlan:
     params: SamplingParams | None = None                # start: the request's sampling parameters
     flag_sets: tuple[SampleFlags, ...] = ()             # capture
     max_batch: int | None = None                        # capture
+    buckets: tuple[int, ...] | None = None              # capture
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -95,7 +96,7 @@ def execute(runner: Runner, plan: StepPlan, tp: ParallelGroup, token_ids: torch.
     if op == "decode_step":
         return runner.decode_step(list(plan.slots))
     if op == "capture":
-        return runner.capture(plan.flag_sets, plan.max_batch, progress=tp.rank == 0)
+        return runner.capture(plan.flag_sets, plan.max_batch, progress=tp.rank == 0, buckets=plan.buckets)
     return None
 
 
@@ -170,10 +171,11 @@ class ParallelRunner:
         return self._run(StepPlan("decode_step", tuple(int(s) for s in slots)))
 
     def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
-                max_batch: int | None = None, progress: bool = True) -> None:
+                max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:
         """Every rank captures the same graphs in the same order (their collectives meet inside)."""
-        self._send(StepPlan("capture", flag_sets=tuple(flag_sets), max_batch=max_batch))
-        self.runner.capture(flag_sets, max_batch, progress=progress)
+        buckets = tuple(buckets) if buckets else None
+        self._send(StepPlan("capture", flag_sets=tuple(flag_sets), max_batch=max_batch, buckets=buckets))
+        self.runner.capture(flag_sets, max_batch, progress=progress, buckets=buckets)
 
     def close(self) -> None:
         """Send the followers ``stop``. Never raises for a group that already broke (a dead rank has

@@ -248,13 +248,15 @@ class Runner:
         return sorted({b for b, _ in self.graphs})
 
     def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
-                max_batch: int | None = None, progress: bool = True) -> None:
-        """Capture one decode-step graph per batch bucket (up to ``max_batch``, default all slots)
-        and flag set, largest first (smaller ones reuse its memory pool). Prints the time taken and
-        the pool's size."""
+                max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:
+        """Capture one decode-step graph per batch bucket (up to ``max_batch``, default all slots;
+        or exactly ``buckets``) and flag set, largest first (smaller ones reuse its memory pool).
+        Prints the time taken and the pool's size."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
-        buckets = batch_buckets(max_batch or self.max_slots)
+        buckets = sorted(buckets) if buckets else batch_buckets(max_batch or self.max_slots)
+        if buckets[-1] > self.max_slots:
+            raise ValueError(f"graph bucket {buckets[-1]} exceeds max_slots={self.max_slots}")
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
         todo = [(b, f) for b in sorted(buckets, reverse=True) for f in flag_sets]
