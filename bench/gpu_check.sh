@@ -29,6 +29,8 @@ if want tests; then
   step "tiny model on cuda, bf16 (greedy, CUDA graphs)" python3 -m dsv4.cli generate "Once upon a time" --device cuda \
     --dtype bf16 --max-tokens 32 --temperature 0
   step "GPU tests" tee_to pytest_gpu.log python3 -m pytest -q -rs -m gpu tests
+  step "fp32 logit drift per kernel (parity model, 40 decode steps)" tee_to kernel_drift.txt \
+    python3 bench/kernel_drift.py --steps 40
 fi
 if want kernels; then
   step "per-kernel benchmark" tee_to kernels.txt python3 bench/kernels.py --out "$OUT"

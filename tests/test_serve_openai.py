@@ -9,10 +9,11 @@ import math
 import time
 
 import httpx
-import openai
 import pytest
 
 from serve_util import metric
+
+openai = pytest.importorskip("openai")
 
 MODEL = "tiny"
 

@@ -4,11 +4,14 @@ codes, content types and schemas. Generation lengths are capped so the tiny mode
 
 from __future__ import annotations
 
-import schemathesis
-from hypothesis import HealthCheck, given, settings
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")   # a test dependency (scripts/install.sh test)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,  # noqa: E402
                                                status_code_conformance)
 
 MAX_NEW = 3

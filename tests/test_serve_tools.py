@@ -16,10 +16,11 @@ import logging
 import re
 
 import httpx
-import openai
 import pytest
 
 from serve_util import InProcessServer
+
+openai = pytest.importorskip("openai")
 
 EOS = "<｜end▁of▁sentence｜>"
 D = "｜DSML｜"

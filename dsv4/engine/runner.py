@@ -240,7 +240,7 @@ class Runner:
         out = self._agree(self.sampling.sample(logits[:, 0], idx, flags))
         self.tokens[idx] = out.token_ids
         positions[idx] = start + 1
-        positions[self.scratch] = 0     # padding rows never move the scratch slot along
+        positions.narrow(0, self.scratch, 1).zero_()     # padding rows never move the scratch slot along (no host scalar: capturable)
         return out
 
     # ------------------------------------------------------------------ CUDA graphs

@@ -131,7 +131,7 @@ def fp8_quantize(x: torch.Tensor, block: int, pow2: bool = True) -> tuple[torch.
     ``[..., ceil(n / block)]``.
     """
     n = x.shape[-1]
-    xb = _blocks(x, block)
+    xb = _blocks(x, block).float()     # in fp32, as DeepSeek's kernels: a bf16 scale or quotient would round
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
     scale = amax / FP8_E4M3_MAX
     if pow2:
@@ -158,7 +158,7 @@ def fp4_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     bytes uint8 ``[..., n / 2]`` and the scales as e8m0 bytes uint8 ``[..., ceil(n / block)]``.
     """
     n = x.shape[-1]
-    xb = _blocks(x, block)
+    xb = _blocks(x, block).float()
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)
     scale = pow2_ceil(amax / E2M1_MAX)
     codes = e2m1_codes(xb / scale).flatten(-2)[..., :n]
