@@ -17,7 +17,7 @@ import importlib
 import os
 
 #: kernel modules, imported in this order
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = ("linear",)
 
 
 def available() -> bool:
