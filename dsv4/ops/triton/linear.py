@@ -475,7 +475,7 @@ def _run_skinny(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: 
         M * G * R, G * R,
         FMT=code, ACT_QUANT=act_quant, POW2=pow2, OP_BF16=op_bf16, PREC=prec,
         BN=BN, MP=cfg["MP"], KSTEPS=cfg["KSTEPS"], SPLIT=split,
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 4))
+        num_warps=cfg.get("num_warps", 4 if code < 2 else 8), num_stages=cfg.get("num_stages", 4))
 
 
 def act_quant_triton(x2: torch.Tensor, pow2: bool, mode: int = _A_FP8,
