@@ -19,7 +19,7 @@ import os
 from .. import register
 
 #: kernel modules, imported in this order
-MODULES: tuple[str, ...] = ("linear", "attention", "small")
+MODULES: tuple[str, ...] = ("linear", "moe", "attention", "small")
 
 
 def available() -> bool:

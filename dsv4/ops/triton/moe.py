@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .. import KernelUnsupported
 
 #: pairs (tokens x top-k) up to which the decode kernels run; above, the grouped GEMM
 DECODE_MAX_PAIRS = 256
@@ -72,8 +73,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-class MoeKernelError(ValueError):
-    """The inputs do not fit the Triton MoE kernel (the message names the argument)."""
+class MoeKernelError(KernelUnsupported):
+    """The inputs do not fit the Triton MoE kernel (the message names the argument); raised before
+    any launch, so the dispatch runs the reference for that call."""
 
 
 # ----------------------------------------------------------------------------- numerics helpers
