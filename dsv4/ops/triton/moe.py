@@ -537,7 +537,7 @@ def _w13_grouped_kernel(x_ptr, xq_ptr, xs_ptr, order_ptr, tile_e_ptr, tile_r0_pt
 def _w2_grouped_kernel(h_ptr, hq_ptr, hs_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
                        y_ptr, w2_ptr, s2_ptr, g2_ptr,
                        D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr,
                        S_E8M0: tl.constexpr, QDOT: tl.constexpr, 
                        PIPE: tl.constexpr = 1):
     e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)
