@@ -10,9 +10,9 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 DSV4_CACH
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t() { local s=$1 f=$2; shift 2; echo "== $f"; timeout "$s" "$@" > "$OUT/$f" 2>&1; echo "rc=$?" >> "$OUT/$f"; tail -4 "$OUT/$f"; }
-t 150 graphs.log python3 -m pytest -q -rf --tb=short -m gpu tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py
-t 60 kernel_drift.txt python3 bench/kernel_drift.py --steps 30
-t 170 kernel_tests.log python3 -m pytest -q -rf --tb=short -m gpu tests/test_triton_moe.py tests/test_triton_linear.py tests/test_triton_small.py
-t 200 kernels.txt python3 bench/kernels.py --out "$OUT"
-t 160 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format bf16 fp8-mxfp4 \
+t 115 graphs.log python3 -m pytest -q -rf --tb=short -m gpu tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py
+t 45 kernel_drift.txt python3 bench/kernel_drift.py --steps 30
+t 140 kernel_tests.log python3 -m pytest -q -rf --tb=short -m gpu tests/test_triton_moe.py tests/test_triton_linear.py tests/test_triton_small.py
+t 150 kernels.txt python3 bench/kernels.py --out "$OUT"
+t 120 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format bf16 fp8-mxfp4 \
   --ops kernels-eager kernels-graph --steps 10
