@@ -28,7 +28,10 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 if want tests; then
   step "tiny model on cuda, bf16 (greedy, CUDA graphs)" python3 -m dsv4.cli generate "Once upon a time" --device cuda \
     --dtype bf16 --max-tokens 32 --temperature 0
-  step "GPU tests" tee_to pytest_gpu.log python3 -m pytest -q -rs -m gpu tests
+  # one pytest per file, each with its own time limit, so a slow file cannot hide another's failures
+  for f in $(grep -l "mark.gpu\|^gpu = " tests/test_*.py); do
+    step "GPU tests: $f" tee_to "pytest_gpu_$(basename "$f" .py).log" timeout 300 python3 -m pytest -q -rf --tb=short -m gpu "$f"
+  done
   step "fp32 logit drift per kernel (parity model, 40 decode steps)" tee_to kernel_drift.txt \
     python3 bench/kernel_drift.py --steps 40
 fi

@@ -56,7 +56,7 @@ def collectives(tp: ParallelGroup) -> dict:
 def scenarios(tp: ParallelGroup, jobs: list[tuple[str, str, tuple]]) -> dict:
     """Run several jobs in one group (one process start-up for all of them)."""
     table = dict(checkpoint=checkpoint, random=random, collectives=collectives,
-                 random_cuda=lambda tp, *a: random(tp, *a, dtype=torch.bfloat16))
+                 random_cuda=random)   # fp32 on the GPUs too
     return {key: table[kind](tp, *args) for key, kind, args in jobs}
 
 

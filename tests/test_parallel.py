@@ -133,16 +133,15 @@ def test_nccl_collectives_replay_in_a_cuda_graph():
 @pytest.mark.gpu
 @two_gpus
 def test_two_gpus_generate_what_one_does():
-    """The release layout (random weights made on each GPU) over NCCL vs one GPU, bf16."""
+    """The release layout (random weights made on each GPU) over NCCL vs one GPU, in fp32: the
+    oracle needs sums that differ only by fp32 rounding. (In bf16, measured on 2xH200, this tiny
+    random model's logits differed by a median 4% per step between one and two GPUs with the
+    kernels, and its argmax at the first step already with the reference ops.)"""
     config = tp_config()
     results = spawn(workers.scenarios, 2, [("random", "random_cuda", (config.to_dict(), PROMPTS, STEPS))],
                     device="cuda", timeout_s=300)
-    model = random_sharded(config, torch.bfloat16, "cuda:0", seed=7)
+    model = random_sharded(config, torch.float32, "cuda:0", seed=7)
     tokens, logits = greedy(Runner(model, max_slots=len(PROMPTS), max_context=96, qat_sim=True), PROMPTS, STEPS)
     got = results[0]["random"]
-    # bf16 sums over ranks round differently: compare up to the first step where a near-tie flips
-    same = (torch.tensor(got["tokens"]) == torch.tensor(tokens)).all(0).int().cumprod(0)
-    agree = int(same.sum())
-    assert agree >= 3, (got["tokens"], tokens)
-    rel = (got["logits"] - logits)[:, :agree].abs().amax(-1) / logits[:, :agree].abs().amax(-1)
-    assert rel.median() < 0.03
+    assert got["tokens"] == tokens
+    assert (got["logits"] - logits).abs().max() <= 1e-4 * logits.abs().max()
