@@ -52,7 +52,6 @@ values); then ``_combine_kernel``.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
