@@ -95,6 +95,10 @@ def _load_cuda_kernels() -> None:
     from . import triton as kernels
     if kernels.enabled() and kernels.available():
         kernels.register_all("cuda")
+        # nothing else says why the first steps take seconds (long work shows progress)
+        cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
+        print(f"dsv4: GPU kernels compile on first use of each shape (cached in {cache}); "
+              "the first steps are slower", file=sys.stderr)
 
 
 def implementation(op: str, device: torch.device, fmt: type | None = None) -> Callable:
