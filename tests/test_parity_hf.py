@@ -58,8 +58,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_transformers(dtype):
-    """Our model on the GPU (fp32: same bound as on CPU; bf16: bf16-sized bound) vs HF fp32 on CPU."""
-    config = parity_config()
+    """Our model on the GPU (fp32: same bound as on CPU; bf16: bf16-sized bound) vs HF fp32 on CPU.
+
+    In fp32 the indexer keeps every compressed entry (``index_topk`` 64 >= the 61 entries of 247
+    positions): a GPU's last-bit differences from the CPU (another summation order in the indexer's
+    query rotation, measured on an H100) flip a near-tie in a top-5 selection at one step, which no
+    precision bound survives. The selection itself is checked bit-exactly on the CPU (the test
+    above) and, in bf16 here, by the median bound."""
+    config = parity_config(index_topk=64) if dtype == torch.float32 else parity_config()
     cpu_model = random_model(config, seed=5)
     hf = hf_model(config, cpu_model.official_state_dict())
     model = random_model(config, dtype, seed=5).cuda()
