@@ -107,3 +107,48 @@ def test_two_gpus_with_graphs_generate_what_one_does():
         two = _runs(llm)
     assert two["greedy"] == one["greedy"]
     assert two["sampled"] == one["sampled"]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"     # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from /proc")
+@pytest.mark.parametrize("to", ["group", "rank 0"])
+def test_ctrl_c_stops_every_rank(to):
+    """SIGINT mid-generation, to the process group (a terminal's Ctrl-C) or to rank 0 alone: exit
+    status 130 within seconds and no rank left running. Rank 0 interrupted mid-step cannot tell the
+    others to stop (they wait in a collective it will not enter), so it terminates them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "generate", "--model", "tiny:bf16", "--device", "cpu",
+                             "--tensor-parallel-size", "2", "--max-tokens", "2000", "--ignore-eos", "Hello"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        proc.stdout.read(8)                       # generation is under way (text is streaming)
+        ranks = [k for k in _children(proc.pid) if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+        assert ranks, "no follower rank found"
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=20) == 130         # not a 30 s wait for ranks that cannot hear "stop"
+        deadline = time.monotonic() + 30
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(r) for r in ranks), "a rank is still running after Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -132,6 +132,7 @@ class ParallelRunner:
         if tp.rank != 0:
             raise ValueError(f"ParallelRunner runs on rank 0; rank {tp.rank} calls follow()")
         self.runner, self.tp, self.closed, self.health = runner, tp, False, health
+        self.broken = False
 
     def __getattr__(self, name: str) -> Any:   # lengths, max_slots, max_context, device, state, model ...
         return getattr(self.runner, name)
@@ -145,7 +146,15 @@ class ParallelRunner:
 
     def _run(self, plan: StepPlan, **kw: Any) -> Any:
         self._send(plan)
-        return execute(self.runner, plan, self.tp, **kw)
+        try:
+            return execute(self.runner, plan, self.tp, **kw)
+        except (ValueError, IndexError):   # host-side checks: failed the same way on every rank, before any collective
+            raise
+        except BaseException:
+            # interrupted mid-call (Ctrl-C, a device error): the followers may sit in a collective this
+            # rank will never enter, so no further plan can reach them; the launcher must stop them
+            self.broken = True
+            raise
 
     def reset(self, slots: Sequence[int]) -> None:
         self._run(StepPlan("reset", tuple(int(s) for s in slots)))
@@ -175,7 +184,11 @@ class ParallelRunner:
         """Every rank captures the same graphs in the same order (their collectives meet inside)."""
         buckets = tuple(buckets) if buckets else None
         self._send(StepPlan("capture", flag_sets=tuple(flag_sets), max_batch=max_batch, buckets=buckets))
-        self.runner.capture(flag_sets, max_batch, progress=progress, buckets=buckets)
+        try:
+            self.runner.capture(flag_sets, max_batch, progress=progress, buckets=buckets)
+        except BaseException:
+            self.broken = True
+            raise
 
     def close(self) -> None:
         """Send the followers ``stop``. Never raises for a group that already broke (a dead rank has
@@ -183,6 +196,8 @@ class ParallelRunner:
         if self.closed:
             return
         self.closed = True
+        if self.broken:
+            return
         try:
             if self.health is not None:
                 self.health()

@@ -204,11 +204,14 @@ class LLM:
     def close(self) -> None:
         """Release the other ranks of a tensor-parallel group (no-op for one rank). Idempotent."""
         close = getattr(self.runner, "close", None) if hasattr(self, "runner") else None
+        broken = getattr(self.runner, "broken", False) if close is not None else False
         try:
             if close is not None:
                 close()
         finally:
             if self._group is not None:
+                if broken:              # interrupted mid-step: the followers cannot be told to stop
+                    self._group.terminate()
                 self._group.close()
                 self._group = None
             elif close is not None:
