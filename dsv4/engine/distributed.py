@@ -145,14 +145,15 @@ class ParallelRunner:
         self.tp.broadcast_object(plan, src=0)
 
     def _run(self, plan: StepPlan, **kw: Any) -> Any:
-        self._send(plan)
         try:
+            self._send(plan)
             return execute(self.runner, plan, self.tp, **kw)
         except (ValueError, IndexError):   # host-side checks: failed the same way on every rank, before any collective
             raise
         except BaseException:
-            # interrupted mid-call (Ctrl-C, a device error): the followers may sit in a collective this
-            # rank will never enter, so no further plan can reach them; the launcher must stop them
+            # interrupted anywhere from sending the plan to the end of the call (Ctrl-C, a device
+            # error): the followers may sit in a collective this rank will never enter, so no further
+            # plan can reach them; the launcher must stop them
             self.broken = True
             raise
 
@@ -183,8 +184,8 @@ class ParallelRunner:
                 max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:
         """Every rank captures the same graphs in the same order (their collectives meet inside)."""
         buckets = tuple(buckets) if buckets else None
-        self._send(StepPlan("capture", flag_sets=tuple(flag_sets), max_batch=max_batch, buckets=buckets))
         try:
+            self._send(StepPlan("capture", flag_sets=tuple(flag_sets), max_batch=max_batch, buckets=buckets))
             self.runner.capture(flag_sets, max_batch, progress=progress, buckets=buckets)
         except BaseException:
             self.broken = True
