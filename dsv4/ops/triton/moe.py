@@ -52,7 +52,6 @@ values); then ``_combine_kernel``.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -60,6 +59,7 @@ import triton
 import triton.language as tl
 
 from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .. import KernelUnsupported
 
 #: pairs (tokens x top-k) up to which the decode kernels run; above, the grouped GEMM
 DECODE_MAX_PAIRS = 256
@@ -72,8 +72,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-class MoeKernelError(ValueError):
-    """The inputs do not fit the Triton MoE kernel (the message names the argument)."""
+class MoeKernelError(KernelUnsupported):
+    """The inputs do not fit the Triton MoE kernel (the message names the argument); raised before
+    any launch, so the dispatch runs the reference for that call."""
 
 
 # ----------------------------------------------------------------------------- numerics helpers
@@ -535,7 +536,7 @@ def _w13_grouped_kernel(x_ptr, xq_ptr, xs_ptr, order_ptr, tile_e_ptr, tile_r0_pt
 def _w2_grouped_kernel(h_ptr, hq_ptr, hs_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
                        y_ptr, w2_ptr, s2_ptr, g2_ptr,
                        D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr,
                        S_E8M0: tl.constexpr, QDOT: tl.constexpr, 
                        PIPE: tl.constexpr = 1):
     e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)

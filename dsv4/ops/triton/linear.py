@@ -1,0 +1,593 @@
+"""Quantized ``linear`` and ``grouped_linear`` for FP8-block, MXFP4 and NVFP4 weights (Triton).
+
+Numerics (DSV4_FACTS 2b, the twins are :func:`dsv4.ops.reference.linear` / ``grouped_linear``):
+
+- ``act_quant=True`` (the QAT simulation): the input is quantized to e4m3 per 1x128 block exactly as
+  :func:`dsv4.ops.numerics.fp8_quantize` (``amax`` floored at 1e-4, scale ``amax/448`` rounded up
+  to a power of two from the float's bits when ``pow2``; division and rounding IEEE, so ``q`` and
+  the scales are bit-identical), and the product runs on the FP8 grid: W8A8 for FP8-block weights
+  ``y = sum_kb (q . w)_kb * s_x[kb] * s_w[n//128, kb]`` (fp32 partial per 128 block, then scaled);
+  W4A8 for FP4 weights. e2m1 times its per-32 power of two (MXFP4) or per-16 e4m3 scale (NVFP4)
+  is exact in bf16, and so is an e4m3 ``q``, so the FP4 products are exact on a bf16 tensor core:
+  ``y = sum_kb (q . w*s_w)_kb * s_x[kb]`` (NVFP4: times the global scale at the end), the same sum
+  of exact products in fp32 as the per-32/per-16 formula.
+- ``act_quant=False``: weight-only. The weight is dequantized in fp32 in registers and rounded to
+  the activation dtype (what the reference's ``dequantize(x.dtype)`` does), multiplied with fp32
+  accumulation (fp32 activations: IEEE fp32 products, no tf32).
+
+Two kernels, chosen by the number of rows ``M`` (``SKINNY_MAX_M``):
+
+- decode (``M <= 32``): :func:`_skinny_kernel`, a split-K GEMV on the tensor cores with the roles
+  swapped (weight tile ``[BN, 128]`` is the MMA's M side, the ``M`` activation rows padded to 16/32
+  its N side), the activation quantized in the prologue of every K step, the weight dequantized in
+  registers. Grid ``(row tiles, K splits)``. Splits write fp32 partials to a workspace; the last
+  split of a row tile to finish (a per-tile arrival counter) sums them in split order 0..S-1 and
+  writes the output, so the result never depends on the order the programs ran in.
+- prefill (``M > 32``): :func:`_gemm_kernel`, a tiled GEMM (``128 x 128 x 128``, grouped tile
+  order). FP8 weights: ``tl.dot`` on float8e4nv operands, the activation quantized once by
+  :func:`_act_quant_kernel` (q e4m3 + scales), partial products promoted per 128 block with
+  ``s_x * s_w`` (DeepGEMM's scheme). FP4 weights: e2m1 decoded in the prologue, scales folded
+  exactly, bf16 ``tl.dot`` on the pre-quantized activation (with ``pow2`` the values ``q * s_x``
+  are exact in bf16, so one fp32 accumulator and no promotion).
+
+``grouped_linear`` (``wo_a``, no activation quantization) runs the same kernels with a group
+index in the grid: group ``g`` multiplies ``x[..., g, :]`` by rows ``g*r:(g+1)*r``.
+
+Plain ``torch.Tensor`` weights are not registered: they stay on the reference (cuBLAS).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .. import KernelUnsupported
+
+#: rows up to which the decode kernel (split-K GEMV) runs; above, the tiled GEMM
+SKINNY_MAX_M = 32
+#: tests: fill every output and workspace with NaN before the launch, so unwritten elements show
+POISON = False
+
+# weight format codes (constexpr FMT)
+_FP8_F32, _FP8_UE8M0, _MXFP4, _NVFP4 = 0, 1, 2, 3
+# how the GEMM reads its activation operand (constexpr A_MODE)
+_A_RAW, _A_FP8, _A_SIM, _A_QS = 0, 1, 2, 3
+
+
+class LinearKernelError(KernelUnsupported):
+    """The inputs do not fit the Triton linear kernels (the message names what is wrong); raised
+    before any launch, so the dispatch runs the reference for that call."""
+
+
+# ============================================================================= device helpers
+@triton.jit
+def _pow2_ceil(v):
+    """Smallest power of two >= v for positive normal fp32 v, from the bits (numerics.pow2_ceil)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2_inv(s):
+    """1 / s for a normal power of two s, exact (2^-e from the bits)."""
+    e = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rne_e4m3(v):
+    """Round fp32 v (|v| <= 448) to the e4m3 grid, nearest even, sign kept (-0 stays -0).
+
+    Adding and subtracting 1.5 * 2^23 * ulp rounds to a multiple of the ulp in IEEE fp32; the ulp
+    is 2^(e-3) for normal e4m3 (e >= -6) and 2^-9 below. The result is exactly representable, so
+    the cast to float8e4nv that follows is exact on every backend (the interpreter's own
+    fp32->fp8 cast does not round to nearest even)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    ue = tl.maximum(e, -6) - 3
+    c = ((ue + 150) << 23).to(tl.float32, bitcast=True) * 1.5
+    r = (tl.abs(v) + c) - c
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _act_scale(amax, POW2: tl.constexpr):
+    """Per-block activation scale from the block's amax (numerics.fp8_quantize)."""
+    s = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    if POW2:
+        s = _pow2_ceil(s)
+    return s
+
+
+@triton.jit
+def _act_q(x, s, POW2: tl.constexpr):
+    """e4m3 grid values of x / s (s broadcast over the block), as fp32 (exact in e4m3)."""
+    if POW2:
+        v = x * _pow2_inv(s)  # exact: dividing by a power of two
+    else:
+        v = tl.div_rn(x, s)
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    return _rne_e4m3(v)
+
+
+@triton.jit
+def _e8m0(e):
+    """e8m0 exponent bytes (int32) -> fp32 2^(e-127), e = 0 included (numerics.e8m0_to_float)."""
+    return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(c):
+    """e2m1 codes (int32, low 4 bits) -> fp32 values. The code's 3 magnitude bits placed at the
+    bottom of an fp16 exponent are e2m1 * 2^-14 (code 1 = fp16 subnormal 2^-15): exact."""
+    h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.uint16)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _fp4_tile(w_ptr, s_ptr, g_ptr, rows, r_ok, k0, K, stride_wn, stride_sn,
+              FMT: tl.constexpr, FOLD_G: tl.constexpr, BN: tl.constexpr):
+    """FP4 weight rows ``rows`` at K offset ``k0``, 128 values a row, split by nibble:
+    ``lo[n, j]`` is element ``k0 + 2j`` and ``hi[n, j]`` element ``k0 + 2j + 1`` (j < 64),
+    each times its block scale (and the NVFP4 global scale when ``FOLD_G``), fp32 [BN, 64]."""
+    SB: tl.constexpr = 32 if FMT == 2 else 16  # K values per scale
+    NSB: tl.constexpr = 128 // SB
+    HB: tl.constexpr = SB // 2  # bytes per scale block
+    c = tl.arange(0, NSB)
+    j = tl.arange(0, HB)
+    kh = k0 // 2 + c[:, None] * HB + j[None, :]  # [NSB, HB] byte index
+    mask = r_ok[:, None, None] & (kh < K // 2)[None, :, :]
+    pk = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * stride_wn + kh[None, :, :], mask=mask,
+                 other=0).to(tl.int32)  # [BN, NSB, HB]
+    sc = k0 // SB + c
+    smask = r_ok[:, None] & (sc < (K + SB - 1) // SB)[None, :]
+    if FMT == 2:
+        s = _e8m0(tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + sc[None, :], mask=smask,
+                          other=127).to(tl.int32))
+    else:
+        s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + sc[None, :], mask=smask,
+                    other=0.0).to(tl.float32)
+    lo = _e2m1(pk & 15) * s[:, :, None]
+    hi = _e2m1(pk >> 4) * s[:, :, None]
+    if FOLD_G:
+        g = tl.load(g_ptr)
+        lo = lo * g
+        hi = hi * g
+    return tl.reshape(lo, (BN, 64)), tl.reshape(hi, (BN, 64))
+
+
+@triton.jit
+def _fp8_scale(s_ptr, rows, r_ok, kb, KB, stride_sn, FMT: tl.constexpr):
+    """FP8-block weight scale of each row at K block ``kb``: fp32 [BN]."""
+    ptr = s_ptr + (rows // 128) * stride_sn + kb
+    if FMT == 0:
+        return tl.load(ptr, mask=r_ok & (kb < KB), other=1.0)
+    return _e8m0(tl.load(ptr, mask=r_ok & (kb < KB), other=127).to(tl.int32))
+
+
+# ============================================================================= decode kernel
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
+                   M, R, K, TILES_PER_GROUP,
+                   stride_xm, stride_xg, stride_wn, stride_sn, stride_om, stride_og, ws_stride_s, ws_stride_m,
+                   FMT: tl.constexpr, ACT_QUANT: tl.constexpr, POW2: tl.constexpr, OP_BF16: tl.constexpr,
+                   PREC: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, KSTEPS: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """``out[m, g, r] = x[m, g, :] . W[g*R + r, :]`` for a tile of BN weight rows and one K split.
+
+    The MMA computes ``acc[BN, MP] = W_tile @ x_tile^T`` (weight rows on the MMA's M side)."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    g = pid_t // TILES_PER_GROUP
+    offs_r = (pid_t % TILES_PER_GROUP) * BN + tl.arange(0, BN)
+    r_ok = offs_r < R
+    rows = g * R + offs_r  # global weight rows
+    offs_m = tl.arange(0, MP)
+    m_ok = offs_m < M
+    x_rows = x_ptr + g * stride_xg + offs_m[:, None] * stride_xm  # [MP, 1]
+    KB = tl.cdiv(K, 128)
+    acc = tl.zeros([BN, MP], dtype=tl.float32)
+    for i in range(KSTEPS):
+        kb = pid_s * KSTEPS + i
+        k0 = kb * 128
+        if FMT < 2:  # ------------------------------------------------ FP8 block
+            kk = k0 + tl.arange(0, 128)
+            k_ok = kk < K
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, 128] e4m3
+            sw = _fp8_scale(s_ptr, rows, r_ok, kb, KB, stride_sn, FMT)
+            xr = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if ACT_QUANT:
+                xf = xr.to(tl.float32)
+                sx = _act_scale(tl.max(tl.abs(xf), axis=1), POW2)  # [MP]
+                q = _act_q(xf, sx[:, None], POW2).to(tl.float8e4nv)
+                p = tl.dot(w, tl.trans(q))  # [BN, MP], fp32 (see FP8_ACC in _gemm_kernel)
+                acc += p * (sw[:, None] * sx[None, :])
+            else:
+                wd = (w.to(tl.float32) * sw[:, None]).to(xr.dtype)
+                acc = tl.dot(wd, tl.trans(xr), acc, input_precision=PREC)
+        else:  # ------------------------------------------------------ MXFP4 / NVFP4
+            lo, hi = _fp4_tile(w_ptr, s_ptr, g_ptr, rows, r_ok, k0, K, stride_wn, stride_sn, FMT,
+                               FMT == 3 and not ACT_QUANT, BN)
+            ke = k0 + 2 * tl.arange(0, 64)
+            xe = tl.load(x_rows + ke[None, :], mask=m_ok[:, None] & (ke < K)[None, :], other=0.0)
+            xo = tl.load(x_rows + ke[None, :] + 1, mask=m_ok[:, None] & (ke + 1 < K)[None, :], other=0.0)
+            if ACT_QUANT:
+                OP: tl.constexpr = tl.bfloat16 if OP_BF16 else tl.float32
+                xef = xe.to(tl.float32)
+                xof = xo.to(tl.float32)
+                sx = _act_scale(tl.maximum(tl.max(tl.abs(xef), axis=1), tl.max(tl.abs(xof), axis=1)), POW2)
+                qe = _act_q(xef, sx[:, None], POW2).to(OP)
+                qo = _act_q(xof, sx[:, None], POW2).to(OP)
+                p = tl.dot(lo.to(OP), tl.trans(qe), input_precision=PREC)
+                p = tl.dot(hi.to(OP), tl.trans(qo), p, input_precision=PREC)
+                acc += p * sx[None, :]
+            else:
+                acc = tl.dot(lo.to(xe.dtype), tl.trans(xe), acc, input_precision=PREC)
+                acc = tl.dot(hi.to(xo.dtype), tl.trans(xo), acc, input_precision=PREC)
+    if FMT == 3 and ACT_QUANT:
+        acc = acc * tl.load(g_ptr)
+    out_ptrs = out_ptr + g * stride_og + offs_m[None, :] * stride_om + offs_r[:, None]
+    out_mask = r_ok[:, None] & m_ok[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials [SPLIT, M, G*R]; the last split to arrive sums them in split order
+        ws_off = offs_m[None, :] * ws_stride_m + rows[:, None]
+        tl.store(ws_ptr + pid_s * ws_stride_s + ws_off, acc, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tot = tl.zeros([BN, MP], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):  # unrolled: every partial's load in flight at once
+                tot += tl.load(ws_ptr + s * ws_stride_s + ws_off, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid_t, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+# ============================================================================= prefill kernels
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                      MODE: tl.constexpr, POW2: tl.constexpr, NB: tl.constexpr):
+    """Quantize row ``program_id(0)`` of x, NB 128-blocks per program (numerics.fp8_quantize).
+
+    MODE 1: q as e4m3 in natural order + fp32 scales (FP8-weight GEMM).
+    MODE 2: ``q * s`` (exact with pow2) in the GEMM's operand dtype, each 128 block stored
+            even elements first then odd ones (the FP4 GEMM's nibble split); no scales.
+    MODE 3: like 2 but ``q`` alone + fp32 scales (non-pow2 scales).
+    Blocks past K up to the padded width are written as zeros."""
+    m = tl.program_id(0)
+    kb = tl.program_id(1) * NB + tl.arange(0, NB)
+    KB = tl.cdiv(K, 128)
+    b_ok = kb < KB
+    xrow = x_ptr + m.to(tl.int64) * stride_xm
+    qrow = q_ptr + m.to(tl.int64) * stride_qm
+    if MODE == 1:
+        kk = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
+        x = tl.load(xrow + kk, mask=kk < K, other=0.0).to(tl.float32)
+        s = _act_scale(tl.max(tl.abs(x), axis=1), POW2)
+        q = _act_q(x, s[:, None], POW2)
+        tl.store(qrow + kk, q.to(q_ptr.dtype.element_ty), mask=b_ok[:, None])
+        tl.store(s_ptr + m.to(tl.int64) * stride_sm + kb, s, mask=b_ok)
+    else:
+        j = tl.arange(0, 64)
+        ke = kb[:, None] * 128 + 2 * j[None, :]
+        xe = tl.load(xrow + ke, mask=ke < K, other=0.0).to(tl.float32)
+        xo = tl.load(xrow + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
+        s = _act_scale(tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1)), POW2)
+        qe = _act_q(xe, s[:, None], POW2)
+        qo = _act_q(xo, s[:, None], POW2)
+        if MODE == 2:
+            qe = qe * s[:, None]
+            qo = qo * s[:, None]
+        else:
+            tl.store(s_ptr + m.to(tl.int64) * stride_sm + kb, s, mask=b_ok)
+        pe = qrow + kb[:, None] * 128 + j[None, :]
+        tl.store(pe, qe.to(q_ptr.dtype.element_ty), mask=b_ok[:, None])
+        tl.store(pe + 64, qo.to(q_ptr.dtype.element_ty), mask=b_ok[:, None])
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
+                 M, R, K, stride_am, stride_ag, stride_sam, stride_wn, stride_sn, stride_om, stride_og,
+                 FMT: tl.constexpr, A_MODE: tl.constexpr, PREC: tl.constexpr, KB: tl.constexpr,
+                 FP8_ACC: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """``out[m, g, r] = A[m, g, :] . W[g*R + r, :]`` for one BM x BN tile (grid: tiles, groups).
+
+    A_MODE 0: A is the activation itself (weight-only). 1: e4m3 q [M, Kpad] + scales [M, KB].
+    2: bf16 ``q*s`` in nibble-split order (no scales). 3: bf16 q in nibble-split order + scales."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(R, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    m_ok = offs_m < M
+    offs_r = pid_n * BN + tl.arange(0, BN)
+    r_ok = offs_r < R
+    rows = g * R + offs_r
+    a_rows = a_ptr + g * stride_ag + offs_m[:, None].to(tl.int64) * stride_am  # [BM, 1]
+    sa_rows = sa_ptr + offs_m.to(tl.int64) * stride_sam
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(KB):  # KB = ceil(K / 128) is a compile-time constant (a model dimension)
+        k0 = kb * 128
+        if FMT < 2:
+            kk = k0 + tl.arange(0, 128)
+            k_ok = kk < K
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            sw = _fp8_scale(s_ptr, rows, r_ok, kb, KB, stride_sn, FMT)
+            if A_MODE == 1:
+                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+                sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
+                # Hopper's FP8 MMA sums inside the 128 block at reduced precision (~1e-4 relative,
+                # as in DeepGEMM / DeepSeek's kernels); FP8_ACC = 32 promotes every 32 products
+                # (4.5e-5: the instruction itself is not exact either) at 1.5x the time.
+                acc += tl.dot(a, tl.trans(w), max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sw[None, :])
+            else:
+                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                wd = (w.to(tl.float32) * sw[:, None]).to(a.dtype)
+                acc = tl.dot(a, tl.trans(wd), acc, input_precision=PREC)
+        else:
+            lo, hi = _fp4_tile(w_ptr, s_ptr, g_ptr, rows, r_ok, k0, K, stride_wn, stride_sn, FMT,
+                               FMT == 3 and A_MODE == 0, BN)
+            j = tl.arange(0, 64)
+            if A_MODE == 0:
+                ke = k0 + 2 * j
+                ae = tl.load(a_rows + ke[None, :], mask=m_ok[:, None] & (ke < K)[None, :], other=0.0)
+                ao = tl.load(a_rows + ke[None, :] + 1, mask=m_ok[:, None] & (ke + 1 < K)[None, :], other=0.0)
+            else:
+                ae = tl.load(a_rows + (k0 + j)[None, :], mask=m_ok[:, None], other=0.0)
+                ao = tl.load(a_rows + (k0 + 64 + j)[None, :], mask=m_ok[:, None], other=0.0)
+            if A_MODE == 3:
+                p = tl.dot(ae, tl.trans(lo.to(ae.dtype)), input_precision=PREC)
+                p = tl.dot(ao, tl.trans(hi.to(ao.dtype)), p, input_precision=PREC)
+                acc += p * tl.load(sa_rows + kb, mask=m_ok, other=0.0)[:, None]
+            else:
+                acc = tl.dot(ae, tl.trans(lo.to(ae.dtype)), acc, input_precision=PREC)
+                acc = tl.dot(ao, tl.trans(hi.to(ao.dtype)), acc, input_precision=PREC)
+    if FMT == 3 and A_MODE != 0:
+        acc = acc * tl.load(g_ptr)
+    out_ptrs = out_ptr + g * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+# ============================================================================= host side
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
+
+
+_SM_COUNT: dict[str, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = (torch.cuda.get_device_properties(device).multi_processor_count
+                          if device.type == "cuda" else 8)
+    return _SM_COUNT[key]
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device arrival counters of the split-K reduction (zero between calls: the reducing
+    program resets its own). Allocated on first use; not shared safely between streams running
+    at the same time."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise LinearKernelError("linear (triton): the split-K counters are allocated on the first eager "
+                                    "call; run the op once on this device before capturing a CUDA graph")
+        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _weight_args(w: object, who: str) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(format code, data, scale, global scale (or a dummy), bytes per K value) of a packed weight,
+    validated (2-D, contiguous, the block sizes the kernels assume)."""
+    name = getattr(w, "name", None) or "<unnamed weight>"
+    if len(w.shape) != 2:
+        raise LinearKernelError(f"{who}: weight {name} has shape {tuple(w.shape)}; the kernel takes one 2-D "
+                                "weight (stacked experts go through moe)")
+    if isinstance(w, Fp8BlockWeight):
+        if w.block != 128:
+            raise LinearKernelError(f"{who}: weight {name} has FP8 block {w.block}; the kernel needs 128")
+        data, scale, gs = w.weight, w.scale, w.scale
+        code, kbytes = (_FP8_UE8M0 if w.scale_ue8m0 else _FP8_F32), 1.0
+    elif isinstance(w, Mxfp4Weight):
+        data, scale, gs, code, kbytes = w.packed, w.scale, w.scale, _MXFP4, 0.5
+    elif isinstance(w, Nvfp4Weight):
+        data, scale, gs, code, kbytes = w.packed, w.block_scale, w.global_scale, _NVFP4, 0.5
+        if gs.numel() != 1:
+            raise LinearKernelError(f"{who}: weight {name} has {gs.numel()} global scales; expected one")
+    else:
+        raise LinearKernelError(f"{who}: unsupported weight type {type(w).__name__}")
+    for t, what in ((data, "data"), (scale, "scale")):
+        if not t.is_contiguous():
+            raise LinearKernelError(f"{who}: weight {name} {what} must be contiguous")
+    return code, data, scale, gs, kbytes
+
+
+def _check_x(x: torch.Tensor, who: str) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise LinearKernelError(f"{who}: activation dtype {x.dtype} not supported (bf16, fp16, fp32)")
+
+
+def _skinny_config(M: int, rows: int, K: int, kbytes: float, n_sm: int) -> dict:
+    """Tile rows and K split for the decode kernel: enough programs to cover the SMs twice, each
+    at least one 128-wide K step, the fp32 partials at most ~1/4 of the weight bytes, at most 16
+    splits (8 for the larger tiles: the reducing program holds every partial in registers)."""
+    MP = 16 if M <= 16 else 32
+    KB = math.ceil(K / 128)
+    BN = 128 if rows >= 64 * n_sm else 64
+    tiles = math.ceil(rows / BN)
+    want = max(1, round(2 * n_sm / tiles))
+    cap = max(1, int(K * kbytes / (16 * M)))
+    split = max(1, min(KB, want, cap, 16 if BN * MP <= 1024 else 8))
+    ksteps = math.ceil(KB / split)
+    split = math.ceil(KB / ksteps)
+    return dict(BN=BN, MP=MP, KSTEPS=ksteps, SPLIT=split)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        (t.view(torch.uint8).fill_(0x7F) if t.element_size() == 1 else t.fill_(float("nan")))
+    return t
+
+
+def _prec(dtype: torch.dtype) -> str | None:
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _run_skinny(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: torch.Tensor, G: int, R: int,
+                who: str, config: dict | None = None) -> None:
+    """x3 [M, G, K] (last dim contiguous) -> out3 [M, G, R]."""
+    code, data, scale, gs, kbytes = _weight_args(w, who)
+    M, _, K = x3.shape
+    cfg = dict(config or _skinny_config(M, G * R, K, kbytes, _sm_count(x3.device)))
+    if M > cfg["MP"]:
+        raise LinearKernelError(f"{who}: {M} rows exceed the decode tile ({cfg['MP']})")
+    BN, split = cfg["BN"], cfg["SPLIT"]
+    tiles = triton.cdiv(R, BN)
+    op_bf16 = not _interpreting()
+    if act_quant:
+        prec = None if (code < 2 or op_bf16) else "ieee"
+    else:
+        prec = _prec(x3.dtype)
+    if split > 1:
+        ws = _empty((split, M, G * R), torch.float32, x3.device)
+        cnt = _counters(x3.device, G * tiles)
+    else:
+        ws, cnt = out3, out3
+    _skinny_kernel[(G * tiles, split)](
+        x3, data, scale, gs, out3, ws, cnt, M, R, K, tiles,
+        x3.stride(0), x3.stride(1), data.stride(0), scale.stride(0), out3.stride(0), out3.stride(1),
+        M * G * R, G * R,
+        FMT=code, ACT_QUANT=act_quant, POW2=pow2, OP_BF16=op_bf16, PREC=prec,
+        BN=BN, MP=cfg["MP"], KSTEPS=cfg["KSTEPS"], SPLIT=split,
+        num_warps=cfg.get("num_warps", 4 if code < 2 else 8), num_stages=cfg.get("num_stages", 4))
+
+
+def act_quant_triton(x2: torch.Tensor, pow2: bool, mode: int = _A_FP8,
+                     op_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x2 [M, K] per 1x128 block (the GEMM's activation operand), K padded to 128s.
+
+    mode 1 (``_A_FP8``): q float8_e4m3fn [M, Kpad] bit-identical to ``numerics.fp8_quantize(x,
+    128, pow2)`` (zero padded) and fp32 scales [M, KB]. Modes 2/3: see :func:`_act_quant_kernel`."""
+    M, K = x2.shape
+    KB = triton.cdiv(K, 128)
+    qdt = torch.float8_e4m3fn if mode == _A_FP8 else op_dtype
+    q = _empty((M, KB * 128), qdt, x2.device)
+    s = _empty((M, KB), torch.float32, x2.device)
+    NB = 4
+    _act_quant_kernel[(M, triton.cdiv(KB, NB))](x2, q, s, K, x2.stride(0), q.stride(0), s.stride(0),
+                                                 MODE=mode, POW2=pow2, NB=NB, num_warps=4)
+    return q, s
+
+
+def _run_gemm(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: torch.Tensor, G: int, R: int,
+              who: str, config: dict | None = None) -> None:
+    """x3 [M, G, K] -> out3 [M, G, R] through the tiled GEMM."""
+    code, data, scale, gs, _ = _weight_args(w, who)
+    M, _, K = x3.shape
+    if code < 2:  # measured on H100 (bench/tune_linear.py): 80% of cuBLAS BF16 at 4096x4096x8192
+        cfg = dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=4, FP8_ACC=None)
+    else:
+        cfg = dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, FP8_ACC=None)
+    cfg.update(config or {})
+    if act_quant:
+        if G != 1:
+            raise LinearKernelError(f"{who}: grouped GEMM with activation quantization is not implemented")
+        op_dtype = torch.float32 if _interpreting() else torch.bfloat16
+        mode = _A_FP8 if code < 2 else (_A_SIM if pow2 else _A_QS)
+        a, sa = act_quant_triton(x3[:, 0], pow2, mode, op_dtype)
+        stride_am, stride_ag = a.stride(0), 0
+        prec = _prec(a.dtype) if mode != _A_FP8 else None
+    else:
+        mode, a, sa = _A_RAW, x3, x3
+        stride_am, stride_ag = x3.stride(0), x3.stride(1)
+        prec = _prec(x3.dtype)
+    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(R, cfg["BN"]), G)
+    _gemm_kernel[grid](
+        a, sa, data, scale, gs, out3, M, R, K, stride_am, stride_ag, sa.stride(0) if sa is not a else 0,
+        data.stride(0), scale.stride(0), out3.stride(0), out3.stride(1),
+        FMT=code, A_MODE=mode, PREC=prec, KB=triton.cdiv(K, 128), FP8_ACC=cfg["FP8_ACC"], BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _run(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: torch.Tensor, G: int, R: int,
+         who: str, path: str | None = None, config: dict | None = None) -> None:
+    if x3.shape[0] == 0:
+        return
+    path = path or ("skinny" if x3.shape[0] <= SKINNY_MAX_M else "gemm")
+    (_run_skinny if path == "skinny" else _run_gemm)(x3, w, act_quant, pow2, out3, G, R, who, config)
+
+
+# ============================================================================= the ops
+def linear_triton(x: torch.Tensor, w: object, act_quant: bool = False, pow2: bool = True,
+                  out_dtype: torch.dtype | None = None, *, _path: str | None = None,
+                  _config: dict | None = None) -> torch.Tensor:
+    """``x [..., K] @ W.T -> [..., N]`` for an FP8-block / MXFP4 / NVFP4 weight; see
+    :func:`dsv4.ops.reference.linear` (the twin). ``_path`` / ``_config`` force a kernel and its
+    tiling (tests)."""
+    who = "linear (triton)"
+    _check_x(x, who)
+    N, K = w.shape[-2], w.shape[-1]
+    if x.shape[-1] != K:
+        raise LinearKernelError(f"{who}: x has shape {tuple(x.shape)} but the weight has shape {tuple(w.shape)}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise LinearKernelError(f"{who}: out_dtype {out_dtype} not supported")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = _empty((x2.shape[0], N), out_dtype, x.device)
+    _run(x2.unsqueeze(1), w, act_quant, pow2, out.unsqueeze(1), 1, N, who, _path, _config)
+    return out.view(*x.shape[:-1], N)
+
+
+def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str | None = None,
+                          _config: dict | None = None) -> torch.Tensor:
+    """Grouped output projection: group ``g`` of ``x [..., G, K]`` times rows ``g*r:(g+1)*r`` of
+    ``w [G*r, K]`` -> ``[..., G, r]`` in ``x.dtype``; no activation quantization (see
+    :func:`dsv4.ops.reference.grouped_linear`)."""
+    who = "grouped_linear (triton)"
+    _check_x(x, who)
+    N, K = w.shape[-2], w.shape[-1]
+    if x.dim() < 2 or x.shape[-2] != groups or x.shape[-1] != K or N % groups:
+        raise LinearKernelError(f"{who}: x {tuple(x.shape)} and weight {tuple(w.shape)} do not form {groups} "
+                                f"groups (needs x [..., {groups}, K], weight [{groups}*r, K])")
+    R = N // groups
+    x3 = x.reshape(-1, groups, K)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    out = _empty((x3.shape[0], groups, R), x.dtype, x.device)
+    _run(x3, w, False, True, out, groups, R, who, _path, _config)
+    return out.view(*x.shape[:-1], R)
+
+
+REGISTRATIONS = [
+    ("linear", Fp8BlockWeight, linear_triton),
+    ("linear", Mxfp4Weight, linear_triton),
+    ("linear", Nvfp4Weight, linear_triton),
+    ("grouped_linear", Fp8BlockWeight, grouped_linear_triton),
+    ("grouped_linear", Mxfp4Weight, grouped_linear_triton),
+    ("grouped_linear", Nvfp4Weight, grouped_linear_triton),
+]

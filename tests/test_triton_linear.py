@@ -1,0 +1,316 @@
+"""The quantized linear kernels (dsv4/ops/triton/linear.py) against their references.
+
+CPU: through Triton's interpreter (``TRITON_INTERPRET=1``, set here before triton is imported) at
+small ragged shapes (N, K not multiples of the tiles), every weight format, act_quant on (pow2 and
+amax/448 scales) and off, both kernels (split-K decode GEMV, tiled GEMM), fp32/fp16 activations
+(the interpreter mis-rounds bf16), outputs and workspaces poisoned with NaN. Two oracles: the
+reference op (``dsv4.ops.reference``) and, for fp32 activations, the blockwise formula of
+DSV4_FACTS 2b in float64 on ``numerics.fp8_quantize``'s q and scales: a single activation
+quantized one e4m3 step off would show as ~1e-3 relative error; fp32 summation order as ~1e-6.
+
+GPU (``-m gpu``): real DeepSeek-V4 shapes (Flash, Pro), bf16, decode batches and a prefill, the
+grouped ``wo_a``, bit-determinism, and a CUDA-graph replay equal to eager.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from dsv4 import ops  # noqa: E402
+from dsv4.ops import numerics  # noqa: E402
+from dsv4.ops import reference as ref  # noqa: E402
+from dsv4.ops.triton import linear as lin  # noqa: E402
+from dsv4.weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = ("fp8", "fp8_ue8m0", "mxfp4", "nvfp4")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    lin.POISON = True
+    yield
+    lin.POISON = False
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _weight(fmt: str, n: int, k: int, seed: int, device: str = DEV) -> object:
+    g = _gen(seed)
+    # rows of different magnitude so the block scales differ
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    if fmt == "fp8":
+        q = Fp8BlockWeight.quantize(w)
+    elif fmt == "fp8_ue8m0":
+        q = Fp8BlockWeight.quantize(w, ue8m0=True)
+    elif fmt == "mxfp4":
+        q = Mxfp4Weight.quantize(w)
+    else:
+        q = Nvfp4Weight.quantize(w)
+    return q.to(device)
+
+
+def _x(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32, device: str = DEV) -> torch.Tensor:
+    g = _gen(seed)
+    x = torch.randn(*shape, generator=g)
+    x = x * torch.exp(2 * torch.randn(*shape[:-1], 1, generator=g))  # rows of very different scale
+    x[..., 5] = 0.0
+    return x.to(dtype).to(device)
+
+
+def _spec(x: torch.Tensor, w: object, act_quant: bool, pow2: bool) -> torch.Tensor:
+    """DSV4_FACTS 2b in float64: q and scales from numerics.fp8_quantize (the bits DeepSeek's
+    act_quant produces), the dequantized weight, exact products."""
+    wd = w.to("cpu").dequantize(torch.float32).double()
+    xc = x.to("cpu").float()
+    if act_quant:
+        q, s = numerics.fp8_quantize(xc, 128, pow2)
+        k = xc.shape[-1]
+        pad = -k % 128
+        qd = torch.nn.functional.pad(q.float(), (0, pad)).double().unflatten(-1, (-1, 128))
+        xd = (qd * s.double().unsqueeze(-1)).flatten(-2)[..., :k]
+    else:
+        xd = xc.double()
+    return xd @ wd.T
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _check(y: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert not torch.isnan(y).any(), "an output element was not written (NaN poison left)"
+    err = _rel(y, want)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+# ----------------------------------------------------------------------------- CPU / interpreter
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("aq", ["off", "pow2", "amax"])
+def test_linear_decode_fp32_exact(fmt, aq):
+    """Split-K decode kernel, ragged N and K, a forced 3-way split: fp32 activations against the
+    float64 spec (tight) and the reference op."""
+    n, k = 150, 300 if fmt.startswith("fp8") else 298
+    w = _weight(fmt, n, k, seed=1)
+    x = _x((3, k), seed=2)
+    act_quant, pow2 = aq != "off", aq == "pow2"
+    cfg = dict(BN=64, MP=16, KSTEPS=1, SPLIT=3)
+    y = lin.linear_triton(x, w, act_quant, pow2, torch.float32, _path="skinny", _config=cfg)
+    _check(y, _spec(x, w, act_quant, pow2), 2e-6)
+    _check(y, ref.linear(x, w, act_quant, pow2, torch.float32), 2e-6)
+    y2 = lin.linear_triton(x, w, act_quant, pow2, torch.float32, _path="skinny", _config=cfg)
+    assert torch.equal(y, y2), "split-K result is not deterministic"
+    assert int(lin._COUNTERS[str(torch.device(DEV))].abs().sum()) == 0, "split counters not reset"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("aq", ["off", "pow2", "amax"])
+def test_linear_prefill_fp32_exact(fmt, aq):
+    """Tiled GEMM (M above the decode limit), ragged M, N, K."""
+    n, k = 70, 300 if fmt.startswith("fp8") else 298
+    w = _weight(fmt, n, k, seed=3)
+    x = _x((2, 19, k), seed=4)
+    act_quant, pow2 = aq != "off", aq == "pow2"
+    y = lin.linear_triton(x, w, act_quant, pow2, torch.float32, _path="gemm", _config=dict(BM=32, BN=32))
+    assert y.shape == (2, 19, n)
+    _check(y, _spec(x.flatten(0, 1), w, act_quant, pow2).view(2, 19, n), 2e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_linear_fp16_against_reference(fmt, act_quant):
+    """fp16 activations and output, default dispatch by M (decode unsplit, then the GEMM)."""
+    n, k = 96, 256
+    w = _weight(fmt, n, k, seed=5)
+    for m, seed in ((1, 6), (35, 7)):
+        x = _x((m, k), seed=seed, dtype=torch.float16) * 0.05
+        y = lin.linear_triton(x, w, act_quant, True)
+        assert y.dtype == torch.float16
+        _check(y, ref.linear(x, w, act_quant, True), 2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0", "fp8", "mxfp4", "nvfp4"])
+def test_grouped_linear(fmt):
+    g, r, k = 3, 40, 256
+    w = _weight(fmt, g * r, k, seed=8)
+    for m, path, cfg in ((2, "skinny", dict(BN=64, MP=16, KSTEPS=1, SPLIT=2)), (5, "gemm", dict(BM=32, BN=32))):
+        x = _x((m, g, k), seed=9 + m)
+        y = lin.grouped_linear_triton(x, w, g, _path=path, _config=cfg)
+        _check(y, ref.grouped_linear(x, w, g), 2e-6)
+    x = _x((1, 2, g, k), seed=12, dtype=torch.float16)
+    y = lin.grouped_linear_triton(x, w, g)
+    assert y.shape == (1, 2, g, r)
+    _check(y, ref.grouped_linear(x, w, g), 2e-3)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_act_quant_bit_identical(pow2):
+    """The GEMM's activation quantizer gives numerics.fp8_quantize's q and scales bit for bit
+    (tiny, huge, zero blocks, a ragged last block)."""
+    k = 300
+    x = _x((4, k), seed=13)
+    x[1] *= 1e-6
+    x[2] *= 1e4
+    x[3, :128] = 0.0
+    q, s = lin.act_quant_triton(x, pow2)
+    q_ref, s_ref = numerics.fp8_quantize(x.cpu(), 128, pow2)
+    assert torch.equal(q[:, :k].cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.cpu(), s_ref)
+    assert not q[:, k:].float().any(), "padding past K must be zeros"
+    # the FP4 GEMM's layouts: even elements then odd ones per 128 block, as q*s (pow2) or q
+    mode = lin._A_SIM if pow2 else lin._A_QS
+    v, s2 = lin.act_quant_triton(x, pow2, mode, torch.float32)
+    pad = torch.nn.functional.pad(q_ref.float(), (0, 384 - k)).unflatten(-1, (3, 64, 2))
+    want = pad.transpose(-1, -2).flatten(-2)  # [4, 3, 128]
+    if pow2:
+        want = want * s_ref.unsqueeze(-1)
+    else:
+        assert torch.equal(s2.cpu(), s_ref)
+    assert torch.equal(v.cpu().view(4, 3, 128), want)
+
+
+def test_dispatch_and_validation():
+    """Registered for the three packed formats only; plain tensors stay on the reference; bad
+    inputs raise a named error."""
+    try:
+        for op, fmt, fn in lin.REGISTRATIONS:
+            ops.register(op, "cpu", fmt)(fn)
+        assert ops.implementation("linear", torch.device("cpu"), Fp8BlockWeight) is lin.linear_triton
+        assert ops.implementation("linear", torch.device("cpu"), torch.Tensor) is ref.linear
+        w = _weight("mxfp4", 64, 128, seed=14, device="cpu")
+        x = _x((2, 128), seed=15, device="cpu")
+        _check(ops.linear(x, w, True, True, torch.float32), _spec(x, w, True, True), 2e-6)
+    finally:
+        for op, fmt, _ in lin.REGISTRATIONS:
+            ops.unregister(op, "cpu", fmt)
+    w = _weight("fp8", 64, 128, seed=16)
+    with pytest.raises(lin.LinearKernelError, match="shape"):
+        lin.linear_triton(_x((2, 100), seed=17), w)
+    with pytest.raises(lin.LinearKernelError, match="dtype"):
+        lin.linear_triton(_x((2, 128), seed=17).double(), w)
+    with pytest.raises(lin.LinearKernelError, match="groups"):
+        lin.grouped_linear_triton(_x((2, 3, 128), seed=17), w, 3)
+
+
+# ----------------------------------------------------------------------------- GPU, real shapes
+FLASH = dict(hidden=4096, heads=64, hd=512, q_lora=1024, groups=8, o_lora=1024, inter=2048)
+PRO = dict(hidden=7168, heads=128, hd=512, q_lora=1536, groups=16, o_lora=1024, inter=3072)
+
+
+def _shapes(g: dict) -> dict[str, tuple[int, int]]:
+    return dict(wq_a=(g["q_lora"], g["hidden"]), wq_b=(g["heads"] * g["hd"], g["q_lora"]), wkv=(g["hd"], g["hidden"]),
+                wo_b=(g["hidden"], g["groups"] * g["o_lora"]), w1=(g["inter"], g["hidden"]),
+                w2=(g["hidden"], g["inter"]))
+
+
+def _gpu_weight(fmt: str, n: int, k: int, seed: int) -> object:
+    torch.manual_seed(seed)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    return {"fp8": lambda: Fp8BlockWeight.quantize(w), "fp8_ue8m0": lambda: Fp8BlockWeight.quantize(w, ue8m0=True),
+            "mxfp4": lambda: Mxfp4Weight.quantize(w), "nvfp4": lambda: Nvfp4Weight.quantize(w)}[fmt]()
+
+
+def _gpu_tol(fmt: str, act_quant: bool) -> float:
+    """fp32-output tolerance against the reference on the GPU. W8A8: Hopper's FP8 MMA sums the
+    products of a 128 block at reduced precision (~1.3e-4 relative, what DeepGEMM and DeepSeek's
+    kernels do too). NVFP4 with act_quant: the reference rounds w*bs*g to bf16, the kernel keeps
+    w*bs exact and applies g to the fp32 sum (~2e-3). Otherwise exact products, fp32 sums."""
+    if act_quant and fmt.startswith("fp8"):
+        return 3e-4
+    return 3e-3 if (act_quant and fmt == "nvfp4") else 2e-5
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("name", ["wq_a", "wq_b", "wkv", "wo_b", "w1", "w2"])
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0", "mxfp4", "nvfp4"])
+def test_gpu_linear_real_shapes(geo, name, fmt):
+    n, k = _shapes(FLASH if geo == "flash" else PRO)[name]
+    w = _gpu_weight(fmt, n, k, seed=20)
+    for m in (1, 8, 32, 300):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for act_quant in (True, False):
+            y = lin.linear_triton(x, w, act_quant, True, torch.float32)
+            want = ref.linear(x, w, act_quant, True, torch.float32)
+            _check(y, want, _gpu_tol(fmt, act_quant))
+            yb = lin.linear_triton(x, w, act_quant, True)
+            assert yb.dtype == torch.bfloat16
+            _check(yb, want, 8e-3)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("aq", ["pow2", "amax"])
+@pytest.mark.parametrize("m", [1, 16, 4096])
+def test_gpu_linear_fp8_fp32_scales(aq, m):
+    """FP8 with fp32 block scales (the -Base checkpoints), both scale rules, against the float64
+    spec (the reference rounds the dequantized weight to bf16, the kernel does not)."""
+    w = _gpu_weight("fp8", 4096, 4096, seed=21)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    y = lin.linear_triton(x, w, True, aq == "pow2", torch.float32)
+    _check(y, _spec(x, w, True, aq == "pow2"), _gpu_tol("fp8", True))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("m", [1, 8, 32, 512])
+def test_gpu_grouped_wo_a(geo, m):
+    g = FLASH if geo == "flash" else PRO
+    k = g["heads"] * g["hd"] // g["groups"]
+    w = _gpu_weight("fp8_ue8m0", g["groups"] * g["o_lora"], k, seed=22)
+    x = torch.randn(m, g["groups"], k, device="cuda", dtype=torch.bfloat16)
+    _check(lin.grouped_linear_triton(x, w, g["groups"]), ref.grouped_linear(x, w, g["groups"]), 8e-3)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_cuda_graph_and_determinism():
+    """Replaying a captured graph (split-K decode, quantized prologue, grouped, GEMM) equals eager
+    bit for bit, and eager is bit-deterministic."""
+    wq_a = _gpu_weight("fp8_ue8m0", 1024, 4096, seed=23)
+    wq_b = _gpu_weight("mxfp4", 32768, 1024, seed=24)
+    wo_a = _gpu_weight("fp8_ue8m0", 8192, 4096, seed=25)
+    nv = _gpu_weight("nvfp4", 4096, 2048, seed=26)
+    xs = [torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for m in (1, 8, 32, 100)]
+    xg = torch.randn(8, 8, 4096, device="cuda", dtype=torch.bfloat16)
+    x2 = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        outs = [lin.linear_triton(x, wq_a, True, True) for x in xs]
+        outs.append(lin.linear_triton(outs[1], wq_b, True, True, torch.float32))
+        outs.append(lin.grouped_linear_triton(xg, wo_a, 8))
+        outs.append(lin.linear_triton(x2, nv, True, True))
+        outs.append(lin.linear_triton(x2, nv, False))
+        return outs
+
+    eager = step()
+    again = step()
+    for a, b in zip(eager, again):
+        assert torch.equal(a, b)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
