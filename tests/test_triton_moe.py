@@ -253,6 +253,149 @@ def test_bad_inputs_raise_named_errors():
         M.moe_triton(x, ids, rw, torch.randn(2, 32, 64), w3, w2, 1.0)
 
 
+def _refusals():
+    """``(what the message says, args)`` for every input the kernel refuses (checked on the CPU)."""
+    def mx(E, N, K, s):
+        return _weights("mxfp4", E, N, K, s, "cpu")
+    w1, w3, w2 = mx(2, 32, 64, 1), mx(2, 32, 64, 2), mx(2, 64, 32, 3)
+    x = torch.randn(2, 64).half()
+    ids = torch.tensor([[0, 1], [1, -1]])
+    rw = torch.rand(2, 2)
+    f8, f8e = (_weights(f, 2, 32, 128, 1, "cpu") for f in ("fp8", "fp8e"))
+    f8w2 = _weights("fp8", 2, 128, 32, 3, "cpu")
+    x128 = torch.randn(2, 128).half()
+    packed = torch.randint(0, 256, (2, 32, 64), dtype=torch.uint8)[..., :32]        # strided codes
+    strided = Mxfp4Weight(packed, w1.scale)
+    nv = _weights("nvfp4", 2, 32, 64, 1, "cpu")
+    nv_f16 = Nvfp4Weight(nv.packed, nv.block_scale.view(torch.float8_e4m3fn), nv.global_scale)
+    nv_f16.global_scale = nv.global_scale.half()
+    fp8_64 = Fp8BlockWeight(f8.weight, torch.rand(2, 1, 2) * 0.01 + 0.002, block=64)
+    ragged = [mx(2, 36, 64, 1), mx(2, 36, 64, 2), mx(2, 64, 36, 3)]        # I = 36: not words of 8
+    return [
+        ("x must be", (x.double(), ids, rw, w1, w3, w2)),
+        ("x must be", (x.t().contiguous().t(), ids, rw, w1, w3, w2)),
+        ("x must be", (x[None], ids, rw, w1, w3, w2)),
+        ("topk_ids", (x, ids.short(), rw, w1, w3, w2)),
+        ("topk_ids", (x, ids[:1], rw[:1], w1, w3, w2)),
+        ("topk_ids", (x, ids.t().contiguous().t(), rw, w1, w3, w2)),
+        ("topk_weights", (x, ids, rw.double(), w1, w3, w2)),
+        ("topk_weights", (x, ids, rw[:, :1], w1, w3, w2)),
+        ("no Triton kernel", (x, ids, rw, torch.randn(2, 32, 64), w3, w2)),
+        ("share one format", (x, ids, rw, w1, nv, w2)),
+        ("stacked", (x, ids, rw, w1.expert(0), w3.expert(0), w2.expert(0))),
+        ("expert shapes", (x, ids, rw, w1, w3, w1)),
+        ("expert shapes", (torch.randn(2, 32).half(), ids, rw, w1, w3, w2)),
+        ("scales differ", (x128, ids, rw, f8, f8e, f8w2)),
+        ("divisible by 8", (x, ids, rw, *ragged)),
+        ("on meta", (x.to("meta"), ids, rw, w1, w3, w2)),
+        ("FP8 block 64", (x128, ids, rw, fp8_64, fp8_64, f8w2)),
+        ("global scale", (x, ids, rw, nv_f16, nv, _weights("nvfp4", 2, 64, 32, 3, "cpu"))),
+        ("must be contiguous", (x, ids, rw, strided, w3, w2)),
+    ]
+
+
+def test_every_refusal_is_kernel_unsupported_before_any_launch(monkeypatch):
+    """Each refused input raises ``KernelUnsupported`` (so the dispatch runs the reference) before
+    any kernel is launched or buffer allocated."""
+    import dsv4.ops as ops
+
+    def launched(*a, **k):
+        raise AssertionError("launched or allocated before refusing")
+    for name in dir(M):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(M, name, launched)
+    monkeypatch.setattr(M, "_empty", launched)
+    for what, args in _refusals():
+        with pytest.raises(ops.KernelUnsupported, match=what):
+            M.moe_triton(*args, 1.5, True)
+
+
+def test_refused_call_runs_the_reference_through_the_dispatch(monkeypatch):
+    """``dsv4.ops.moe`` with the kernel registered: a refused call returns the reference's result;
+    with ``DSV4_STRICT_KERNELS=1`` it raises."""
+    import dsv4.ops as ops
+    ops.register("moe", "cpu", Mxfp4Weight)(M.moe_triton)
+    try:
+        args = [a for what, a in _refusals() if what == "topk_ids"][2]        # strided ids
+        args = (args[0].float(),) + args[1:]
+        assert torch.equal(ops.moe(*args, 1.5, True), ref.moe(*args, 1.5, True))
+        monkeypatch.setenv("DSV4_STRICT_KERNELS", "1")
+        with pytest.raises(ops.KernelUnsupported):
+            ops.moe(*args, 1.5, True)
+    finally:
+        ops.unregister("moe", "cpu", Mxfp4Weight)
+
+
+def test_no_pairs_gives_zeros():
+    """``k = 0`` (nothing routed): zeros, and no launch over an empty grid (the reference's
+    ``view(T, 0, -1)`` cannot take ``k = 0``; the model never routes to none)."""
+    w1, w3 = (_weights("mxfp4", 2, 32, 64, s) for s in (1, 3))
+    w2 = _weights("mxfp4", 2, 64, 32, 2)
+    x = torch.randn(3, 64).half().to(DEV)
+    ids, rw = torch.zeros(3, 0, dtype=torch.int64, device=DEV), torch.zeros(3, 0, device=DEV)
+    got = M.moe_triton(x, ids, rw, w1, w3, w2, 1.5)
+    assert torch.equal(got.cpu(), torch.zeros(3, 64, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("experts,T,prefill", [("mxfp4", 1, False), ("fp8", 5, False), ("nvfp4", 9, True)])
+def test_model_moe_layers_under_expert_parallel(monkeypatch, experts, T, prefill):
+    """The model's MoE end to end under expert parallel: ``random_sharded`` builds the same network
+    at world size 1 and as ranks 0 and 1 of 2 (4 of the 8 experts each, the shared expert split in
+    two); its first two MoE layers (hash and top-k routed) call ``dsv4.ops.moe`` with local ids and ``-1``
+    for the other rank's picks, the kernel takes every call (``DSV4_STRICT_KERNELS=1``: a refusal
+    fails the test), and the ranks' partial outputs (what the all-reduce sums) add up to the
+    single-process output, itself equal to the reference's."""
+    import types
+
+    import dsv4.ops as ops
+    from conftest import tp_config
+    from dsv4.model.init import random_sharded
+    from dsv4.model.moe import MoE
+    from dsv4.parallel import SINGLE, ParallelGroup
+    if prefill:
+        monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
+    monkeypatch.setenv("DSV4_STRICT_KERNELS", "1")
+    config = tp_config()
+    calls = []
+
+    def kernel(x, ids, *rest):
+        calls.append(ids.clone())
+        return M.moe_triton(x, ids, *rest)
+
+    def layers(world, rank):
+        model = random_sharded(config, torch.float32, DEV, ParallelGroup.layout(rank, world) if world > 1 else None,
+                               seed=1, experts=experts, dense="fp8")
+        mods = [m for m in model.modules() if isinstance(m, MoE)][:2]
+        assert mods[0].gate.is_hash and not mods[1].gate.is_hash
+        for m in mods:
+            m.tp = SINGLE            # the all-reduce is the sum over ranks below
+        return mods
+
+    g = _gen(6)
+    x = torch.randn(1, T, config.hidden_size, generator=g).to(DEV)
+    ctx = types.SimpleNamespace(token_ids=torch.randint(0, config.vocab_size, (1, T), generator=g).to(DEV),
+                                qat_sim=True, pow2=True)
+    fmt = type(layers(1, 0)[0].experts.w1.w)
+    ops.register("moe", DEV.split(":")[0], fmt)(kernel)
+    try:
+        whole = layers(1, 0)
+        ranks = [layers(2, r) for r in range(2)]
+        assert all(r[0].experts.w1.w.shape[0] == config.n_routed_experts // 2 for r in ranks)
+        for i, layer in enumerate(whole):
+            n = len(calls)
+            got = layer(x, ctx)
+            with ops.reference_only():
+                _check(got[0], layer(x, ctx)[0], 2e-3 if experts == "mxfp4" else 3e-3)
+            parts = [r[i](x, ctx) for r in ranks]
+            assert len(calls) == n + 3, "the kernel was not called for every rank"
+            local = calls[-2:]
+            assert all(((c >= -1) & (c < config.n_routed_experts // 2)).all() for c in local)
+            assert ((local[0] >= 0) != (local[1] >= 0)).all()          # each pick on exactly one rank
+            _check(parts[0][0] + parts[1][0], got[0], 1e-4)
+    finally:
+        ops.unregister("moe", DEV.split(":")[0], fmt)
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 FLASH = dict(E=256, D=4096, I=2048, k=6)
 PRO = dict(E=384, D=7168, I=3072, k=6)

@@ -19,6 +19,17 @@ act-quant inputs exactly; NVFP4's ``e2m1 * block_scale`` exactly, its global sca
 result rather than rounded into bf16 weights), so results differ from the reference only by fp32
 summation order (and that one bf16 rounding for NVFP4 and fp32-scaled FP8 weights).
 
+Ids of ``-1`` (expert parallel: a rank holding experts ``[r E/N, (r+1) E/N)`` gets local ids and
+``-1`` for the other ranks' picks) are skipped everywhere and contribute nothing; a token with none
+gets a zero row. Ids must lie in ``[-1, E)`` (not checked: that would read them on the host).
+
+Refused with :class:`MoeKernelError` (a :class:`dsv4.ops.KernelUnsupported`: the dispatch runs the
+reference), before anything is allocated or launched: weights other than stacked MXFP4 / NVFP4 /
+FP8-block (block 128) or of mixed formats / FP8 scale kinds, shapes not ``[E, I, D]`` / ``[E, D, I]``,
+FP4 ``D`` or ``I`` not a multiple of 8, non-contiguous ``x`` / ids / weights / scales, ``x`` not a 2-D
+bf16/fp16/fp32 tensor, ids not int32/int64 ``[T, k]``, routing weights not fp32 ``[T, k]``, tensors on
+different devices, ``T * k * max(D, I) >= 2^31``.
+
 Decode (``T * k <= DECODE_MAX_PAIRS``), three launches at most, no host read, fixed shapes
 (CUDA-graph capturable):
 
@@ -633,8 +644,9 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     for t, what in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
         if t.device != x.device:
             raise MoeKernelError(f"moe: {what} on {t.device}, x on {x.device}")
-    if w1.device != x.device:
-        raise MoeKernelError(f"moe: expert weights on {w1.device}, x on {x.device}")
+    for w, name in ((w1, "w1"), (w3, "w3"), (w2, "w2")):
+        if w.device != x.device:
+            raise MoeKernelError(f"moe: expert weights {name} on {w.device}, x on {x.device}")
     if T * k * max(D, I) >= 2 ** 31:
         raise MoeKernelError(f"moe: T*k*max(D, I) = {T * k * max(D, I)} overflows 32-bit offsets")
     return T, D, I, E, k, fmt
@@ -662,12 +674,12 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
                pow2: bool = True) -> torch.Tensor:
     """Triton twin of :func:`dsv4.ops.reference.moe` for MXFP4 / NVFP4 / FP8-block experts."""
     T, D, I, E, k, fmt = _check(x, topk_ids, topk_weights, w1, w3, w2)
-    out = _empty((T, D), x.dtype, x.device)
-    if T == 0:
-        return out
-    d1, s1, g1 = _weight_tensors(w1, fmt, "w1")
+    d1, s1, g1 = _weight_tensors(w1, fmt, "w1")     # may refuse: before anything is allocated
     d3, s3, g3 = _weight_tensors(w3, fmt, "w3")
     d2, s2, g2 = _weight_tensors(w2, fmt, "w2")
+    out = _empty((T, D), x.dtype, x.device)
+    if T == 0 or k == 0:
+        return out.zero_()
     g1, g3, g2 = (g if g is not None else topk_weights for g in (g1, g3, g2))   # unused placeholders
     P = T * k
     decode = P <= DECODE_MAX_PAIRS
