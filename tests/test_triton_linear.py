@@ -222,6 +222,16 @@ def _gpu_weight(fmt: str, n: int, k: int, seed: int) -> object:
             "mxfp4": lambda: Mxfp4Weight.quantize(w), "nvfp4": lambda: Nvfp4Weight.quantize(w)}[fmt]()
 
 
+def _gpu_tol(fmt: str, act_quant: bool) -> float:
+    """fp32-output tolerance against the reference on the GPU. W8A8: Hopper's FP8 MMA sums the
+    products of a 128 block at reduced precision (~1.3e-4 relative, what DeepGEMM and DeepSeek's
+    kernels do too). NVFP4 with act_quant: the reference rounds w*bs*g to bf16, the kernel keeps
+    w*bs exact and applies g to the fp32 sum (~2e-3). Otherwise exact products, fp32 sums."""
+    if act_quant and fmt.startswith("fp8"):
+        return 3e-4
+    return 3e-3 if (act_quant and fmt == "nvfp4") else 2e-5
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("geo", ["flash", "pro"])
@@ -235,7 +245,7 @@ def test_gpu_linear_real_shapes(geo, name, fmt):
         for act_quant in (True, False):
             y = lin.linear_triton(x, w, act_quant, True, torch.float32)
             want = ref.linear(x, w, act_quant, True, torch.float32)
-            _check(y, want, 1e-3 if (fmt == "nvfp4" and not act_quant) else 2e-5)
+            _check(y, want, _gpu_tol(fmt, act_quant))
             yb = lin.linear_triton(x, w, act_quant, True)
             assert yb.dtype == torch.bfloat16
             _check(yb, want, 8e-3)
@@ -251,7 +261,7 @@ def test_gpu_linear_fp8_fp32_scales(aq, m):
     w = _gpu_weight("fp8", 4096, 4096, seed=21)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     y = lin.linear_triton(x, w, True, aq == "pow2", torch.float32)
-    _check(y, _spec(x, w, True, aq == "pow2"), 2e-5)
+    _check(y, _spec(x, w, True, aq == "pow2"), _gpu_tol("fp8", True))
 
 
 @pytest.mark.gpu

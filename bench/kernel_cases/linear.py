@@ -52,7 +52,10 @@ def _nbytes(w: object) -> int:
 
 
 def _graph(calls: list[Callable[[], object]]) -> Callable[[], None]:
-    """Warm every call up (compile, counters), capture them in one CUDA graph, return its replay."""
+    """Warm every call up (compile, counters), capture them in one CUDA graph, return its replay.
+
+    The replay closure keeps ``calls`` (and with them the inputs and weights the graph reads)
+    alive: a captured graph holds raw addresses, not references."""
     for c in calls:
         c()
     torch.cuda.synchronize()
@@ -66,7 +69,10 @@ def _graph(calls: list[Callable[[], object]]) -> Callable[[], None]:
     with torch.cuda.graph(g):
         for c in calls:
             c()
-    return g.replay
+
+    def replay(calls=calls) -> None:
+        g.replay()
+    return replay
 
 
 def _case(env, geo: str, name: str, fmt: str, m: int, cache: dict) -> Case:

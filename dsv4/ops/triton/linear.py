@@ -23,8 +23,8 @@ Two kernels, chosen by the number of rows ``M`` (``SKINNY_MAX_M``):
   registers. Grid ``(row tiles, K splits)``. Splits write fp32 partials to a workspace; the last
   split of a row tile to finish (a per-tile arrival counter) sums them in split order 0..S-1 and
   writes the output, so the result never depends on the order the programs ran in.
-- prefill (``M > 32``): :func:`_gemm_kernel`, a tiled GEMM (``128 x 128 x 128``, grouped tile
-  order). FP8 weights: ``tl.dot`` on float8e4nv operands, the activation quantized once by
+- prefill (``M > 32``): :func:`_gemm_kernel`, a tiled GEMM (K steps of 128, grouped tile order;
+  tiles ``64 x 128`` for FP8 weights, ``128 x 128`` for FP4: :func:`_gemm_defaults`). FP8 weights: ``tl.dot`` on float8e4nv operands, the activation quantized once by
   :func:`_act_quant_kernel` (q e4m3 + scales), partial products promoted per 128 block with
   ``s_x * s_w`` (DeepGEMM's scheme). FP4 weights: e2m1 decoded in the prologue, scales folded
   exactly, bf16 ``tl.dot`` on the pre-quantized activation (with ``pow2`` the values ``q * s_x``
@@ -205,7 +205,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
                 xf = xr.to(tl.float32)
                 sx = _act_scale(tl.max(tl.abs(xf), axis=1), POW2)  # [MP]
                 q = _act_q(xf, sx[:, None], POW2).to(tl.float8e4nv)
-                p = tl.dot(w, tl.trans(q))  # [BN, MP], fp32
+                p = tl.dot(w, tl.trans(q))  # [BN, MP], fp32 (see FP8_ACC in _gemm_kernel)
                 acc += p * (sw[:, None] * sx[None, :])
             else:
                 wd = (w.to(tl.float32) * sw[:, None]).to(xr.dtype)
@@ -243,7 +243,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
         arrived = tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             tot = tl.zeros([BN, MP], dtype=tl.float32)
-            for s in range(SPLIT):
+            for s in tl.static_range(SPLIT):  # unrolled: every partial's load in flight at once
                 tot += tl.load(ws_ptr + s * ws_stride_s + ws_off, mask=out_mask, other=0.0,
                                cache_modifier=".cg")
             tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -296,6 +296,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
 def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
                  M, R, K, stride_am, stride_ag, stride_sam, stride_wn, stride_sn, stride_om, stride_og,
                  FMT: tl.constexpr, A_MODE: tl.constexpr, PREC: tl.constexpr, KB: tl.constexpr,
+                 FP8_ACC: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """``out[m, g, r] = A[m, g, :] . W[g*R + r, :]`` for one BM x BN tile (grid: tiles, groups).
 
@@ -329,7 +330,10 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
             if A_MODE == 1:
                 a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
                 sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
-                acc += tl.dot(a, tl.trans(w)) * (sa[:, None] * sw[None, :])
+                # Hopper's FP8 MMA sums inside the 128 block at reduced precision (~1e-4 relative,
+                # as in DeepGEMM / DeepSeek's kernels); FP8_ACC = 32 promotes every 32 products
+                # (4.5e-5: the instruction itself is not exact either) at 1.5x the time.
+                acc += tl.dot(a, tl.trans(w), max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sw[None, :])
             else:
                 a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 wd = (w.to(tl.float32) * sw[:, None]).to(a.dtype)
@@ -425,14 +429,15 @@ def _check_x(x: torch.Tensor, who: str) -> None:
 
 def _skinny_config(M: int, rows: int, K: int, kbytes: float, n_sm: int) -> dict:
     """Tile rows and K split for the decode kernel: enough programs to cover the SMs twice, each
-    at least one 128-wide K step, the fp32 partials at most ~1/4 of the weight bytes."""
+    at least one 128-wide K step, the fp32 partials at most ~1/4 of the weight bytes, at most 16
+    splits (8 for the larger tiles: the reducing program holds every partial in registers)."""
     MP = 16 if M <= 16 else 32
     KB = math.ceil(K / 128)
     BN = 128 if rows >= 64 * n_sm else 64
     tiles = math.ceil(rows / BN)
     want = max(1, round(2 * n_sm / tiles))
     cap = max(1, int(K * kbytes / (16 * M)))
-    split = max(1, min(KB, want, cap))
+    split = max(1, min(KB, want, cap, 16 if BN * MP <= 1024 else 8))
     ksteps = math.ceil(KB / split)
     split = math.ceil(KB / ksteps)
     return dict(BN=BN, MP=MP, KSTEPS=ksteps, SPLIT=split)
@@ -495,12 +500,19 @@ def act_quant_triton(x2: torch.Tensor, pow2: bool, mode: int = _A_FP8,
     return q, s
 
 
+def _gemm_defaults(code: int) -> dict:
+    """Tiling of the GEMM per weight format code (bench/aot_linear.py compiles these)."""
+    if code < 2:  # measured on H100 (bench/tune_linear.py): 80% of cuBLAS BF16 at 4096x4096x8192
+        return dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=4, FP8_ACC=None)
+    return dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, FP8_ACC=None)
+
+
 def _run_gemm(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: torch.Tensor, G: int, R: int,
               who: str, config: dict | None = None) -> None:
     """x3 [M, G, K] -> out3 [M, G, R] through the tiled GEMM."""
     code, data, scale, gs, _ = _weight_args(w, who)
     M, _, K = x3.shape
-    cfg = dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3)
+    cfg = _gemm_defaults(code)
     cfg.update(config or {})
     if act_quant:
         if G != 1:
@@ -518,7 +530,7 @@ def _run_gemm(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: to
     _gemm_kernel[grid](
         a, sa, data, scale, gs, out3, M, R, K, stride_am, stride_ag, sa.stride(0) if sa is not a else 0,
         data.stride(0), scale.stride(0), out3.stride(0), out3.stride(1),
-        FMT=code, A_MODE=mode, PREC=prec, KB=triton.cdiv(K, 128), BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"],
+        FMT=code, A_MODE=mode, PREC=prec, KB=triton.cdiv(K, 128), FP8_ACC=cfg["FP8_ACC"], BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
