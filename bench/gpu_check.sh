@@ -1,24 +1,71 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark in one call (run on the device machine from the repo root):
-#   bash bench/gpu_check.sh
-# Expects transformers>=5.23 wheels in .whl/ when the image's transformers is older.
+# Every GPU test and benchmark, in sections that each fit one 10-minute device call:
+#   bash bench/gpu_check.sh tests      # the GPU tests (kernels vs reference, CUDA graphs, HF parity on CUDA)
+#   bash bench/gpu_check.sh kernels    # bench/kernels.py: per-kernel table vs the roofline and the peers
+#   bash bench/gpu_check.sh decode     # the decode step: reference/kernels, eager/graph, transformers, floor
+#   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves
+#   bash bench/gpu_check.sh serve      # dsv4 serve on the Flash x4 slice + dsv4 bench serve
+#   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
+# Expects transformers>=5.23 (and its newer deps) as wheels in .whl/ when the image's are older.
 set -uo pipefail
+section=${1:-all}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 DSV4_CACHE=/tmp/dsv4cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+status=0
+step() { echo; echo "== $1 =="; shift; "$@" || { echo "!! FAILED: $*"; status=1; }; }
+tee_to() { local f=$1; shift; "$@" 2>&1 | tee "$OUT/$f"; return "${PIPESTATUS[0]}"; }
+want() { [ "$section" = all ] || [ "$section" = "$1" ]; }
+
 nvidia-smi -L
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
-status=0
-echo "== tiny model on cuda, bf16 and fp32 (greedy) =="
-python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype bf16 --max-new-tokens 48 --temperature 0 || status=1
-python3 -m dsv4.cli generate "Once upon a time" --device cuda --dtype fp32 --max-new-tokens 48 --temperature 0 --json \
-  | tee "$OUT/tiny_cuda_fp32.json" || status=1
-echo "== test suite (GPU tests included) =="
-python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
-echo "== decode benchmark (reference ops; baseline for the kernels to come) =="
-python3 bench/decode_bench.py --preset flash --layers 2 --batch 1 8 --context 1024 --steps 10 \
-  | tee "$OUT/decode_bench.txt" || status=1
+
+if want tests; then
+  step "tiny model on cuda, bf16 (greedy, CUDA graphs)" python3 -m dsv4.cli generate "Once upon a time" --device cuda \
+    --dtype bf16 --max-tokens 32 --temperature 0
+  # one pytest per file, each with its own time limit, so a slow file cannot hide another's failures
+  for f in $(grep -l "mark.gpu\|^gpu = " tests/test_*.py); do
+    step "GPU tests: $f" tee_to "pytest_gpu_$(basename "$f" .py).log" timeout 300 python3 -m pytest -q -rf --tb=short -m gpu "$f"
+  done
+  step "fp32 logit drift per kernel (parity model, 40 decode steps)" tee_to kernel_drift.txt \
+    python3 bench/kernel_drift.py --steps 40
+fi
+if want kernels; then
+  step "per-kernel benchmark" tee_to kernels.txt python3 bench/kernels.py --out "$OUT"
+fi
+if want decode; then
+  step "reference linear cost per format" tee_to ref_linear_cost.txt python3 bench/ref_linear_cost.py --rows 1 8
+  step "decode step vs transformers and the bytes floor (Flash x4 slice)" tee_to decode_bench.txt \
+    python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format bf16 fp8-mxfp4 fp8-nvfp4 \
+      --ops reference-eager kernels-eager kernels-graph
+fi
+if want engine; then
+  for layers in 2 4 8; do
+    step "decode profile, graph replay, $layers layers" tee_to "profile_$layers.txt" \
+      python3 bench/profile_decode.py --layers "$layers" --format fp8-mxfp4 --batch 1 --ops kernels --graph --top 12
+  done
+  step "continuous batching vs static waves (Flash x4 slice)" tee_to throughput.txt \
+    python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"
+fi
+if want serve; then
+  python3 bench/serve_random.py --preset flash --layers 4 --format fp8-mxfp4 --max-num-seqs 64 --max-model-len 4096 \
+    --port 8000 > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do
+    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code!=200)" 2>/dev/null && break
+    kill -0 $server 2>/dev/null || break
+    sleep 2
+  done
+  step "dsv4 bench serve, 64 concurrent" python3 -m dsv4.cli bench serve -n 256 --concurrency 64 --input-len 512 \
+    --output-len 128 --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"
+  step "dsv4 bench serve, 1 at a time" python3 -m dsv4.cli bench serve -n 16 --concurrency 1 --input-len 512 \
+    --output-len 128 --plot "$OUT/bench_serve_c1.png"
+  kill -TERM $server; wait $server
+  tail -5 "$OUT/server.log"
+fi
 exit $status

@@ -1,21 +1,40 @@
 """``dsv4 chat``: a multi-turn terminal chat with streaming, dimmed thinking and slash commands.
 
-Commands: ``/think on|off`` switches thinking mode, ``/reset`` clears the history, ``/exit``
-leaves. Ctrl-C while an answer streams stops that answer (what was written so far stays in the
-history) and returns to the prompt; Ctrl-C or Ctrl-D at the prompt ends the session.
+Commands: ``/think on|off`` switches thinking mode, ``/max N`` sets the token limit of an answer,
+``/reset`` clears the history, ``/exit`` leaves. Ctrl-C while an answer streams stops that answer
+(what was written so far stays in the history) and returns to the prompt; Ctrl-C or Ctrl-D at the
+prompt ends the session.
+
+Nothing generated is ever invisible. The chat parser holds back markup until it can decide what
+it is (a tool-call block is held until it closes); when it has held more than
+:data:`RAW_AFTER_CHARS` characters, the held text is streamed as it comes, dimmed after a
+``[raw]`` label. At the first malformed block the raw text is shown, the answer stops there and
+generation with it, instead of running on silently to the token limit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Iterator
 from typing import TextIO
 
 from .engine.llm import LLM
 from .engine.sampler import SamplingParams
-from .text.chat import ContentDelta, ParseError, ReasoningDelta, ToolCallEvent
+from .errors import Dsv4Error
+from .text.chat import (ChatFormatError, ContentDelta, ParseError, ReasoningDelta, StreamingParser, ToolCallEvent,
+                        encode_messages)
+from .text.tokenizer import IncrementalDetokenizer
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
-HELP = "commands: /think on|off, /reset, /exit   (Ctrl-C stops an answer)"
+# The parser holds at most a marker's prefix (under 32 characters) while reading plain text; more
+# than this held means a block (a tool call, or markup it cannot place yet): show it raw.
+RAW_AFTER_CHARS = 48
+
+
+def help_line(max_tokens: int) -> str:
+    return (f"commands: /think on|off, /max N (answer token limit, now {max_tokens}), /reset, /exit   "
+            "(Ctrl-C stops an answer)")
 
 
 class ChatSession:
@@ -45,55 +64,160 @@ class ChatSession:
         elif words[0] == "/think" and len(words) == 2 and words[1] in ("on", "off"):
             self.thinking = words[1] == "on"
             self._say(f"(thinking {'on' if self.thinking else 'off'})")
+        elif words[0] == "/max" and len(words) <= 2:
+            self._set_max(words[1] if len(words) == 2 else None)
         else:
-            self._say(HELP)
+            self._say(help_line(self.params.max_tokens))
         return True
+
+    def _set_max(self, value: str | None) -> None:
+        if value is None:
+            self._say(f"(answers stop after {self.params.max_tokens} tokens)")
+            return
+        if not value.isdigit() or int(value) < 1:
+            self._say(f"(/max takes a positive number of tokens, got {value!r})")
+            return
+        self.params = dataclasses.replace(self.params, max_tokens=int(value))
+        self._say(f"(answers stop after {self.params.max_tokens} tokens)")
 
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
 
+    def _dim(self, text: str) -> str:
+        return f"{DIM}{text}{RESET}" if self.color else text
+
+    def _generate(self) -> Iterator[tuple[str, list, str | None]]:
+        """``(raw text, parser events, finish reason)`` per generated token of the next answer."""
+        prompt = encode_messages(self.messages(), thinking=self.thinking)
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise ChatFormatError(f"{self.llm.path} has no tokenizer.json: chat needs one")
+        ids = tokenizer.encode(prompt)
+        parser = StreamingParser(thinking=self.thinking)
+        detok = IncrementalDetokenizer(tokenizer, ids)  # special tokens kept: the parser reads them
+        for event in self.llm.stream(ids, self.params):
+            text = detok.push(event.token_id)
+            events = parser.feed(text)
+            if event.finished:
+                tail = detok.flush()
+                text += tail
+                events += parser.feed(tail) + parser.finish()
+            yield text, events, event.output.finish_reason if event.finished else None
+
     def ask(self, text: str) -> dict:
         """Stream the answer to ``text``; Ctrl-C stops it early. Returns the assistant message."""
         self.history.append({"role": "user", "content": text})
-        reasoning, content, calls = [], [], []
-        dim = False
+        view = _AnswerView(self)
+        stream = self._generate()
         try:
-            for event in self.llm.chat_stream(self.messages(), self.params, thinking=self.thinking):
-                if isinstance(event, ReasoningDelta):
-                    if self.color and not dim:
-                        self.out.write(DIM)
-                        dim = True
-                    reasoning.append(event.text)
-                    self.out.write(event.text)
-                elif isinstance(event, ContentDelta):
-                    if dim:
-                        self.out.write(RESET + "\n")
-                        dim = False
-                    content.append(event.text)
-                    self.out.write(event.text)
-                elif isinstance(event, ToolCallEvent):
-                    calls.append(event.call)
-                    self.out.write(f"\n[tool call {event.call.name}({event.call.arguments_json})]")
-                elif isinstance(event, ParseError):
-                    self.out.write(f"\n[malformed output: {event.message}]")
-                self.out.flush()
+            for raw, events, finish in stream:
+                if not view.show(raw, events):
+                    break  # malformed markup: stop generating here
+                if finish == "length":
+                    view.note(f"[stopped at the {self.params.max_tokens}-token limit; /max N changes it]")
         except KeyboardInterrupt:
-            self.out.write(" [stopped]")
-        except ValueError as e:  # e.g. the conversation outgrew max_context: keep the session
+            view.note("[stopped]")
+        except (Dsv4Error, ChatFormatError) as e:  # e.g. the conversation outgrew the context: keep the session
+            stream.close()
             self.history.pop()
-            self._say(f"{RESET if dim else ''}\n[error: {e}]")
+            view.end()
+            self._say(f"[error: {e}]")
             return {}
-        if dim:
-            self.out.write(RESET)
-        self.out.write("\n")
-        message: dict = {"role": "assistant", "content": "".join(content)}
-        if reasoning:
-            message["reasoning_content"] = "".join(reasoning)
-        if calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
+        finally:
+            stream.close()  # ends generation when the answer stopped early
+        view.end()
+        message = view.message()
         self.history.append(message)
+        return message
+
+
+class _AnswerView:
+    """Writes one answer as it streams: reasoning dimmed, content plain, held markup raw."""
+
+    def __init__(self, session: ChatSession):
+        self.s, self.out = session, session.out
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: list = []
+        self.pending = ""   # raw text the parser has not emitted as text yet (markup, held blocks)
+        self.raw = False    # pending text is being shown raw
+        self.dim = False    # the terminal is in dim mode (reasoning)
+        self.reasoned = False  # reasoning was shown: the content starts on a new line
+
+    def show(self, raw_text: str, events: list) -> bool:
+        """Show one token's text; False at the first malformed block."""
+        self.pending += raw_text
+        if self.raw:
+            self._write_raw(raw_text)
+        for event in events:
+            if isinstance(event, ParseError):
+                if not self.raw:
+                    self._start_raw()
+                self._end_raw()
+                self._write(f"[malformed output: {event.message}; answer stopped]")
+                return False
+            self._end_raw()
+            if isinstance(event, (ReasoningDelta, ContentDelta)):
+                self._text(event)
+            elif isinstance(event, ToolCallEvent):
+                self.calls.append(event.call)
+                self.pending = ""
+                self._write(f"\n[tool call {event.call.name}({event.call.arguments_json})]")
+        if not self.raw and len(self.pending) > RAW_AFTER_CHARS:
+            self._start_raw()
+        self.out.flush()
+        return True
+
+    def _text(self, event: ReasoningDelta | ContentDelta) -> None:
+        thinking = isinstance(event, ReasoningDelta)
+        (self.reasoning if thinking else self.content).append(event.text)
+        at = self.pending.find(event.text)  # drop the emitted text and the markup consumed before it
+        self.pending = self.pending[at + len(event.text):] if at >= 0 else ""
+        if thinking:
+            self.reasoned = True
+            if self.s.color and not self.dim:
+                self._write(DIM)
+                self.dim = True
+        elif self.reasoned:
+            self._write((RESET if self.dim else "") + "\n")
+            self.dim = self.reasoned = False
+        self._write(event.text)
+
+    def _start_raw(self) -> None:
+        self.raw = True
+        self._write("\n" + self.s._dim("[raw] "))
+        self._write_raw(self.pending.lstrip("\n"))
+
+    def _write_raw(self, text: str) -> None:
+        self._write(self.s._dim(text))
+
+    def _end_raw(self) -> None:
+        if self.raw:
+            self.raw, self.pending = False, ""
+            self._write("\n")
+
+    def note(self, text: str) -> None:
+        self._write(("" if not self.dim else RESET) + " " + text)
+        self.dim = False
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+
+    def end(self) -> None:
+        if self.dim:
+            self._write(RESET)
+        self._write("\n")
+        self.out.flush()
+
+    def message(self) -> dict:
+        message: dict = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments_json}}
+                                     for c in self.calls]
         return message
 
 
@@ -101,7 +225,7 @@ def run_chat(llm: LLM, params: SamplingParams, thinking: bool = False, system: s
              stdin: TextIO | None = None) -> int:
     stdin = stdin or sys.stdin
     session = ChatSession(llm, params, thinking, system)
-    session._say(f"dsv4 chat on {llm.path} -- {HELP}")
+    session._say(f"dsv4 chat on {llm.path} -- {help_line(params.max_tokens)}")
     while True:
         try:
             session.out.write("> ")

@@ -1,57 +1,90 @@
-"""The ``dsv4`` command: ``generate``, ``chat``, ``inspect``.
+"""The ``dsv4`` command: ``generate``, ``chat``, ``serve``, ``bench serve``, ``inspect``, ``quantize``, ``eval-quant``.
 
-Errors a user can cause (bad flag values, a corrupt checkpoint, a bad config) print one line
-naming the culprit and exit with status 2; they never dump a traceback.
+Errors a user can cause (bad flag values, a corrupt checkpoint, a bad config) are the project's
+own :class:`~dsv4.errors.Dsv4Error` classes: they print one line naming the culprit and exit with
+status 2. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-from .config import ConfigError
+from . import __version__
+from .cli_common import HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
+from .cli_prompt import clean_text, prompt_ids, read_stdin
+from .errors import Dsv4Error, UsageError
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory, or tiny / tiny:nvfp4 / tiny:bf16 "
-                                   "(default: the embedded tiny model, stored like DeepSeek's FP8+MXFP4 release)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p)
+    add_device_arg(p)
+    p.add_argument("--dtype", default="auto", help="activations and unquantized weights: auto (bf16 on cuda, "
+                                                   "fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--qat-sim", default="auto", choices=["auto", "on", "off"],
                    help="simulate the FP8 KV cache / FP4 indexer the weights were trained with "
                         "(auto: on for quantized releases, off for BF16 checkpoints)")
-    p.add_argument("--max-context", type=int, default=4096, help="positions per sequence (default 4096)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="positions per sequence, prompt included (default: 4096, or the model's "
+                        "max_position_embeddings if smaller)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=1, help="sequences generated together")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=None, metavar="N",
+                   help="split the model over N GPUs (cuda:0..N-1, or N CPU processes), one process each; "
+                        "under torchrun, its WORLD_SIZE")
+    add_threads_arg(p)
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="generate at most this many tokens")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument("--seed", type=int, default=None, help="same seed, same tokens (default: a random seed)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dsv4 {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin)")
+    gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin)",
+                         formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
-    _add_model_args(gen)
+    gen.add_argument("--prompt-ids", type=prompt_ids, default=None, metavar="IDS",
+                     help="the prompt as token ids separated by commas or spaces (e.g. 0,15,27), "
+                          "for checkpoints without a tokenizer")
+    _add_engine_args(gen)
     _add_sampling_args(gen, 64)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
-    chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
-    _add_model_args(chat)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal", formatter_class=HelpFormatter)
+    _add_engine_args(chat)
     _add_sampling_args(chat, 512)
     chat.add_argument("--think", action="store_true", help="start in thinking mode")
     chat.add_argument("--system", default=None, help="system prompt")
 
-    ins = sub.add_parser("inspect", help="summarise a checkpoint directory")
-    ins.add_argument("path", nargs="?", help="checkpoint directory (default: the embedded tiny model)")
+    ins = sub.add_parser("inspect", help="summarise a checkpoint directory", formatter_class=HelpFormatter)
+    ins.add_argument("path", nargs="?", help="checkpoint directory (or use --model; default: the tiny model)")
+    add_model_arg(ins)
+    ins.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                     help="check names, shapes, dtypes, index and quantization config against the config "
+                          "(headers only: no tensor data is read)")
+    ins.add_argument("--check-data", action="store_true",
+                     help="also read every tensor: NaN/Inf values and scales, unreadable or truncated data")
+
+    from .serve.cli import add_bench_parser, add_serve_parser
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
+                         formatter_class=HelpFormatter)
+    _add_engine_args(srv)
+    srv.set_defaults(max_num_seqs=8)
+    add_serve_parser(srv)
+    add_bench_parser(sub)
 
     from .quant_cli import add_parsers
     add_parsers(sub)
@@ -60,65 +93,139 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _sampling(args: argparse.Namespace):
     from .engine.sampler import SamplingParams
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _llm(args: argparse.Namespace):
+def _llm(args: argparse.Namespace, **extra):
     from .engine.llm import LLM
-    return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim, max_slots=1,
-               max_context=args.max_context)
+    return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+               tensor_parallel_size=args.tensor_parallel_size, **extra)
+
+
+def _prompt(args: argparse.Namespace) -> str | list[int]:
+    """The prompt: ``--prompt-ids``, the argument, or stdin (said so on a terminal)."""
+    if args.prompt_ids is not None:
+        if args.prompt is not None:
+            raise UsageError("give the prompt as text or as --prompt-ids, not both")
+        return args.prompt_ids
+    if args.prompt is not None:
+        text, replaced = clean_text(args.prompt)
+    else:
+        if sys.stdin.isatty():
+            print("dsv4 generate: reading the prompt from stdin; end it with Ctrl-D "
+                  "(or pass it as an argument)", file=sys.stderr)
+        text, replaced = read_stdin()
+    if replaced:
+        print("dsv4 generate: warning: the prompt is not valid UTF-8; invalid bytes were replaced by U+FFFD",
+              file=sys.stderr)
+    return text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = _prompt(args)
     params = _sampling(args)
-    llm = _llm(args)
+    with _llm(args) as llm:      # closing releases a tensor-parallel group's other ranks
+        return _generate(args, llm, prompt, params)
+
+
+def _generate(args: argparse.Namespace, llm, prompt, params) -> int:
     t0 = time.perf_counter()
     out = None
     for event in llm.stream(prompt, params):
-        if not args.json and event.text:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+        if not args.json:
+            # without a tokenizer there is no text: stream the token ids instead
+            piece = event.text if llm.tokenizer is not None else f"{event.token_id} "
+            if piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
         out = event.output
     total = time.perf_counter() - t0
+    rate = out.decode_tokens_per_s
     if args.json:
         print(json.dumps({
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "time_to_first_token_s": round(out.time_to_first_token, 6),
-            "decode_tokens_per_s": round(out.decode_tokens_per_s, 3), "total_s": round(total, 6)}))
+            "decode_tokens_per_s": None if rate is None else round(rate, 3), "total_s": round(total, 6)}))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()
         print(f"[{len(out.token_ids)} tokens, ttft {out.time_to_first_token * 1000:.1f} ms, "
-              f"{out.decode_tokens_per_s:.1f} tok/s decode, finish: {out.finish_reason}]", file=sys.stderr)
+              f"{'n/a' if rate is None else f'{rate:.1f}'} tok/s decode, finish: {out.finish_reason}]",
+              file=sys.stderr)
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .weights.inspect import describe
-    from .tiny import resolve_model
-    print(describe(resolve_model(args.path)))
+    check = "data" if args.check_data else "headers" if args.check else None
+    print(describe(pick_model(args.path, args.model), check))
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from .chat_repl import run_chat
-    return run_chat(_llm(args), _sampling(args), thinking=args.think, system=args.system)
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD, not a traceback
+        sys.stdin.reconfigure(errors="replace")
+    with _llm(args) as llm:
+        return run_chat(llm, _sampling(args), thinking=args.think, system=args.system)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.cli import serve
+    return serve(args, lambda: _llm(args, enforce_eager=args.enforce_eager,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .serve.cli import bench
+    return bench(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .quant_cli import HANDLERS
+    from .quant_cli import HANDLERS as QUANT_HANDLERS
+    HANDLERS = {**QUANT_HANDLERS, "serve": cmd_serve, "bench": cmd_bench}
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
-    from .weights.loader import CheckpointError
+    restore = _set_threads(getattr(args, "threads", None))
     try:
         return handlers[args.command](args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except Dsv4Error as e:
         print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dsv4 generate ... | head`: the reader left; exit quietly, as Unix tools do
+        _discard_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
+    finally:
+        restore()
+
+
+def _set_threads(requested: str | int | None):
+    """Set torch's CPU threads for this command (see :mod:`dsv4.cpu_threads`); returns the undo."""
+    if requested is None:  # a command that runs no model
+        return lambda: None
+    import torch
+
+    from .cpu_threads import choose_threads
+    threads, why = choose_threads(requested)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    print(f"cpu: {threads} thread{'s' if threads > 1 else ''} ({why}; --threads N overrides)", file=sys.stderr)
+    return lambda: torch.set_num_threads(previous)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (tests, embedding)
+        pass
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import Dsv4Error
+
 LAYER_KINDS = ("sliding", "csa", "hca")
 
 # HF `layer_types` spelling -> our layer kind.
@@ -28,7 +30,7 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 SCALE_FMTS = (None, "ue8m0", "fp32")
 
 
-class ConfigError(ValueError):
+class ConfigError(Dsv4Error, ValueError):
     """A config.json field is missing, unknown or inconsistent. The message names the field."""
 
 
@@ -208,21 +210,29 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
+        """Parse a ``config.json`` (or the one in directory ``path``); errors name the file."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config file at {path}")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object")
+        raw = read_config_json(path)
         try:
             return _parse(raw)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a :class:`ConfigError` naming the file if there is none."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no config file at {path}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return raw
 
 
 def _check_kind(name: str, kind: str, ratio: int) -> None:
@@ -250,6 +260,14 @@ _ALIASES = {
     "max_seq_len": "max_position_embeddings",
     "n_hash_layers": "num_hash_layers",
 }
+
+# Fields a config.json must give: they decide the tensor shapes and differ between releases
+# (Flash vs Pro), so a default taken from another model would only fail later, on a shape. The
+# rest (window 128, hc_mult 4, the indexer's 64 x 128 heads, ...) are DeepSeek-V4 constants.
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+             "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts",
+             "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size")
+_OFFICIAL_NAME = {hf: short for short, hf in _ALIASES.items()}
 
 # Fields that describe training, HF plumbing or things we do not use; accepted and ignored.
 _IGNORED = {
@@ -295,6 +313,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         if cfg.setdefault("qk_rope_head_dim", rope_dim) != rope_dim:
             raise ConfigError(f"config fields `partial_rotary_factor` ({factor}) and `qk_rope_head_dim` "
                               f"({cfg['qk_rope_head_dim']}) disagree")
+    missing = [name for name in _REQUIRED if name not in cfg]
+    if missing:
+        named = [f"`{m}`" + (f" (or `{_OFFICIAL_NAME[m]}`)" if m in _OFFICIAL_NAME else "") for m in missing]
+        raise ConfigError(f"config is missing required field(s): {', '.join(named)}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     out: dict[str, Any] = {}
     for name in fields - {"layer_kinds", "compress_ratios", "hash_layers", "yarn", "mtp_layer_kind",

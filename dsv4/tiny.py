@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import preset
+from .errors import UsageError
 from .model.init import init_random
 from .model.transformer import Transformer
 
@@ -32,7 +33,19 @@ TINY_VARIANTS = ("mxfp4", "nvfp4", "bf16")
 
 
 def cache_dir() -> Path:
+    """``$DSV4_CACHE``, or ``~/.cache/dsv4`` when it is unset or empty."""
     return Path(os.environ.get("DSV4_CACHE") or Path.home() / ".cache" / "dsv4")
+
+
+def _make_cache_dir(root: Path) -> None:
+    """Create ``root``; a :class:`UsageError` naming it (and ``DSV4_CACHE``) if that cannot be done."""
+    where = f"{root} (DSV4_CACHE)" if os.environ.get("DSV4_CACHE") else str(root)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"the dsv4 cache {where} is a file, not a directory; point DSV4_CACHE at a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the dsv4 cache directory {where}: {e.strerror or e}") from None
 
 
 def write_checkpoint(model: Transformer, directory: Path) -> None:
@@ -66,12 +79,12 @@ def build_tiny(directory: Path, variant: str = "mxfp4") -> None:
 def ensure_tiny(root: Path | None = None, variant: str = "mxfp4") -> Path:
     """Path of the tiny checkpoint ``variant``, building it first if it is not in the cache yet."""
     if variant not in TINY_VARIANTS:
-        raise ValueError(f"unknown tiny model variant {variant!r}; known: {', '.join(TINY_VARIANTS)}")
+        raise UsageError(f"unknown tiny model variant {variant!r}; known: {', '.join(TINY_VARIANTS)}")
     root = root or cache_dir()
     target = root / f"{TINY_NAME}-{variant}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    _make_cache_dir(root)
     print(f"building the embedded tiny model in {target} (once)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}-", dir=root))
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -29,6 +30,24 @@ def parity_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def tp_config(**overrides) -> ModelConfig:
+    """A tiny geometry that shards over 2 ranks on FP8 blocks of 128: per rank, ``wq_b`` holds 128 rows
+    (2 heads of 64), ``wo_a`` 128 rows (1 group of 128), ``wo_b`` and the shared expert's ``w2`` 128
+    columns. (The tiny preset's FP8 tensors are a single 128-block each, so they cannot be split.)"""
+    kinds = ["sliding", "csa", "hca", "csa"]
+    ratio = {"sliding": 0, "csa": 4, "hca": 16}
+    base = dict(vocab_size=512, hidden_size=64, num_hidden_layers=len(kinds), num_attention_heads=4, head_dim=64,
+                qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=128, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=256, layer_kinds=kinds,
+                compress_ratios=[ratio[k] for k in kinds], hash_layers=[True, False, False, False],
+                sliding_window=8, index_n_heads=4, index_head_dim=16, index_topk=4, hc_mult=4,
+                hc_sinkhorn_iters=20, routed_scaling_factor=1.5, compress_rope_theta=160000.0,
+                yarn=YarnConfig(factor=4.0, original_max_position_embeddings=64),
+                num_nextn_predict_layers=1, max_position_embeddings=65536)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
 def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
                  with_mtp: bool = False) -> Transformer:
     return init_random(Transformer(config, dtype, with_mtp=with_mtp), seed=seed).eval()
@@ -38,6 +57,9 @@ def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: 
 # dominate on a 2-core CI machine, and makes CPU reductions bitwise repeatable between tests and
 # module-scoped fixtures whatever the machine's core count.
 torch.set_num_threads(1)
+# The same for the `dsv4` command, in-process and in subprocesses: its automatic thread count
+# (dsv4.cpu_threads) honours OMP_NUM_THREADS, so CLI results equal the in-process references bit for bit.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
@@ -52,4 +74,17 @@ def tiny_checkpoint(tmp_path_factory):
     return ensure_tiny(tmp_path_factory.mktemp("dsv4cache"))
 
 
-__all__ = ["parity_config", "random_model", "dataclasses"]
+__all__ = ["parity_config", "tp_config", "random_model", "dataclasses"]
+
+
+@pytest.fixture(scope="session")
+def served():
+    """`dsv4 serve` on the embedded tiny model, in a subprocess shared by the server tests."""
+    from serve_util import ServerProcess
+    server = ServerProcess("--max-num-seqs", "16", "--max-model-len", "512", "--served-model-name", "tiny", "dsv4-tiny",
+                           env={"OMP_NUM_THREADS": "1"})
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -40,7 +40,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def generate_json(capsys, *extra: str, prompt: str | None = PROMPT) -> dict:
-    argv = ["generate"] + ([prompt] if prompt is not None else []) + ["--max-new-tokens", "8", "--json", *extra]
+    argv = ["generate"] + ([prompt] if prompt is not None else []) + ["--max-tokens", "8", "--json", *extra]
     rc, out, err = run(capsys, *argv)
     assert rc == 0, err
     lines = out.strip().splitlines()
@@ -115,7 +115,7 @@ def test_explicit_model_dir(tiny_checkpoint, capsys, monkeypatch, tmp_path):
 
 def test_streaming_prints_text_and_stats(cache, capsys):
     ref = generate_json(capsys, "--temperature", "0")
-    rc, out, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "8", "--temperature", "0")
+    rc, out, err = run(capsys, "generate", PROMPT, "--max-tokens", "8", "--temperature", "0")
     assert rc == 0, err
     assert out == ref["text"] + "\n"
     stats = re.search(r"\[(\d+) tokens, ttft ([\d.]+) ms, ([\d.]+) tok/s decode", err)
@@ -170,7 +170,7 @@ def test_corrupt_checkpoint_directory(tiny_checkpoint, capsys, tmp_path):
     (shard,) = bad.glob("*.safetensors")
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    rc, _, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "2", "--model", str(bad))
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-tokens", "2", "--model", str(bad))
     _assert_clean_error(rc, err, shard.name)
     rc, _, err = run(capsys, "inspect", str(bad))
     _assert_clean_error(rc, err, shard.name)
@@ -180,7 +180,7 @@ def test_checkpoint_without_config(tiny_checkpoint, capsys, tmp_path):
     bad = tmp_path / "noconfig"
     shutil.copytree(tiny_checkpoint, bad)
     (bad / "config.json").unlink()
-    rc, _, err = run(capsys, "generate", PROMPT, "--max-new-tokens", "2", "--model", str(bad))
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-tokens", "2", "--model", str(bad))
     _assert_clean_error(rc, err, str(bad / "config.json"))
 
 
@@ -195,10 +195,13 @@ BAD_FLAGS = [
     (["--temperature", "-1"], "temperature"),
     (["--top-k", "-1"], "top_k"),
     (["--min-p", "2"], "min_p"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-tokens", "0"], "max_tokens"),
     (["--top-p", "abc"], "--top-p"),  # argparse: not a number
     (["--dtype", "fp8"], "dtype"),
-    (["--max-context", "0"], "max_context"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--max-model-len", "100000"], "max_position_embeddings"),  # the tiny model has 65536 positions
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--device", "tpu"], "tpu"),
 ]
 
 
@@ -225,7 +228,7 @@ def test_console_script_entry_point():
 
 def test_subprocess_end_to_end(cache, capsys):
     env = dict(os.environ, DSV4_CACHE=str(cache.parent))
-    argv = ["generate", PROMPT, "--max-new-tokens", "4", "--temperature", "0", "--json"]
+    argv = ["generate", PROMPT, "--max-tokens", "4", "--temperature", "0", "--json"]
     proc = subprocess.run([sys.executable, "-m", "dsv4.cli", *argv], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -234,3 +237,147 @@ def test_subprocess_end_to_end(cache, capsys):
     assert rc == 0
     assert obj["token_ids"] == json.loads(out)["token_ids"]
     assert obj["prompt_token_ids"][0] == 0
+
+
+# --------------------------------------------------------------------------- error policy
+
+def test_only_project_errors_become_one_line_messages(cache, capsys, monkeypatch):
+    import dsv4.cli as cli
+
+    def buggy(args):
+        raise KeyError("a bug, not a user error")
+    monkeypatch.setattr(cli, "cmd_inspect", buggy)
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        main(["inspect"])
+
+
+def test_dsv4_cache_pointing_at_a_file(capsys, monkeypatch, tmp_path):
+    not_a_dir = tmp_path / "cache-file"
+    not_a_dir.write_text("x")
+    monkeypatch.setenv("DSV4_CACHE", str(not_a_dir))
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-tokens", "2")
+    _assert_clean_error(rc, err, str(not_a_dir), "DSV4_CACHE")
+
+
+def test_unknown_tiny_variant(capsys):
+    rc, _, err = run(capsys, "generate", PROMPT, "--model", "tiny:int3")
+    _assert_clean_error(rc, err, "int3", "mxfp4")
+
+
+# --------------------------------------------------------------------------- one way to name a model
+
+def test_inspect_and_quantize_take_the_model_like_generate(cache, capsys, tmp_path):
+    rc, by_path, err = run(capsys, "inspect", str(cache))
+    assert rc == 0, err
+    rc, by_flag, err = run(capsys, "inspect", "--model", "tiny")
+    assert rc == 0 and by_flag == by_path, err
+    rc, _, err = run(capsys, "inspect", str(cache), "--model", "tiny:bf16")
+    _assert_clean_error(rc, err, "--model", "not both")
+    rc, _, err = run(capsys, "quantize", str(tmp_path / "q"), "--model", str(cache), "--format", "nvfp4",
+                     "--device", "cpu")
+    assert rc == 0, err
+    rc, out, err = run(capsys, "inspect", "--model", str(tmp_path / "q"))
+    assert rc == 0 and "NVFP4" in out, err
+    rc, _, err = run(capsys, "quantize", str(cache), str(tmp_path / "r"), "--model", "tiny", "--format", "fp8")
+    _assert_clean_error(rc, err, "SRC", "--model")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_cuda_without_a_gpu_fails_everywhere(cache, capsys, tmp_path):
+    rc, _, err = run(capsys, "quantize", str(cache), str(tmp_path / "q"), "--format", "fp8", "--device", "cuda")
+    _assert_clean_error(rc, err, "cuda", "no CUDA GPU")
+    assert not (tmp_path / "q").exists()
+    rc, _, err = run(capsys, "generate", PROMPT, "--device", "cuda:0")
+    _assert_clean_error(rc, err, "cuda", "no CUDA GPU")
+
+
+def test_help_shows_every_default(capsys):
+    from dsv4.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    out = capsys.readouterr().out
+    out = out[out.index("options:"):]
+    for flag, default in (("--max-tokens", "64"), ("--top-p", "1.0"), ("--min-p", "0.0"), ("--device", "auto"),
+                          ("--temperature", "1.0")):
+        block = out[out.index(flag + " "):]
+        assert f"(default: {default})" in " ".join(block.split()[:40]), (flag, out)
+    assert "a random seed" in out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--help"])
+    assert "(default: 512)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_version(capsys):
+    import dsv4
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"dsv4 {dsv4.__version__}"
+
+
+# --------------------------------------------------------------------------- ordinary input, no tracebacks
+
+def test_invalid_utf8_prompt_argument_and_stdin(cache, capsys, monkeypatch):
+    clean = generate_json(capsys, "--temperature", "0", prompt="abc\ufffd")
+    # how Python hands over argv bytes that are not UTF-8 (surrogateescape)
+    rc, out, err = run(capsys, "generate", "abc\udcff", "--max-tokens", "8", "--temperature", "0", "--json")
+    assert rc == 0 and "not valid UTF-8" in err, err
+    assert json.loads(out)["prompt_token_ids"] == clean["prompt_token_ids"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"abc\xff")))
+    rc, out, err = run(capsys, "generate", "--max-tokens", "8", "--temperature", "0", "--json")
+    assert rc == 0 and "not valid UTF-8" in err, err
+    assert json.loads(out)["prompt_token_ids"] == clean["prompt_token_ids"]
+
+
+def test_invalid_utf8_through_a_real_process(cache):
+    env = dict(os.environ, DSV4_CACHE=str(cache.parent))
+    argv = [sys.executable, "-m", "dsv4.cli", "generate", "--max-tokens", "2", "--json"]
+    for extra, stdin in (([b"caf\xe9 \xff"], b""), ([], b"caf\xe9 \xff\n")):
+        proc = subprocess.run(argv + extra, input=stdin, env=env, capture_output=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert b"Traceback" not in proc.stderr and b"not valid UTF-8" in proc.stderr
+
+
+def test_broken_pipe_exits_quietly(cache):
+    """`dsv4 generate ... | head -c 1`: no BrokenPipeError traceback, no 'Exception ignored'."""
+    env = dict(os.environ, DSV4_CACHE=str(cache.parent))
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "generate", PROMPT, "--max-tokens", "4000",
+                             "--ignore-eos", "--max-model-len", "8192"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.read(1)
+    proc.stdout.close()  # the reader goes away while generation is streaming
+    err = proc.stderr.read().decode()
+    rc = proc.wait(timeout=120)
+    assert rc == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "BrokenPipe" not in err, err
+
+
+def test_reading_stdin_on_a_terminal_says_so(cache, capsys, monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, "stdin", Tty(PROMPT))
+    rc, _, err = run(capsys, "generate", "--max-tokens", "2", "--json")
+    assert rc == 0 and "reading the prompt from stdin" in err and "Ctrl-D" in err
+
+
+def test_one_token_reports_no_rate(cache, capsys):
+    rc, _, err = run(capsys, "generate", PROMPT, "--max-tokens", "1")
+    assert rc == 0 and "n/a tok/s" in err and "0.0 tok/s" not in err, err
+    assert generate_json(capsys, "--max-tokens", "1")["decode_tokens_per_s"] is None
+
+
+def test_prompt_ids_and_a_checkpoint_without_tokenizer(cache, capsys, tmp_path):
+    obj = generate_json(capsys, "--temperature", "0", "--prompt-ids", "0, 5 7", prompt=None)
+    assert obj["prompt_token_ids"] == [0, 5, 7]
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(cache, bare)
+    (bare / "tokenizer.json").unlink()
+    rc, _, err = run(capsys, "generate", PROMPT, "--model", str(bare))
+    _assert_clean_error(rc, err, "tokenizer.json", "--prompt-ids")
+    rc, out, err = run(capsys, "generate", "--prompt-ids", "0,5,7", "--max-tokens", "3", "--ignore-eos",
+                       "--temperature", "0", "--model", str(bare))
+    assert rc == 0, err
+    assert [int(t) for t in out.split()] == obj["token_ids"][:3]
+    rc, _, err = run(capsys, "generate", PROMPT, "--prompt-ids", "1,2")
+    _assert_clean_error(rc, err, "--prompt-ids", "not both")
+    rc, _, err = run(capsys, "generate", "--prompt-ids", "1,x")
+    assert rc == 2 and "--prompt-ids" in err

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import parity_config, random_model
+from dsv4 import ops
 from dsv4.engine.runner import Runner
 from dsv4.engine.state import ContextOverflowError
 
@@ -163,8 +164,9 @@ def test_bad_slot_arguments(model):
 
 @pytest.mark.parametrize("qat", [False, True])
 def test_decode_step_reads_no_device_value_on_host(model, monkeypatch, qat):
-    """The decode forward must not call .item()/.tolist()/bool() on tensors (graph-capturable),
-    with the QAT simulation (FP8 KV, FP4 indexer, activation quantization) on and off."""
+    """In capture mode (``ops.sync_free``, what the runner sets when capturing a CUDA graph) the
+    decode forward must not call .item()/.tolist()/bool() on tensors, with the QAT simulation
+    (FP8 KV, FP4 indexer, activation quantization) on and off."""
     runner = Runner(model, max_slots=2, max_context=64, qat_sim=qat)
     runner.prefill(0, _tokens(12, 13))
     runner.prefill(1, _tokens(5, 14))
@@ -177,7 +179,7 @@ def test_decode_step_reads_no_device_value_on_host(model, monkeypatch, qat):
             return _orig(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, spy)
     ids = torch.tensor([3, 4])
-    with torch.inference_mode():
+    with torch.inference_mode(), ops.sync_free():
         start = runner.state.positions[torch.tensor([0, 1])]
         model(ids.view(-1, 1), torch.tensor([0, 1]), start, runner.state.layers, qat)
     monkeypatch.undo()

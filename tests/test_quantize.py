@@ -23,7 +23,7 @@ from dsv4.text.tiny_tokenizer import write_tiny_tokenizer
 from dsv4.tiny import write_checkpoint
 from dsv4.weights import quantize as qmod
 from dsv4.weights.eval_quant import CSV_FIELDS, compare_logits, eval_quant, held_out_sequences
-from dsv4.weights.loader import INDEX_FILE, list_shards, load_model
+from dsv4.weights.loader import INDEX_FILE, CheckpointError, list_shards, load_model
 from dsv4.weights.quantize import QuantizeError, linear_group, quant_config_for, quantize_checkpoint, \
     quantize_tensors
 from dsv4.weights.serialize import build_weight, split_name
@@ -202,18 +202,21 @@ def test_atomic_on_failure(src: Path, tmp_path: Path, monkeypatch) -> None:
         quantize_checkpoint(src, tmp_path / "dst", "nvfp4", progress=False, max_shard_bytes=100_000)
     assert len(calls) == 2 and _siblings(tmp_path) == before  # no DST, no temp dir left
 
-    # the same failure while overwriting leaves the old DST untouched
-    (tmp_path / "dst").mkdir()
-    (tmp_path / "dst" / "marker").write_text("old")
+    # the same failure while overwriting a previous output leaves it untouched
+    monkeypatch.setattr(qmod, "save_file", save_file)
+    quantize_checkpoint(src, tmp_path / "dst", "fp8", progress=False)
+    old = {p.name: p.read_bytes() for p in (tmp_path / "dst").iterdir()}
+    monkeypatch.setattr(qmod, "save_file", failing_save)
     calls.clear()
     with pytest.raises(OSError):
         quantize_checkpoint(src, tmp_path / "dst", "nvfp4", progress=False, overwrite=True, max_shard_bytes=100_000)
-    assert _siblings(tmp_path) == before | {"dst"} and _siblings(tmp_path / "dst") == {"marker"}
+    assert _siblings(tmp_path) == before | {"dst"}
+    assert {p.name: p.read_bytes() for p in (tmp_path / "dst").iterdir()} == old
 
 
 def test_refuses_overwrite_and_names_culprits(src: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    dst.mkdir()
+    quantize_checkpoint(src, dst, "fp8", progress=False)
     with pytest.raises(QuantizeError, match="already exists"):
         quantize_checkpoint(src, dst, "fp8", progress=False)
     quantize_checkpoint(src, dst, "fp8", progress=False, overwrite=True)
@@ -227,7 +230,7 @@ def test_refuses_overwrite_and_names_culprits(src: Path, tmp_path: Path) -> None
     state = load_file(str(src / "model.safetensors"))
     save_file({**state, "layers.0.attn.bogus.weight": torch.zeros(2, 2, dtype=torch.bfloat16)},
               str(bad / "model.safetensors"))
-    with pytest.raises(QuantizeError, match=r"model\.safetensors.*layers\.0\.attn\.bogus\.weight"):
+    with pytest.raises(CheckpointError, match=rf"{bad}/model\.safetensors.*layers\.0\.attn\.bogus\.weight"):
         quantize_checkpoint(bad, tmp_path / "y", "mxfp4", progress=False)
     assert _siblings(tmp_path) == {"dst", "bad"}
 
@@ -307,3 +310,14 @@ def test_cli(src: Path, tmp_path: Path) -> None:
         parser.parse_args(["quantize", str(src), str(tmp_path / "z"), "--format", "int4"])
     with safe_open(str(list_shards(tmp_path / "q")[0]), "pt") as f:
         assert "head.scale" in f.keys()
+
+
+def test_eval_quant_bounds_and_progress(src: Path, tmp_path: Path, capsys) -> None:
+    from dsv4.errors import UsageError
+    with pytest.raises(UsageError, match=r"--length.*70,000.*max_position_embeddings \(65,536"):
+        eval_quant(src, ["nvfp4"], ["floor"], n_seqs=1, seq_len=70_000, verbose=False)
+    rows = eval_quant(src, ["fp8"], ["floor"], n_seqs=1, seq_len=600, work_dir=tmp_path, verbose=True)
+    err = capsys.readouterr().err
+    # source + 4 variants (total, attention, routed experts, shared expert), 600 tokens each
+    assert "3.00k/3.00k" in err.replace("\r", "\n"), err[-500:]
+    assert len(rows) == 4

@@ -391,7 +391,7 @@ def test_stop_token_ids_eos_and_ignore_eos():
 
 
 def test_length_flushes_held_text():
-    checker = StopChecker.from_params(SamplingParams(max_new_tokens=2, stop=["STOP"]), eos_id=0)
+    checker = StopChecker.from_params(SamplingParams(max_tokens=2, stop=["STOP"]), eos_id=0)
     assert checker.check("x S", 5) == ("x ", False, None)
     assert checker.check("T", 6) == ("ST", True, "length")
     with pytest.raises(RuntimeError):
@@ -408,7 +408,7 @@ def test_params_defaults_and_normalisation():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("max_new_tokens", 0), ("max_new_tokens", 2.5), ("temperature", -0.1),
+    ("max_tokens", 0), ("max_tokens", 2.5), ("temperature", -0.1),
     ("temperature", float("nan")), ("top_k", -1), ("top_k", True), ("top_p", 0.0), ("top_p", 1.5),
     ("min_p", -0.1), ("min_p", 1.1), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
     ("frequency_penalty", -3.0), ("seed", 1.5), ("logprobs", 21), ("logprobs", -1),

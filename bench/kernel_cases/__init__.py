@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 #: modules under bench/kernel_cases, run in this order
-MODULES: tuple[str, ...] = ("linear",)
+MODULES: tuple[str, ...] = ("linear", "moe", "attention", "small")
 
 
 @dataclass

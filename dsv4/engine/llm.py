@@ -1,6 +1,6 @@
 """The Python API: ``LLM(model).generate(prompts, SamplingParams(...))``, streaming and chat.
 
-Prompts are batched through the runner's slots: each wave prefills up to ``max_slots`` prompts,
+Prompts are batched through the runner's slots: each wave prefills up to ``max_num_seqs`` prompts,
 then decodes all of them together, one forward per step, each row with its own sampling params.
 Text comes out through an incremental detokenizer and a stop checker per request, so streamed
 text never contains half a UTF-8 character or the beginning of a stop string.
@@ -8,40 +8,27 @@ text never contains half a UTF-8 character or the beginning of a stop string.
 
 from __future__ import annotations
 
+import os
 import sys
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import ModelConfig
+from ..devices import resolve_device
+from ..errors import ContextOverflowError, RequestError, UsageError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
-from ..weights.loader import LoadReport, load_model
+from ..weights.loader import CheckpointError, LoadReport, load_model
+from .inputs import check_text, params_list, prompt_list, single_prompt
+from .limits import check_positive, check_state_fits, format_bytes, resolve_max_model_len
 from .runner import Runner
-from .sampler import SamplingBatch, SamplingParams, StopChecker, sample
+from .core import CompletionOutput, Engine
+from .launch import RankSpec, torchrun_world_size
+from .sampler import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "resolve_qat_sim"]
-
-
-@dataclass
-class CompletionOutput:
-    """One finished generation. Times in seconds; ``decode_tokens_per_s`` excludes the first token."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    time_to_first_token: float = 0.0
-    total_time: float = 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        span = self.total_time - self.time_to_first_token
-        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else 0.0
 
 
 @dataclass
@@ -77,7 +64,7 @@ def resolve_qat_sim(setting: str | bool, config: ModelConfig) -> bool:
     if setting in ("off", "false", "0"):
         return False
     if setting != "auto":
-        raise ValueError(f"qat_sim must be on, off or auto, got {setting!r}")
+        raise UsageError(f"qat_sim (--qat-sim) must be on, off or auto, got {setting!r}")
     return config.quantization_config is not None or config.expert_dtype is not None
 
 
@@ -89,151 +76,232 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, bf16, fp16 or fp32")
+        raise UsageError(f"unknown dtype (--dtype) {dtype!r}; use auto, bf16, fp16 or fp32")
     return table[dtype]
 
 
-class _Request:
-    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
-                 eos_id: int):
-        self.index, self.params = index, params
-        self.out = CompletionOutput(prompt_token_ids=prompt_ids)
-        if params.logprobs is not None:
-            self.out.logprobs, self.out.top_logprobs = [], []
-        # a checkpoint without a tokenizer still generates token ids (text stays empty)
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True) if tokenizer else None
-        self.stops = StopChecker.from_params(params, eos_id)
-        self.t0 = time.perf_counter()
-
-    def take(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
-             context_full: bool) -> StreamEvent:
-        out = self.out
-        if not out.token_ids:
-            out.time_to_first_token = time.perf_counter() - self.t0
-        out.token_ids.append(token)
-        if out.logprobs is not None:
-            out.logprobs.append(logprob)
-            out.top_logprobs.append(top or [])
-        detok = self.detok
-        emit, stopped, reason = self.stops.check(detok.push(token) if detok else "", token)
-        if not stopped and context_full:
-            emit, stopped, reason = emit + (detok.flush() if detok else "") + self.stops.finish(), True, "length"
-        elif stopped and reason == "length" and detok:
-            emit += detok.flush()
-        out.text += emit
-        if stopped:
-            out.finish_reason = reason
-            out.total_time = time.perf_counter() - self.t0
-        return StreamEvent(self.index, emit, token, stopped, out)
+def _world_size(requested: int | None) -> int:
+    """``tensor_parallel_size``, checked against torchrun's ``WORLD_SIZE`` when both are given."""
+    env = torchrun_world_size()
+    if requested is None:
+        return env
+    check_positive("tensor_parallel_size (--tensor-parallel-size)", requested)
+    if env > 1 and requested != env:
+        raise UsageError(f"tensor_parallel_size {requested} differs from torchrun's WORLD_SIZE {env}")
+    return requested
 
 
 class LLM:
-    """A loaded model ready to generate. ``model`` is a checkpoint directory, or ``None`` / ``"tiny"``
-    / ``"tiny:nvfp4"`` / ``"tiny:bf16"`` for the embedded tiny model."""
+    """A loaded model ready to generate.
 
-    def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                 qat_sim: str | bool = "auto", max_slots: int = 4, max_context: int = 4096,
-                 load_mtp: bool = False, progress: bool = True):
+    Args:
+        model: a checkpoint directory, or ``None`` / ``"tiny"`` / ``"tiny:nvfp4"`` / ``"tiny:bf16"``
+            for the embedded tiny model.
+        device: ``auto`` (a CUDA GPU when torch sees one, else the CPU), ``cpu``, ``cuda[:N]``.
+        dtype: activations and unquantized weights: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16``,
+            ``fp16``, ``fp32``.
+        qat_sim: simulate the FP8 KV cache / FP4 indexer of quantized releases (``auto``: on for them).
+        max_num_seqs: sequences generated together (the state holds this many).
+        max_model_len: positions per sequence, prompt included (default: 4096, or the model's
+            ``max_position_embeddings`` if smaller; more than that is refused). A request whose
+            prompt plus ``max_tokens`` does not fit is refused with a named error.
+        enforce_eager: no CUDA graphs (on a GPU the decode step is otherwise captured at start-up,
+            one graph per batch bucket, and replayed).
+        max_num_batched_tokens: tokens per engine step (decodes plus prompt chunks); default
+            ``max(512, max_num_seqs + 512)``.
+        tensor_parallel_size: split every layer over this many ranks, one process per GPU
+            (``cuda:0..N-1``; on the CPU, N processes over gloo). This process is rank 0 and starts
+            the others; :meth:`close` (or the end of a ``with`` block) stops them. Under ``torchrun``
+            the group comes from its environment instead, and on ranks other than 0 the constructor
+            follows rank 0 until it closes, then exits the process (see :mod:`dsv4.engine.launch`).
+
+    Both limits are checked against the config and the free memory before any weight is read.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, device: str | torch.device = "auto",
+                 dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int = 4,
+                 max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True,
+                 enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
+                 tensor_parallel_size: int | None = None):
         from ..tiny import resolve_model
-        model = resolve_model(model)
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for but torch sees no CUDA GPU")
-        self.path = Path(model)
+        check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
+        world = _world_size(tensor_parallel_size)
+        dev = resolve_device(device)
+        if world > 1 and dev.type == "cuda" and dev.index not in (None, 0):
+            raise UsageError(f"with tensor_parallel_size {world} the ranks use cuda:0..{world - 1}; choose the "
+                             f"GPUs with CUDA_VISIBLE_DEVICES, not device={device!r}")
+        if world > 1 and dev.type == "cuda":
+            dev = torch.device("cuda", 0)
+        self.path = resolve_model(model)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
+        config = ModelConfig.from_file(self.path / "config.json")
+        self.max_model_len = resolve_max_model_len(max_model_len, config)
+        self.max_num_seqs = max_num_seqs
+        act_dtype = resolve_dtype(dtype, dev)
+        state_size = check_state_fits(config, max_num_seqs, self.max_model_len, act_dtype, dev,
+                                      resolve_qat_sim(qat_sim, config))
+        if progress:
+            print(f"state: {max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(state_size)} on {dev}",
+                  file=sys.stderr)
         has_tokenizer = (self.path / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
-        net, report = load_model(self.path, dev, resolve_dtype(dtype, dev), load_mtp=load_mtp, progress=progress)
+        self.qat_sim = resolve_qat_sim(qat_sim, config)
+        self.tensor_parallel_size = world
+        self._group = None
+        spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
+                        load_mtp, torch.get_num_threads() if dev.type == "cpu" else None)
+        if world == 1:
+            net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
+            runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim)
+        else:
+            runner, report = self._start_group(spec, world, progress)
         self.load_report: LoadReport = report
         if progress:
             print(self.load_report.one_line(), file=sys.stderr)
-        self.model: torch.nn.Module = net
-        self.config: ModelConfig = net.config
-        self.qat_sim = resolve_qat_sim(qat_sim, self.config)
-        self.runner = Runner(net, max_slots=max_slots, max_context=max_context, qat_sim=self.qat_sim)
+        self.model: torch.nn.Module = runner.model
+        self.config: ModelConfig = runner.model.config
+        self.runner = runner
+        if dev.type == "cuda" and not enforce_eager:
+            self.runner.capture(progress=progress)
+        self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,
+                             max_num_batched_tokens=max_num_batched_tokens)
+
+    # ------------------------------------------------------------------ tensor parallel
+    def _start_group(self, spec: RankSpec, world: int, progress: bool):
+        """Rank 0's side of a tensor-parallel group: start (or join) it, load this rank's shard, and
+        wrap the runner so that every call is broadcast to the followers first."""
+        from ..parallel import init_parallel
+        from .distributed import ParallelRunner
+        from .launch import SpawnedGroup, build_runner, check_gpus, serve_as_follower, torchrun_world_size
+
+        if torchrun_world_size() > 1:
+            check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", world)), spec.device_type)   # this node's ranks
+            tp = init_parallel(device=None if spec.device_type == "cuda" else "cpu")
+            if tp.rank != 0:             # a torchrun follower: serve rank 0, then leave
+                try:
+                    serve_as_follower(spec, tp)
+                finally:
+                    tp.close()
+                sys.exit(0)
+            health = None
+        else:
+            if progress:
+                print(f"tensor parallel: starting {world - 1} more rank(s) on "
+                      f"{'cuda:1..' + str(world - 1) if spec.device_type == 'cuda' else 'the CPU (gloo)'}",
+                      file=sys.stderr)
+            self._group = SpawnedGroup(spec, world)
+            tp, health = self._group.tp, self._group.check_alive
+        try:
+            runner, report = build_runner(spec, tp, progress)
+        except BaseException:
+            if self._group is not None:
+                self._group.terminate()
+            tp.close()
+            raise
+        return ParallelRunner(runner, tp, health=health), report
+
+    def close(self) -> None:
+        """Release the other ranks of a tensor-parallel group (no-op for one rank). Idempotent."""
+        close = getattr(self.runner, "close", None) if hasattr(self, "runner") else None
+        broken = getattr(self.runner, "broken", False) if close is not None else False
+        try:
+            if close is not None:
+                close()
+        finally:
+            if self._group is not None:
+                if broken:              # interrupted mid-step: the followers cannot be told to stop
+                    self._group.terminate()
+                self._group.close()
+                self._group = None
+            elif close is not None:
+                self.runner.tp.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ inputs
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError(f"{self.path} has no tokenizer.json: pass prompts as token ids")
+            raise RequestError(f"{self.path} has no tokenizer.json, so a text prompt cannot be encoded: pass "
+                               "token ids instead (LLM.generate([[0, 15, 27]]), or on the command line "
+                               "dsv4 generate --prompt-ids 0,15,27)")
         return self.tokenizer
 
     def _prompt_ids(self, prompt: str | Sequence[int], index: int) -> list[int]:
         if isinstance(prompt, str):
+            check_text(prompt, index)
             ids = self._require_tokenizer().encode(prompt, add_bos=True)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError(f"prompt {index} is empty")
+            raise RequestError(f"prompt {index} is empty")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"prompt {index} has token id(s) outside [0, {self.config.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.runner.max_context:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_context is {self.runner.max_context}")
+            raise RequestError(f"prompt {index} has token id(s) outside [0, {self.config.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ContextOverflowError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                       "(the prompt and at least one generated token must fit)")
         return ids
 
     # ------------------------------------------------------------------ generation
     def stream_many(self, prompts: Sequence[str | Sequence[int]],
                     params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamEvent]:
-        """Generate for every prompt, yielding a :class:`StreamEvent` per request per token."""
-        if isinstance(params, SamplingParams) or params is None:
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        requests = [_Request(i, self._prompt_ids(p, i), sp, self.tokenizer, self.config.eos_token_id)
-                    for i, (p, sp) in enumerate(zip(prompts, params))]
-        for lo in range(0, len(requests), self.runner.max_slots):
-            yield from self._wave(requests[lo:lo + self.runner.max_slots])
+        """Generate for every prompt, yielding a :class:`StreamEvent` per request per token.
 
-    def _wave(self, wave: list[_Request]) -> Iterator[StreamEvent]:
-        runner, vocab = self.runner, self.config.vocab_size
-        slots = list(range(len(wave)))
-        runner.reset(slots)
-        device = runner.device
-        logits = torch.stack([runner.prefill(s, r.out.prompt_token_ids) for s, r in zip(slots, wave)])
-        batch = SamplingBatch([r.params for r in wave], vocab, device,
-                              prompt_ids=[r.out.prompt_token_ids for r in wave])
-        active = list(range(len(wave)))  # rows of `batch` <-> wave indices
-        while True:
-            result = sample(logits, batch)
-            batch.update(result.token_ids)
-            tokens = result.token_ids.tolist()  # the one host read per step
-            lps = result.logprobs.tolist() if result.logprobs is not None else None
-            tops = None
-            if result.top_logprobs is not None:
-                ids, vals = result.top_logprobs
-                tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-            keep = []
-            for row, w in enumerate(active):
-                req = wave[w]
-                n_top = req.params.logprobs or 0
-                top = tops[row][:n_top] if tops is not None else None
-                full = runner.lengths[slots[w]] + 1 >= runner.max_context
-                event = req.take(tokens[row], lps[row] if lps else None, top, full)
-                yield event
-                if not event.finished:
-                    keep.append(row)
-            if not keep:
-                return
-            if len(keep) != len(active):
-                batch = batch.select(keep)
-                active = [active[r] for r in keep]
-                tokens = [tokens[r] for r in keep]
-            next_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-            logits = runner.decode([slots[w] for w in active], next_ids)
+        All prompts go through the engine's continuous batching: up to ``max_num_seqs`` run at once
+        and a finished request's slot is taken by the next one in the same step. Every prompt is
+        checked (and refused with a named error) before any is started.
+        """
+        prompts = prompt_list(prompts, "LLM.stream_many")
+        params = params_list(params, len(prompts), "LLM.stream_many")
+        return self._stream_many(prompts, params)
+
+    def _stream_many(self, prompts: list, params: list[SamplingParams]) -> Iterator[StreamEvent]:
+        ids = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            try:
+                self.engine.scheduler.check(p, sp)
+            except RequestError as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        index = {}
+        try:
+            for i, (p, sp) in enumerate(zip(ids, params)):
+                index[self.engine.add_request(p, sp)] = i
+            remaining = set(index)
+            while remaining:
+                for out in self.engine.step():
+                    if out.request_id not in remaining:
+                        continue
+                    token = out.new_token_ids[-1] if out.new_token_ids else None
+                    yield StreamEvent(index[out.request_id], out.new_text, token, out.finished, out.output)
+                    if out.finished:
+                        remaining.discard(out.request_id)
+        finally:   # a caller that stops iterating (or an error) must not leave requests running
+            for rid in index:
+                self.engine.abort(rid)
+            while self.engine.has_unfinished:
+                self.engine.step()
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Generate for one prompt or a list of prompts (text or token ids)."""
-        prompts = _as_list(prompts)
+        """Generate for one prompt or a list of prompts (text or token ids); one params object for
+        all or one per prompt."""
+        prompts = prompt_list(prompts, "LLM.generate")
+        params = params_list(params, len(prompts), "LLM.generate")
         outputs: dict[int, CompletionOutput] = {}
-        for event in self.stream_many(prompts, params):
+        for event in self._stream_many(prompts, params):
             if event.finished:
                 outputs[event.index] = event.output
         return [outputs[i] for i in range(len(prompts))]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         """Stream one prompt's generation."""
-        return self.stream_many([prompt], params)
+        prompt = single_prompt(prompt, "LLM.stream")
+        return self._stream_many([prompt], params_list(params, 1, "LLM.stream"))
 
     # ------------------------------------------------------------------ chat
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, thinking: bool = False,
@@ -273,10 +341,3 @@ class LLM:
                                  response_format=response_format)
         return self._require_tokenizer().encode(prompt)
 
-
-def _as_list(prompts: str | Sequence) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    if prompts and isinstance(prompts[0], int):
-        return [list(prompts)]
-    return list(prompts)

@@ -1,20 +1,76 @@
-"""Runs the network over generation slots: chunked prefill and batched decode.
+"""Runs the network over generation slots: chunked prefill, and decode steps with the sampler.
 
-The runner owns the :class:`GenerationState`. Prefill feeds one slot's prompt in chunks (same
-result as one shot: the compressor and ring carry state across chunks). Decode runs one token for
-each of several slots at their own positions in one forward; positions advance on the device and
-the host only keeps its own count of each slot's length (it issued every token, so it knows),
-which it uses to refuse a context overflow before touching any state.
+The runner owns the fixed-shape state (:class:`GenerationState`, ``max_slots`` slots plus one
+scratch slot), each slot's last sampled token (on the device: a decode step reads its input ids
+from there, so sampled ids never travel device -> host -> device), and the per-slot sampling rows
+(:class:`SlotSampling`). It knows slots and token ids, never requests (DESIGN decision 5).
+
+- :meth:`prefill` appends prompt tokens to a slot (chunked; same result as one shot) and returns
+  logits; :meth:`sample_first` samples a slot's first token from them.
+- :meth:`decode_step` runs one token for a batch of slots at their own positions — embedding, all
+  layers, head and sampler — and returns the sampled ids (device tensors). With CUDA graphs on
+  (:meth:`capture`), a step is one graph replay per batch bucket (1, 2, 4, ...): the batch is
+  padded with the scratch slot, whose state nobody reads.
+- :meth:`decode` (logits only, eager) serves tests and the benchmarks.
+
+The host keeps its own count of each slot's length (it issued every token), which it uses to refuse
+a context overflow before touching any state.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
+from .. import ops
+from ..errors import ContextOverflowError
 from ..model.transformer import Transformer
-from .state import ContextOverflowError, GenerationState
+from ..parallel import SINGLE
+from .sampler import SampleOutput, SamplingParams
+from .slot_sampling import SampleFlags, SlotSampling
+from .state import GenerationState
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: powers of two up to ``max_batch``, and it."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    slots: torch.Tensor          # static input [bucket]
+    out: SampleOutput            # static outputs
+    loaded: tuple[int, ...] = ()  # the slot list ``slots`` holds now (host copy)
+
+
+class _SlotUpload:
+    """Host -> device copies of a graph's slot list without stalling the host: two page-locked
+    buffers used in turn, each reused only once its previous copy has completed."""
+
+    def __init__(self, size: int):
+        self.bufs = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.done: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def __call__(self, dst: torch.Tensor, values: Sequence[int]) -> None:
+        i, self.turn = self.turn, 1 - self.turn
+        if self.done[i] is not None:
+            self.done[i].synchronize()
+        buf = self.bufs[i]
+        buf.copy_(torch.tensor(values, dtype=torch.int64))
+        dst.copy_(buf, non_blocking=True)
+        self.done[i] = torch.cuda.Event()
+        self.done[i].record()
 
 
 class Runner:
@@ -25,25 +81,49 @@ class Runner:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.model, self.qat_sim, self.prefill_chunk = model, qat_sim, prefill_chunk
-        device = model.embed.weight.device
-        self.device = device
-        self.state = GenerationState(model.config, max_slots, max_context, model.dtype, device, qat_sim=qat_sim)
-        self.lengths = [0] * max_slots  # host mirror of state.positions
+        self.device = model.embed.weight.device
+        #: tensor-parallel group of the model: every rank runs the sampler, rank 0's ids win
+        self.tp = getattr(model, "tp", SINGLE)
+        self.state = GenerationState(model.config, max_slots + 1, max_context, model.dtype, self.device,
+                                     qat_sim=qat_sim)
+        self.scratch = max_slots                      # padding rows of a graph bucket run here
+        self.lengths = [0] * max_slots                # host mirror of state.positions
+        self.tokens = torch.zeros(max_slots + 1, dtype=torch.int64, device=self.device)
+        self.sampling = SlotSampling(max_slots + 1, model.config.vocab_size, self.device)
+        self.graphs: dict[tuple[int, SampleFlags], _Graph] = {}
+        #: eager steps read compressed entries up to the batch's longest context; a graph reads up
+        #: to ``max_context`` (its shapes are fixed). True makes eager steps do the same, so eager
+        #: and replay compute bit-identical steps (tests).
+        self.full_bound = False
+        self.graph_pool = None
+        self._uploads: dict[int, _SlotUpload] = {}
+        self.capture_seconds = 0.0
+        self.graph_pool_bytes = 0
 
     @property
     def max_slots(self) -> int:
-        return self.state.max_slots
+        return self.scratch
 
     @property
     def max_context(self) -> int:
         return self.state.max_context
 
+    @property
+    def use_graphs(self) -> bool:
+        return bool(self.graphs)
+
+    # ------------------------------------------------------------------ slots
     def reset(self, slots: Sequence[int]) -> None:
         """Free ``slots`` for new sequences."""
         for s in slots:
             self._check_slot(s)
             self.lengths[s] = 0
         self.state.reset(list(slots))
+
+    def start(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+        """Make ``slot`` empty and give it a request's sampling parameters."""
+        self.reset([slot])
+        self.sampling.assign(slot, params, prompt_ids)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
@@ -57,6 +137,7 @@ class Runner:
                 f"slot {slot}: {start} + {n} tokens exceed max_context={self.max_context}")
         return start
 
+    # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int] | torch.Tensor, all_logits: bool = False
                 ) -> torch.Tensor:
@@ -81,14 +162,27 @@ class Runner:
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
     @torch.inference_mode()
+    def sample_first(self, slots: Sequence[int], logits: torch.Tensor) -> SampleOutput:
+        """Sample each slot's first token from its prompt's last logits ``[B, vocab]``; the ids stay
+        on the device as the slots' next inputs."""
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        out = self._agree(self.sampling.sample(logits, idx, self.sampling.flags(slots)))
+        self.tokens[idx] = out.token_ids
+        return out
+
+    def _agree(self, out: SampleOutput) -> SampleOutput:
+        """Tensor parallel: every rank holds the same full-vocab logits and samples, but rank 0's ids
+        are the ones every rank feeds next (a device broadcast, captured in the step's graph), so no
+        rank can drift even where a draw is not bit-reproducible across processes."""
+        if not self.tp.parallel:
+            return out
+        return out._replace(token_ids=self.tp.broadcast(out.token_ids.contiguous(), src=0))
+
+    # ------------------------------------------------------------------ decode
+    @torch.inference_mode()
     def decode(self, slots: Sequence[int], token_ids: torch.Tensor) -> torch.Tensor:
         """One token for each of ``slots`` (any mix of positions) -> fp32 logits ``[B, vocab]``."""
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"decode got a slot twice: {list(slots)}")
-        if token_ids.numel() != len(slots):
-            raise ValueError(f"decode got {token_ids.numel()} token ids for {len(slots)} slots")
-        for s in slots:
-            self._reserve(s, 1)
+        self._check_batch(slots, token_ids)
         slot_t = torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
         ids = token_ids.to(self.device, torch.int64).view(-1, 1)
         start = self.state.positions[slot_t]
@@ -98,3 +192,100 @@ class Runner:
         for s in slots:
             self.lengths[s] += 1
         return logits[:, 0]
+
+    def _check_batch(self, slots: Sequence[int], token_ids: torch.Tensor | None = None) -> None:
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"decode got a slot twice: {list(slots)}")
+        if token_ids is not None and token_ids.numel() != len(slots):
+            raise ValueError(f"decode got {token_ids.numel()} token ids for {len(slots)} slots")
+        for s in slots:
+            self._reserve(s, 1)
+
+    @torch.inference_mode()
+    def decode_step(self, slots: Sequence[int]) -> SampleOutput:
+        """One decode step for ``slots``: each feeds its last sampled token, the sampler picks the
+        next one (left on the device as the next input). Returns the sampled ids (and logprobs),
+        device tensors ``[len(slots)]``; with graphs they are views of the graph's static outputs,
+        valid until the next step."""
+        self._check_batch(slots)
+        flags = self.sampling.flags(slots)
+        n = len(slots)
+        bucket = next((b for b in self._buckets() if b >= n), None) if self.use_graphs else None
+        if bucket is None:
+            idx = torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
+            bound = self.max_context if self.full_bound else max(self.lengths[s] for s in slots) + 1
+            out = self._step(idx, flags, bound)
+        else:
+            graph = self.graphs.get((bucket, flags)) or self._capture_one(bucket, flags)
+            padded = tuple(slots) + (self.scratch,) * (bucket - n)
+            if padded != graph.loaded:        # steady decoding keeps the same slots: no copy at all
+                self._uploads.setdefault(bucket, _SlotUpload(bucket))(graph.slots, padded)
+                graph.loaded = padded
+            graph.graph.replay()
+            out = SampleOutput(graph.out.token_ids[:n],
+                               None if graph.out.logprobs is None else graph.out.logprobs[:n],
+                               None if graph.out.top_logprobs is None else
+                               tuple(t[:n] for t in graph.out.top_logprobs))
+        for s in slots:
+            self.lengths[s] += 1
+        return out
+
+    def _step(self, idx: torch.Tensor, flags: SampleFlags, bound: int) -> SampleOutput:
+        """The decode step as device work only (what a graph captures): inputs from ``tokens``,
+        the forward, the sampler, the outputs back into ``tokens`` and ``positions``."""
+        positions = self.state.positions
+        start = positions[idx]
+        logits, _ = self.model(self.tokens[idx].view(-1, 1), idx, start, self.state.layers, self.qat_sim,
+                               context_bound=bound)
+        out = self._agree(self.sampling.sample(logits[:, 0], idx, flags))
+        self.tokens[idx] = out.token_ids
+        positions[idx] = start + 1
+        positions.narrow(0, self.scratch, 1).zero_()     # padding rows never move the scratch slot along (no host scalar: capturable)
+        return out
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _buckets(self) -> list[int]:
+        return sorted({b for b, _ in self.graphs})
+
+    def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
+                max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:
+        """Capture one decode-step graph per batch bucket (up to ``max_batch``, default all slots;
+        or exactly ``buckets``) and flag set, largest first (smaller ones reuse its memory pool).
+        Prints the time taken and the pool's size."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need the model on a CUDA device")
+        buckets = sorted(buckets) if buckets else batch_buckets(max_batch or self.max_slots)
+        if buckets[-1] > self.max_slots:
+            raise ValueError(f"graph bucket {buckets[-1]} exceeds max_slots={self.max_slots}")
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        todo = [(b, f) for b in sorted(buckets, reverse=True) for f in flag_sets]
+        for b, f in tqdm(todo, desc="capturing CUDA graphs", disable=not progress, file=sys.stderr):
+            self._capture_one(b, f)
+        self.capture_seconds += time.perf_counter() - t0
+        self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        if progress:
+            print(f"captured {len(self.graphs)} decode graphs (batch {', '.join(map(str, buckets))}) in "
+                  f"{self.capture_seconds:.1f} s; graph memory pool {self.graph_pool_bytes / 2**20:.0f} MiB",
+                  file=sys.stderr)
+
+    @torch.inference_mode()
+    def _capture_one(self, bucket: int, flags: SampleFlags) -> _Graph:
+        """Warm up then capture the decode step for ``bucket`` rows (all on the scratch slot while
+        capturing: no live slot's state moves)."""
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        idx = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
+        bound = self.max_context
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), ops.sync_free():
+            for _ in range(2):
+                self._step(idx, flags, bound)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with ops.sync_free(), torch.cuda.graph(graph, pool=self.graph_pool):
+            out = self._step(idx, flags, bound)
+        entry = _Graph(graph, idx, out, (self.scratch,) * bucket)
+        self.graphs[(bucket, flags)] = entry
+        return entry

@@ -26,7 +26,7 @@ in 32-bit lanes of int64 tensors so nothing overflows). A seeded request therefo
 the same tokens whatever else is in the batch and whichever row it sits in, provided its
 logits are bitwise the same. Each row's step advances on every :func:`sample`.
 
-:class:`StopChecker` is the host-side half: stop token ids, EOS, ``max_new_tokens`` and
+:class:`StopChecker` is the host-side half: stop token ids, EOS, ``max_tokens`` and
 stop strings matched across token boundaries, holding back text that may still become one.
 """
 from __future__ import annotations
@@ -38,6 +38,8 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
+
+from ..errors import RequestError
 
 MAX_LOGPROBS = 20  # most top alternatives one request may ask for
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
@@ -51,7 +53,7 @@ _M32 = 0xFFFFFFFF
 class SamplingParams:
     """How one request picks its tokens. Every field is checked in ``__post_init__``."""
 
-    max_new_tokens: int = 128
+    max_tokens: int = 128
     """Generate at most this many tokens (>= 1); reaching it finishes with reason "length"."""
     temperature: float = 1.0
     """Softmax temperature (>= 0); 0 (anything below ``GREEDY_EPS``) is greedy argmax."""
@@ -71,6 +73,10 @@ class SamplingParams:
     """Same seed, same logits -> same tokens, whatever the batch. None: a random seed."""
     logprobs: int | None = None
     """None: no logprobs; n in [0, 20]: the sampled token's logprob and the top n."""
+    prompt_logprobs: int | None = None
+    """None: none; n in [0, 20]: each prompt token's logprob given the tokens before it (the
+    model's distribution, before penalties and temperature; None for the first token) and the top
+    n at each position. Delivered with the request's first output (lm-eval's loglikelihood)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end generation (their text is not emitted)."""
     stop: list[str] = field(default_factory=list)
@@ -84,7 +90,7 @@ class SamplingParams:
         for name, (ok, want) in _RULES.items():
             value = getattr(self, name)
             if not ok(value):
-                raise ValueError(f"SamplingParams.{name} must be {want}, got {value!r}")
+                raise RequestError(f"SamplingParams.{name} must be {want}, got {value!r}")
         self.stop_token_ids, self.stop = list(self.stop_token_ids), list(self.stop)
 
     @property
@@ -105,9 +111,9 @@ def _is_list_of(v: object, ok: Callable[[object], bool]) -> bool:
     return isinstance(v, (list, tuple)) and all(ok(x) for x in v)
 
 
-# field -> (check, what it must be); a failed check raises a ValueError naming both.
+# field -> (check, what it must be); a failed check raises a RequestError naming both.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "max_tokens": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "temperature": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
     "top_k": (lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 = off)"),
     "top_p": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
@@ -117,6 +123,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "seed": (lambda v: v is None or _is_int(v), "an int or None"),
     "logprobs": (
+        lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        f"None or an int in [0, {MAX_LOGPROBS}]",
+    ),
+    "prompt_logprobs": (
         lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
         f"None or an int in [0, {MAX_LOGPROBS}]",
     ),
@@ -405,13 +415,13 @@ class StopChecker:
         stop_token_ids: Sequence[int] = (),
         eos_id: int | None = None,
         ignore_eos: bool = False,
-        max_new_tokens: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.stop_strings = [s for s in stop_strings if s]
         self.stop_ids = set(stop_token_ids)
         if eos_id is not None and not ignore_eos:
             self.stop_ids.add(eos_id)
-        self.max_new_tokens = max_new_tokens
+        self.max_tokens = max_tokens
         self.num_tokens = 0
         self.stopped = False
         self._held = ""  # decoded text not emitted yet: a possible start of a stop string
@@ -420,13 +430,13 @@ class StopChecker:
     def from_params(cls, params: SamplingParams, eos_id: int | None) -> StopChecker:
         """The checker for one request's params and the tokenizer's EOS id."""
         p = params
-        return cls(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, p.max_new_tokens)
+        return cls(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, p.max_tokens)
 
     def check(self, new_text: str, token_id: int) -> tuple[str, bool, FinishReason | None]:
         """Take one generated token; return ``(emit_text, stopped, reason)``.
 
         ``emit_text`` is safe to stream now. ``reason`` is "stop" (stop id, EOS or stop
-        string), "length" (``max_new_tokens`` reached; held text is flushed) or None.
+        string), "length" (``max_tokens`` reached; held text is flushed) or None.
         """
         if self.stopped:
             raise RuntimeError("StopChecker.check called after the request stopped")
@@ -437,7 +447,7 @@ class StopChecker:
         cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
         if cut >= 0:
             return self._end(text[:cut], "stop")
-        if self.max_new_tokens is not None and self.num_tokens >= self.max_new_tokens:
+        if self.max_tokens is not None and self.num_tokens >= self.max_tokens:
             return self._end(text, "length")
         keep = self._partial_match_len(text)
         self._held = text[len(text) - keep :]

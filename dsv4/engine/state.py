@@ -15,11 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..errors import ContextOverflowError  # noqa: F401  (raised by the runner; defined with the other user errors)
 from ..model.cache import CompressorState, LayerCache, RowStore
-
-
-class ContextOverflowError(ValueError):
-    """A request needs more positions than the state was sized for."""
 
 
 @dataclass

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import fused
 from ..config import ModelConfig
+from ..parallel import SINGLE, ParallelGroup
 from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm, fp32_param
 from .compressor import Compressor
@@ -22,23 +24,35 @@ from .indexer import Indexer
 
 
 class Attention(nn.Module):
-    """Official parameter names: ``wq_a q_norm wq_b wkv kv_norm wo_a wo_b attn_sink compressor indexer``."""
+    """Official parameter names: ``wq_a q_norm wq_b wkv kv_norm wo_a wo_b attn_sink compressor indexer``.
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+    Tensor parallel (``tp``): a rank holds ``H/N`` query heads (``wq_b`` rows, ``attn_sink``) and the
+    ``G/N`` output groups made of exactly those heads (``wo_a`` rows, ``wo_b`` columns); ``wo_b``'s
+    partial outputs are summed over the ranks. ``wq_a``, the K=V head ``wkv``, the compressor and the
+    indexer are replicated (every rank keeps the same cache).
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
+                 prefix: str | None = None):
         super().__init__()
         c = config
+        prefix = prefix or f"layers.{layer}.attn"
+        self.tp = tp
         self.kind, self.ratio = c.layer_kind(layer), c.layer_ratio(layer)
-        self.n_heads, self.head_dim, self.rope_dim = c.num_attention_heads, c.head_dim, c.rope_dim
-        self.window, self.groups, self.eps = c.sliding_window, c.o_groups, c.rms_norm_eps
+        self.head_dim, self.rope_dim = c.head_dim, c.rope_dim
+        self.window, self.eps = c.sliding_window, c.rms_norm_eps
+        # heads follow their groups: N must divide the groups (it then divides the heads too)
+        self.groups = tp.split(c.o_groups, "output groups (o_groups)", f"{prefix}.wo_a.weight")
+        self.n_heads = tp.split(c.num_attention_heads, "heads (num_attention_heads)", f"{prefix}.wq_b.weight")
         self.rope_kind = "main" if self.kind == "sliding" else "compress"
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank, dtype)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, dtype)
+        self.wq_b = Linear(c.q_lora_rank, self.n_heads * c.head_dim, dtype)
         self.wkv = Linear(c.hidden_size, c.head_dim, dtype)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.wo_a = Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, dtype)
-        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype)
-        self.attn_sink = fp32_param(c.num_attention_heads)
+        self.wo_a = Linear(c.num_attention_heads * c.head_dim // c.o_groups, self.groups * c.o_lora_rank, dtype)
+        self.wo_b = Linear(self.groups * c.o_lora_rank, c.hidden_size, dtype)
+        self.attn_sink = fp32_param(self.n_heads)
         if self.kind != "sliding":
             self.compressor = Compressor(c.hidden_size, c.head_dim, self.ratio, self.kind == "csa",
                                          c.rms_norm_eps, dtype)
@@ -53,9 +67,9 @@ class Attention(nn.Module):
 
         qr = self.q_norm(ops.linear(x, self.wq_a.w, q8, p2))
         q = ops.linear(qr, self.wq_b.w, q8, p2).unflatten(-1, (self.n_heads, self.head_dim))
-        q = ops.apply_rope(ops.rms_norm_unweighted(q, self.eps), cos_h, sin_h)      # [B, S, H, hd]
-        kv = self.kv_norm(ops.linear(x, self.wkv.w, q8, p2))
-        kv = cache.ring.round_trip(ops.apply_rope(kv, rope.cos, rope.sin))        # [B, S, hd] as stored
+        q = fused.rope_qnorm(q, cos_h, sin_h, self.eps)                             # [B, S, H, hd]
+        kv = fused.kv_prepare(ops.linear(x, self.wkv.w, q8, p2), self.kv_norm.weight, self.kv_norm.eps,
+                              rope.cos, rope.sin, cache.ring)                        # [B, S, hd] as stored
 
         comp = dict(comp=None)
         if self.kind != "sliding":
@@ -65,7 +79,7 @@ class Attention(nn.Module):
         self._store_window(kv, ctx, cache)
         o = ops.apply_rope(o, cos_h, sin_h, inverse=True)
         o = ops.grouped_linear(o.flatten(2).unflatten(-1, (self.groups, -1)), self.wo_a.w, self.groups)
-        return ops.linear(o.flatten(2), self.wo_b.w, q8, p2)
+        return self.tp.all_reduce_sum(ops.linear(o.flatten(2), self.wo_b.w, q8, p2))
 
     def _store_window(self, kv: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
         """Store the newest ``min(S, W)`` K=V rows in the ring at row ``pos % W`` (after attention:
@@ -73,7 +87,7 @@ class Attention(nn.Module):
         W, S = self.window, kv.shape[1]
         keep = min(S, W)
         rows = torch.remainder(ctx.positions[:, S - keep:], W)                      # [B, keep]
-        cache.ring.write(ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
+        fused.store_rows(cache.ring, ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments

@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from ..parallel import SINGLE, ParallelGroup
 
 
 class Linear(nn.Module):
@@ -100,6 +101,30 @@ class Linear(nn.Module):
         return ops.linear(x, self.w, act_quant, pow2)
 
 
+class VocabEmbedding(nn.Module):
+    """Token embedding ``weight [V/N, D]``: rows ``[vocab_start, vocab_start + V/N)`` of the vocabulary
+    on this rank (vocab parallel; the whole table at world size 1).
+
+    A rank looks up the ids it holds and writes zeros for the others; the sum over ranks (one
+    all-reduce) is then every token's row, exactly (``x + 0``).
+    """
+
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, tp: ParallelGroup = SINGLE, name: str = "embed"):
+        super().__init__()
+        self.tp, self.vocab = tp, vocab
+        self.vocab_start, stop = tp.local_range(vocab, "vocab entries (vocab_size)", f"{name}.weight")
+        self.weight = nn.Parameter(torch.empty(stop - self.vocab_start, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [...]`` int64 -> ``[..., D]``."""
+        if not self.tp.parallel:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = nn.functional.embedding(torch.where(mine, local, 0), self.weight)
+        return self.tp.all_reduce_sum(rows * mine.unsqueeze(-1).to(rows.dtype))
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an fp32 weight (the precision floor keeps norms in fp32)."""
 
@@ -153,6 +178,14 @@ class ForwardContext:
     def rope_at(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for other positions (compressed entries sit at their window's first position)."""
         return ops.rope_cos_sin(positions, self.inv_freq[kind])
+
+    def window_rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, S, rd/2]`` at each token's window start ``pos // ratio * ratio`` (where its
+        compressed entry sits), computed once per forward and ratio (every compressor shares it)."""
+        cache = self.__dict__.setdefault("_window_rope", {})
+        if ratio not in cache:
+            cache[ratio] = self.rope_at("compress", self.positions // ratio * ratio)
+        return cache[ratio]
 
     def entry_bound(self, ratio: int, max_entries: int) -> int:
         """How many compressed entries (ratio ``ratio``) any query of this forward can see, >= 1."""

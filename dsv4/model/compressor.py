@@ -20,16 +20,22 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import fused
 from .cache import CompressorState
 from .common import ForwardContext, Linear, RMSNorm, fp32_param
 
 
 class Compressor(nn.Module):
-    """Parameters ``wkv``, ``wgate`` ``[width, D]``, ``ape [m, width]``, ``norm [dim]`` (official names)."""
+    """Parameters ``wkv``, ``wgate`` ``[width, D]``, ``ape [m, width]``, ``norm [dim]`` (official names).
 
-    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype):
+    ``rotate``: entries get the indexer's Hadamard rotation after RoPE (what its ``finish`` does),
+    for the fused decode step.
+    """
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype,
+                 rotate: bool = False):
         super().__init__()
-        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.dim, self.ratio, self.overlap, self.rotate = dim, ratio, overlap, rotate
         width = 2 * dim if overlap else dim
         self.wkv = Linear(hidden, width, dtype)
         self.wgate = Linear(hidden, width, dtype)
@@ -48,7 +54,13 @@ class Compressor(nn.Module):
         B, S, _ = x.shape
         f32 = torch.float32
         kv = ops.linear(x, self.wkv.w, ctx.qat_sim, ctx.pow2, out_dtype=f32)                # [B, S, width]
-        gate = ops.linear(x, self.wgate.w, ctx.qat_sim, ctx.pow2, out_dtype=f32) + self.ape[ctx.positions % m]
+        gate = ops.linear(x, self.wgate.w, ctx.qat_sim, ctx.pow2, out_dtype=f32)
+        if S == 1:       # decode: the window row, the closing entry and its store in one op
+            cos, sin = ctx.window_rope(m)
+            fused.compressor_step(kv, gate, self.ape, state, slots, ctx.positions, self.norm.weight, self.norm.eps,
+                                  cos, sin, self.rotate)
+            return
+        gate = gate + self.ape[ctx.positions % m]
 
         # Aligned buffer: row j holds position w0*m + j, w0 = the slot's open window.
         n_win = (m - 1 + S) // m + 1            # windows that can close, +1 for the next open one
@@ -74,7 +86,7 @@ class Compressor(nn.Module):
         n_closed = (offset + S) // m                                          # [B]
         closed = torch.arange(n_win, device=x.device).unsqueeze(0) < n_closed.unsqueeze(1)
         target = torch.where(closed, index, torch.full_like(index, state.max_entries))
-        state.entries.write(slots.unsqueeze(1), target, entry)
+        fused.store_rows(state.entries, slots.unsqueeze(1), target, entry)
 
         # The new open window is window n_closed of the buffer; the last closed one feeds the overlap.
         pick = n_closed.view(B, 1, 1, 1).expand(-1, 1, m, win_kv.shape[-1])

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import fused
 from ..config import ModelConfig
 from .cache import CompressorState
 from .common import ForwardContext, Linear
@@ -30,7 +31,8 @@ class Indexer(nn.Module):
         self.rope_dim, self.eps = c.rope_dim, c.rms_norm_eps
         self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, dtype)
         self.weights_proj = Linear(c.hidden_size, c.index_n_heads, dtype)
-        self.compressor = Compressor(c.hidden_size, c.index_head_dim, ratio, True, c.rms_norm_eps, dtype)
+        self.compressor = Compressor(c.hidden_size, c.index_head_dim, ratio, True, c.rms_norm_eps, dtype,
+                                     rotate=True)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, state: CompressorState
                 ) -> torch.Tensor:
@@ -48,9 +50,7 @@ class Indexer(nn.Module):
         self.compressor(x, ctx, state, finish)
 
         q = ops.linear(qr, self.wq_b.w, ctx.qat_sim, ctx.pow2).unflatten(-1, (self.n_heads, self.dim))
-        q = ops.hadamard(ops.apply_rope(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2)))  # [B, S, nI, d]
-        if ctx.qat_sim:
-            q = ops.fp4_sim(q)
+        q = fused.rope_hadamard(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2), ctx.qat_sim)  # [B, S, nI, d]
         w = ops.linear(x, self.weights_proj.w, ctx.qat_sim, ctx.pow2, out_dtype=torch.float32)
         w = w * (self.dim ** -0.5 * self.n_heads ** -0.5)
         bound = ctx.entry_bound(self.ratio, state.max_entries)

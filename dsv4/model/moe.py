@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from ..parallel import SINGLE, ParallelGroup
 from .common import ForwardContext, Linear, fp32_param
 
 
@@ -72,18 +73,32 @@ class Gate(Linear):
 
 
 class MoE(nn.Module):
-    """Official names: ``gate``, ``experts.{e}.w1/w2/w3`` (stacked: ``experts.w1``), ``shared_experts.*``."""
+    """Official names: ``gate``, ``experts.{e}.w1/w2/w3`` (stacked: ``experts.w1``), ``shared_experts.*``.
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+    Expert parallel (``tp``): a rank holds the ``E/N`` whole experts ``[expert_start, expert_start +
+    E/N)`` under local indices ``0 .. E/N - 1`` and the shared expert's slice ``I/N`` of its
+    intermediate dim (``w1``/``w3`` rows, ``w2`` columns). The router is replicated: every rank routes
+    every token, runs the picks it holds (the others become ``-1``), and one all-reduce sums the
+    routed and shared partial outputs of all ranks.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
+                 prefix: str | None = None):
         super().__init__()
         c = config
+        prefix = prefix or f"layers.{layer}.ffn"
         is_hash = layer < c.num_hidden_layers and c.hash_layers[layer]
-        self.limit, self.dtype = c.swiglu_limit, dtype
+        self.tp, self.limit, self.dtype = tp, c.swiglu_limit, dtype
+        self.n_experts = c.n_routed_experts
+        self.expert_start, stop = tp.local_range(c.n_routed_experts, "routed experts (n_routed_experts)",
+                                                 f"{prefix}.experts")
         self.gate = Gate(c, is_hash, dtype)
         self.experts: nn.Module = nn.ModuleList(
-            Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype) for _ in range(c.n_routed_experts))
-        self.shared_experts = (Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
-                               if c.n_shared_experts else None)
+            Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
+            for _ in range(stop - self.expert_start))
+        inter = tp.split(c.moe_intermediate_size, "intermediate channels (moe_intermediate_size)",
+                         f"{prefix}.shared_experts.w1.weight") if c.n_shared_experts else 0
+        self.shared_experts = (Expert(c.hidden_size, inter, c.swiglu_limit, dtype) if c.n_shared_experts else None)
 
     @property
     def stacked(self) -> bool:
@@ -118,7 +133,16 @@ class MoE(nn.Module):
         flat = x.flatten(0, 1)
         weights, ids = self.gate.route(flat, ctx.token_ids.flatten())
         ex = self.experts
-        out = ops.moe(flat, ids, weights, ex.w1.w, ex.w3.w, ex.w2.w, self.limit, ctx.qat_sim, ctx.pow2)
+        out = ops.moe(flat, self.local_ids(ids), weights, ex.w1.w, ex.w3.w, ex.w2.w, self.limit, ctx.qat_sim,
+                      ctx.pow2)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat, ctx)
-        return out.view_as(x)
+        return self.tp.all_reduce_sum(out).view_as(x)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids ``[T, k]`` -> indices into this rank's experts, ``-1`` for other ranks'."""
+        n_local = self.experts.w1.experts
+        if n_local == self.n_experts:
+            return ids
+        local = ids - self.expert_start
+        return torch.where((local >= 0) & (local < n_local), local, -1)

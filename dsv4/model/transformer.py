@@ -13,59 +13,51 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from ..parallel import SINGLE, ParallelGroup
+from .block import Block
 from .cache import LayerCache
-from .attention import Attention
-from .common import ForwardContext, Linear, RMSNorm, RopeTables
-from .mhc import Mixer, add_head_params, add_mixer_params, collapse_head
+from .common import ForwardContext, Linear, RMSNorm, RopeTables, VocabEmbedding
+from .mhc import add_head_params, collapse_head
 from .moe import MoE
-
-
-class Block(nn.Module):
-    """``h = post(attn(attn_norm(pre_attn(h))))`` then the same with the MoE and ``ffn_norm``."""
-
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
-        super().__init__()
-        c = config
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        add_mixer_params(self, "hc_attn", c.hc_mult, c.hidden_size)
-        add_mixer_params(self, "hc_ffn", c.hc_mult, c.hidden_size)
-        self.attn = Attention(c, layer, dtype)
-        self.ffn = MoE(c, layer, dtype)
-        self._mix_attn = Mixer(self, "hc_attn", c)
-        self._mix_ffn = Mixer(self, "hc_ffn", c)
-
-    def forward(self, h: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
-        """``h [B, S, nc, D]`` -> ``[B, S, nc, D]``."""
-        y, post, comb = self._mix_attn.pre(h)
-        h = Mixer.post(self.attn(self.attn_norm(y), ctx, cache), h, post, comb)
-        y, post, comb = self._mix_ffn.pre(h)
-        return Mixer.post(self.ffn(self.ffn_norm(y), ctx), h, post, comb)
+from .mtp import MTPBlock
 
 
 class Transformer(nn.Module):
-    """Official names: ``embed``, ``layers.{i}``, ``hc_head_*``, ``norm``, ``head`` (+ ``mtp.{i}``)."""
+    """Official names: ``embed``, ``layers.{i}``, ``hc_head_*``, ``norm``, ``head`` (+ ``mtp.{i}``).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True):
+    ``parallel`` (default: world size 1) builds this rank's shard of the network with local sizes:
+    vocab-parallel ``embed`` and ``head``, attention heads/groups and experts split (see
+    :mod:`dsv4.parallel`). A size that does not divide raises :class:`~dsv4.parallel.ShardError`
+    naming the tensor.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
+                 parallel: ParallelGroup | None = None):
         super().__init__()
         c = self.config = config
+        tp = self.tp = parallel or SINGLE
         self.dtype = dtype
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Block(c, i, dtype) for i in range(c.num_hidden_layers))
+        self.embed = VocabEmbedding(c.vocab_size, c.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(Block(c, i, dtype, tp) for i in range(c.num_hidden_layers))
         add_head_params(self, c.hc_mult, c.hidden_size)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.head = Linear(c.hidden_size, c.vocab_size, dtype)
+        self.head = Linear(c.hidden_size, tp.split(c.vocab_size, "vocab entries (vocab_size)", "head.weight"), dtype)
         if with_mtp and c.num_nextn_predict_layers:
-            from .mtp import MTPBlock
-            self.mtp = nn.ModuleList(MTPBlock(c, dtype) for _ in range(c.num_nextn_predict_layers))
+            self.mtp = nn.ModuleList(MTPBlock(c, dtype, tp, f"mtp.{i}") for i in range(c.num_nextn_predict_layers))
         self.init_rope(self.embed.weight.device)
 
     def init_rope(self, device: torch.device | str) -> None:
         """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build)."""
         c = self.config
-        inv = {"main": ops.rope_inv_freq(c.rope_dim, c.rope_theta),
-               "compress": ops.rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)}
+        device = torch.device(device)
+        if device.type == "meta":   # a skeleton: shapes only (computing on meta costs seconds of imports)
+            for kind in ("main", "compress"):
+                self.register_buffer(f"inv_freq_{kind}", torch.empty(c.rope_dim // 2, device=device),
+                                     persistent=False)
+            return
+        with torch.device("cpu"):
+            inv = {"main": ops.rope_inv_freq(c.rope_dim, c.rope_theta),
+                   "compress": ops.rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)}
         for kind, freqs in inv.items():
             self.register_buffer(f"inv_freq_{kind}", freqs.to(device), persistent=False)
 
@@ -112,7 +104,12 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams ``[..., nc, D]`` -> fp32 logits ``[..., vocab]``."""
         y = self.norm(collapse_head(self, h, self.config))
-        return ops.linear(y, self.head.w, out_dtype=torch.float32)
+        return self.project_head(y)
+
+    def project_head(self, y: torch.Tensor) -> torch.Tensor:
+        """Normed hidden ``[..., D]`` -> fp32 logits ``[..., vocab]`` (each rank computes its vocab
+        slice; one all-gather assembles them)."""
+        return self.tp.all_gather(ops.linear(y, self.head.w, out_dtype=torch.float32), dim=-1)
 
     def forward(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                 caches: list[LayerCache], qat_sim: bool = False, last_only: bool = False,

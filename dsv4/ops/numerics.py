@@ -131,7 +131,7 @@ def fp8_quantize(x: torch.Tensor, block: int, pow2: bool = True) -> tuple[torch.
     ``[..., ceil(n / block)]``.
     """
     n = x.shape[-1]
-    xb = _blocks(x, block)
+    xb = _blocks(x, block).float()     # in fp32, as DeepSeek's kernels: a bf16 scale or quotient would round
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
     scale = amax / FP8_E4M3_MAX
     if pow2:
@@ -158,20 +158,51 @@ def fp4_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     bytes uint8 ``[..., n / 2]`` and the scales as e8m0 bytes uint8 ``[..., ceil(n / block)]``.
     """
     n = x.shape[-1]
-    xb = _blocks(x, block)
+    xb = _blocks(x, block).float()
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)
     scale = pow2_ceil(amax / E2M1_MAX)
     codes = e2m1_codes(xb / scale).flatten(-2)[..., :n]
     return pack_e2m1(codes), pow2_to_e8m0(scale.squeeze(-1))
 
 
+_BYTE_LUTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def e2m1_byte_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[256, 2]``: the two e2m1 values of each packed byte (low nibble first), in ``dtype``.
+
+    Built on the device from ``arange`` (no host copy) and cached per (device, dtype); the first
+    call must happen outside CUDA-graph capture (a warm-up forward does it).
+    """
+    key = (torch.device(device), dtype)
+    if key not in _BYTE_LUTS:
+        codes = unpack_e2m1(torch.arange(256, device=device).to(torch.uint8)).view(256, 2)
+        _BYTE_LUTS[key] = e2m1_decode(codes, dtype)
+    return _BYTE_LUTS[key]
+
+
+def fp4_values(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed bytes ``[..., n/2]`` (uint8 / int8 / float4_e2m1fn_x2) -> e2m1 values ``[..., n]``
+    (one table lookup per byte)."""
+    p = packed if packed.dtype == torch.uint8 else packed.view(torch.uint8)
+    return e2m1_byte_table(p.device, dtype)[p.int()].flatten(-2)
+
+
 def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`fp4_quantize`: packed ``[..., n/2]`` + e8m0 scales -> values ``[..., n]``."""
-    values = e2m1_decode(unpack_e2m1(packed))
+    """Inverse of :func:`fp4_quantize`: packed ``[..., n/2]`` + e8m0 scales -> values ``[..., n]``.
+
+    e2m1 values times a power of two are exact in bf16 (same exponent range as fp32), so a bf16
+    result is computed in bf16 (half the traffic); any other dtype through fp32.
+    """
+    work = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    values = fp4_values(packed, work)
     n = values.shape[-1]
-    vb = _blocks(values, block)
-    return (vb * e8m0_to_float(scale).unsqueeze(-1)).flatten(-2)[..., :n].to(dtype)
+    s = e8m0_to_float(scale).to(work).unsqueeze(-1)
+    if n % block == 0:
+        return (values.view(*values.shape[:-1], n // block, block) * s).view(values.shape).to(dtype)
+    vb = F.pad(values, (0, -n % block)).unflatten(-1, (-(-n // block), block))
+    return (vb * s).flatten(-2)[..., :n].to(dtype)
 
 
 # ----------------------------------------------------------------------------- simulations

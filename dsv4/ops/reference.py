@@ -11,8 +11,11 @@ Shapes use: ``T`` tokens (flattened batch), ``H`` query heads, ``hd`` head dim, 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from functools import lru_cache
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -234,10 +237,29 @@ def grouped_linear(x: torch.Tensor, w: object, groups: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- MoE
 #: routed (token, expert) pairs up to which the MoE reference gathers each pair's expert weights
-#: (no host sync: decode, graph capture); above it, tokens are grouped by expert (prefill).
-MOE_GATHER_PAIRS = 256
+#: even in eager mode; above it, and always unless host reads are forbidden, tokens are grouped by
+#: expert (one host read of the per-expert counts; each selected expert read once, in place).
+MOE_GATHER_PAIRS = 0
 #: bytes of dequantized expert weights the gather path holds at once
 MOE_GATHER_BYTES = 256 << 20
+_SYNC_FREE = threading.local()
+
+
+@contextlib.contextmanager
+def sync_free() -> Iterator[None]:
+    """Within the block (this thread) the reference ops read no device value on the host, so a
+    forward can be captured in a CUDA graph (the runner's capture, and tests, use it). CUDA graph
+    capture in progress implies it."""
+    old = getattr(_SYNC_FREE, "on", False)
+    _SYNC_FREE.on = True
+    try:
+        yield
+    finally:
+        _SYNC_FREE.on = old
+
+
+def host_reads_forbidden(x: torch.Tensor) -> bool:
+    return getattr(_SYNC_FREE, "on", False) or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: object, w3: object,
@@ -251,20 +273,19 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1:
     before ``w2``'s input is rounded), ``y = h w2^T``. With ``act_quant`` the inputs of FP8/FP4 experts are rounded
     to e4m3 per 1x128 block first. Returns ``[T, D]`` in ``x.dtype``.
 
-    Only the selected experts are touched. Up to :data:`MOE_GATHER_PAIRS` pairs (and whenever a
-    CUDA graph is being captured) each pair's expert weights are gathered by index on the device:
-    no host read, fixed shapes. Above it (prefill) tokens are grouped by expert, which reads the
-    per-expert counts on the host once.
+    Only the selected experts are touched. Where host reads are forbidden (:func:`sync_free`, CUDA
+    graph capture) each pair's expert weights are gathered by index on the device: no host read,
+    fixed shapes. Otherwise tokens are grouped by expert, which reads the per-expert counts on the
+    host once and reads each selected expert once, in place.
     """
     T, k = topk_ids.shape
     pairs = T * k
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     expert = _expert_fn(w1, w3, w2, limit, act_quant, pow2, x.dtype)
     ids = topk_ids.reshape(-1)
     tok = torch.arange(T, device=x.device).repeat_interleave(k)
     route_w = topk_weights.reshape(-1, 1).float()
     y = torch.zeros(pairs, x.shape[1], dtype=torch.float32, device=x.device)
-    if pairs <= MOE_GATHER_PAIRS or capturing:
+    if pairs <= MOE_GATHER_PAIRS or host_reads_forbidden(x):
         per_pair = _expert_bytes(w1, w3, w2, x.dtype)
         chunk = max(1, min(pairs, MOE_GATHER_BYTES // max(per_pair, 1)))
         for lo in range(0, pairs, chunk):
@@ -278,8 +299,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1:
         for e, n in enumerate(counts):
             if n:
                 rows = order[offset:offset + n]
-                sel = torch.full((1,), e, dtype=torch.int64, device=x.device)
-                y[rows] = expert(x[tok[rows]].unsqueeze(0), sel, route_w[rows].unsqueeze(0)).squeeze(0)
+                y[rows] = expert(x[tok[rows]].unsqueeze(0), e, route_w[rows].unsqueeze(0)).squeeze(0)
                 offset += n
     y = torch.where((ids >= 0).unsqueeze(-1), y, 0.0)
     return y.view(T, k, -1).sum(1).to(x.dtype)
@@ -291,8 +311,12 @@ def _expert_bytes(w1: object, w3: object, w2: object, dtype: torch.dtype) -> int
     return sum(w.shape[-1] * w.shape[-2] for w in (w1, w3, w2)) * size
 
 
-def _select(w: object, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Experts ``ids`` of a stacked weight as ``dtype`` ``[n, N, K]`` (only those bytes are read)."""
+def _select(w: object, ids: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
+    """Experts ``ids`` (a device index tensor ``[n]``, or one host-known expert) of a stacked weight
+    as ``dtype`` ``[n, N, K]`` (only those bytes are read; a host-known plain expert is a view)."""
+    if isinstance(ids, int):
+        one = w[ids] if isinstance(w, torch.Tensor) else w.expert(ids).dequantize(dtype)
+        return one.to(dtype).unsqueeze(0)
     if isinstance(w, torch.Tensor):
         return w.index_select(0, ids).to(dtype)
     return w.select_experts(ids).dequantize(dtype)
@@ -492,3 +516,4 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     idx = torch.arange(n, device=scores.device, dtype=torch.int64)
     key = (ordered << 32) | (0xFFFFFFFF - idx)
     return (0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF))
+from .reference_fused import *  # noqa

@@ -163,6 +163,10 @@ def _tag_end(buf: str, final: bool) -> int | None:
     return len(buf) if final else None
 
 
+#: stray text inside a tool block is reported (and the block failed) after at most this many characters
+_STRAY_TEXT = 80
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -310,14 +314,15 @@ class StreamingParser:
     def _fail(self, message: str, end: int) -> _MarkupError:
         return _MarkupError(message, "".join(self._block) + self._buf[:end])
 
-    def _unexpected(self, where: str, final: bool) -> bool:
-        """Text that is no element here: fail once its line is complete (so the error reads alike
-        in any chunking); False while the line is still growing."""
-        end = self._buf.find("\n")
-        if end == -1 and not final:
+    def _unexpected(self, where: str, final: bool, closers: tuple[str, ...] = ()) -> bool:
+        """Text that is no element here: fail as soon as the stray text's extent is certain (up to
+        a newline, a closing tag in ``closers``, or 80 characters, whichever comes first), so the
+        error reads alike in any chunking and comes early; False while that is undecided."""
+        pos, found = _scan(self._buf, ("\n",) + closers, final)
+        if found is None and pos < _STRAY_TEXT and not final:
             return False
-        end = len(self._buf) if end == -1 else end
-        raise self._fail(f"unexpected text {where}: {self._buf[:end][:80]!r}", end)
+        end = min(pos, _STRAY_TEXT)
+        raise self._fail(f"unexpected text {where}: {self._buf[:end]!r}", end)
 
     def _step_tag(self, final: bool) -> bool:
         """"<｜DSML｜tool_calls" must be closed by ">" at once."""
@@ -355,7 +360,7 @@ class StreamingParser:
             raise self._fail(f"unclosed {TOOL_CALLS_TAG}> block before {EOS}", len(EOS))
         if not self._buf:
             raise self._fail(f"unclosed {TOOL_CALLS_TAG}> block at end of text", 0)
-        return self._unexpected(f"in {TOOL_CALLS_TAG}> block", final)
+        return self._unexpected(f"in {TOOL_CALLS_TAG}> block", final, (TOOL_CALLS_CLOSE,))
 
     def _step_invoke(self, final: bool, events: list[Event]) -> bool:
         """Inside an invoke: open the next parameter, close the invoke (emitting its call), or fail."""
@@ -377,7 +382,7 @@ class StreamingParser:
             raise self._fail(f"unclosed {INVOKE_OPEN}> before {found}", len(found))
         if not self._buf:
             raise self._fail(f"unclosed {INVOKE_OPEN}> at end of text", 0)
-        return self._unexpected(f"in {INVOKE_OPEN}> {self._name!r}", final)
+        return self._unexpected(f"in {INVOKE_OPEN}> {self._name!r}", final, (INVOKE_CLOSE, TOOL_CALLS_CLOSE))
 
     def _open_parameter(self, final: bool) -> bool:
         """`<｜DSML｜parameter name="KEY" string="true|false">`: start reading its value."""

@@ -17,9 +17,19 @@ from typing import Iterable
 
 import tokenizers
 
+from ..errors import Dsv4Error
+
 DEFAULT_BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 DEFAULT_EOS_TOKEN = "<｜end▁of▁sentence｜>"
 REPLACEMENT_CHAR = "\ufffd"  # what decoding puts in place of incomplete/invalid UTF-8 bytes
+
+
+class TokenizerError(Dsv4Error, ValueError):
+    """A tokenizer file is corrupt or lacks its BOS/EOS tokens (the message names the file)."""
+
+
+class TokenizerNotFoundError(Dsv4Error, FileNotFoundError):
+    """A checkpoint directory has no ``tokenizer.json``."""
 
 
 def _token_string(value: object, field: str, path: Path) -> str:
@@ -27,7 +37,7 @@ def _token_string(value: object, field: str, path: Path) -> str:
     if isinstance(value, dict):
         value = value.get("content")
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{path}: field {field!r} must be a token string, got {value!r}")
+        raise TokenizerError(f"{path}: field {field!r} must be a token string, got {value!r}")
     return value
 
 
@@ -57,17 +67,19 @@ class Tokenizer:
         """Load `tokenizer.json` (and optional `tokenizer_config.json`) from a directory.
 
         Raises:
-            FileNotFoundError: `tokenizer.json` is missing (the message names the file).
-            ValueError: either file is corrupt, or the BOS/EOS strings are not in the vocabulary.
+            TokenizerNotFoundError (a FileNotFoundError): `tokenizer.json` is missing (the message
+                names the file).
+            TokenizerError (a ValueError): either file is corrupt, or the BOS/EOS strings are not
+                in the vocabulary.
         """
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {tok_file}")
+            raise TokenizerNotFoundError(f"tokenizer file not found: {tok_file}")
         try:
             hf = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as exc:  # the Rust loader raises a bare Exception
-            raise ValueError(f"cannot load tokenizer file {tok_file}: {exc}") from exc
+            raise TokenizerError(f"cannot load tokenizer file {tok_file}: {exc}") from exc
 
         bos, eos = DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKEN
         cfg_file = path / "tokenizer_config.json"
@@ -75,9 +87,9 @@ class Tokenizer:
             try:
                 cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ValueError(f"corrupt tokenizer config {cfg_file}: {exc}") from exc
+                raise TokenizerError(f"corrupt tokenizer config {cfg_file}: {exc}") from exc
             if not isinstance(cfg, dict):
-                raise ValueError(f"corrupt tokenizer config {cfg_file}: expected a JSON object")
+                raise TokenizerError(f"corrupt tokenizer config {cfg_file}: expected a JSON object")
             if cfg.get("bos_token") is not None:
                 bos = _token_string(cfg["bos_token"], "bos_token", cfg_file)
             if cfg.get("eos_token") is not None:
@@ -85,7 +97,7 @@ class Tokenizer:
         try:
             return cls(hf, bos, eos)
         except KeyError as exc:
-            raise ValueError(f"{path}: {exc.args[0]}") from exc
+            raise TokenizerError(f"{path}: {exc.args[0]}") from exc
 
     @property
     def bos_id(self) -> int:

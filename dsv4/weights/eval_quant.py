@@ -12,7 +12,9 @@ compressor/indexer helpers), it reports:
     bytes          tensor bytes of the variant checkpoint
 
 A group's numbers do not depend on the policy (its format is the same in both), so each is
-measured once per format and reported under every policy that quantizes it.
+measured once per format and reported under every policy that quantizes it. A progress bar counts
+the tokens run through the source and every variant; sequences longer than the model's
+``max_position_embeddings`` are refused before anything runs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,8 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..engine.runner import Runner
+from ..errors import UsageError
+from ..progress import progress_bar
 from .loader import INDEX_FILE, list_shards, load_model
 from .quantize import check_args, linear_group, quantize_checkpoint
 
@@ -73,15 +76,21 @@ def held_out_sequences(src: Path, vocab_size: int, n_seqs: int, seq_len: int, se
     return [torch.randint(2, vocab_size, (seq_len,), generator=gen, dtype=torch.int64) for _ in range(n_seqs)]
 
 
-def model_logits(path: Path, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def model_logits(path: Path, seqs: Sequence[torch.Tensor], bar=None) -> list[torch.Tensor]:
     """fp32 logits ``[seq_len, vocab]`` of every position of each sequence, checkpoint at ``path``
-    loaded in float32 (quantized weights stay packed)."""
+    loaded in float32 (quantized weights stay packed). ``bar`` (a tqdm) advances per token."""
     model, _ = load_model(path, dtype=torch.float32, progress=False)
     runner = Runner(model, max_slots=1, max_context=max(len(s) for s in seqs) + 8)
     out = []
     for ids in seqs:
         runner.reset([0])
-        out.append(runner.prefill(0, ids, all_logits=True).float())
+        chunks = []
+        for lo in range(0, len(ids), runner.prefill_chunk):  # the runner's own chunks: same numbers
+            chunk = ids[lo:lo + runner.prefill_chunk]
+            chunks.append(runner.prefill(0, chunk, all_logits=True).float())
+            if bar is not None:
+                bar.update(len(chunk))
+        out.append(torch.cat(chunks))
     return out
 
 
@@ -114,20 +123,20 @@ def _source_groups(src: Path) -> set[str]:
 class _Evaluator:
     """Quantizes one variant at a time into ``work``, measures it against the source, removes it."""
 
-    def __init__(self, src: Path, work: Path, seqs: list[torch.Tensor], dense_format: str, verbose: bool):
-        self.src, self.work, self.seqs, self.dense_format, self.verbose = src, work, seqs, dense_format, verbose
-        self.ref = model_logits(src, seqs)
+    def __init__(self, src: Path, work: Path, seqs: list[torch.Tensor], dense_format: str, bar):
+        self.src, self.work, self.seqs, self.dense_format, self.bar = src, work, seqs, dense_format, bar
+        bar.set_description("eval-quant: source")
+        self.ref = model_logits(src, seqs, bar)
         self.source_bytes = _checkpoint_bytes(src)
 
     def measure(self, fmt: str, policy: str, only_groups: set[str] | None) -> dict[str, float]:
         label = f"{fmt}-{policy}-{'-'.join(sorted(only_groups)) if only_groups else TOTAL}"
         dst = self.work / label
-        if self.verbose:
-            print(f"eval-quant: {label}", file=sys.stderr)
+        self.bar.set_description(f"eval-quant: {label}")
         try:
             quantize_checkpoint(self.src, dst, fmt, policy, self.dense_format, progress=False,
-                                overwrite=True, only_groups=only_groups)
-            metrics = compare_logits(self.ref, model_logits(dst, self.seqs))
+                                overwrite=True, only_groups=only_groups, device="cpu")
+            metrics = compare_logits(self.ref, model_logits(dst, self.seqs, self.bar))
             metrics["bytes"] = _checkpoint_bytes(dst)
         finally:
             shutil.rmtree(dst, ignore_errors=True)
@@ -149,33 +158,48 @@ def eval_quant(src: Path, formats: list[str], policies: list[str], n_seqs: int =
         for policy in policies:
             check_args(fmt, policy, dense_format, "ue8m0")
     if n_seqs <= 0 or seq_len <= 1:
-        raise ValueError(f"need at least one sequence of >= 2 tokens, got {n_seqs} x {seq_len}")
+        raise UsageError(f"need at least one sequence of >= 2 tokens, got {n_seqs} x {seq_len}")
     config = ModelConfig.from_file(src / "config.json")
+    if seq_len > config.max_position_embeddings:
+        raise UsageError(f"sequence length (--length) {seq_len:,} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings:,}, {src / 'config.json'})")
     seqs = held_out_sequences(src, config.vocab_size, n_seqs, seq_len, seed)
-    present = _source_groups(src)
+    plan = _plan(formats, policies, _source_groups(src))
     if work_dir is not None:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="dsv4-eval-quant-", dir=work_dir) as work:
-        ev = _Evaluator(src, Path(work), seqs, dense_format, verbose)
+    runs = 1 + len({key for _, _, key in plan})  # the source, then every distinct variant
+    with tempfile.TemporaryDirectory(prefix="dsv4-eval-quant-", dir=work_dir) as work, \
+            progress_bar(verbose, total=runs * n_seqs * seq_len, unit="tok", unit_scale=True) as bar:
+        ev = _Evaluator(src, Path(work), seqs, dense_format, bar)
         rows: list[dict] = []
-        per_group: dict[tuple[str, str], dict[str, float]] = {}
-        for fmt in formats:
-            for policy in policies:
-                rows.append({"format": fmt, "policy": policy, "group": TOTAL, **ev.measure(fmt, policy, None)})
-                groups = BASE_GROUPS + (ALL_ONLY_GROUPS if policy == "all" else ())
-                for group in groups:
-                    if group not in present:
-                        continue
-                    if (fmt, group) not in per_group:
-                        # a group's format does not depend on the policy: measure it once, under "all"
-                        per_group[fmt, group] = ev.measure(fmt, "all", {group})
-                    rows.append({"format": fmt, "policy": policy, "group": group, **per_group[fmt, group]})
+        measured: dict[tuple, dict[str, float]] = {}
+        for fmt, policy, (m_fmt, m_policy, group) in plan:
+            key = (m_fmt, m_policy, group)
+            if key not in measured:
+                measured[key] = ev.measure(m_fmt, m_policy, None if group == TOTAL else {group})
+            rows.append({"format": fmt, "policy": policy, "group": group, **measured[key]})
         source_bytes = ev.source_bytes
     if verbose:
         print(format_table(rows, source_bytes, n_seqs, seq_len))
     if csv_path is not None:
         write_csv(rows, Path(csv_path))
     return rows
+
+
+def _plan(formats: list[str], policies: list[str], present: set[str]) -> list[tuple[str, str, tuple]]:
+    """Rows to report as ``(format, policy, (format, policy, group) to measure)``.
+
+    A group's numbers do not depend on the policy (its format is the same in both), so a group
+    row is measured once per format, under ``all``, and shared by every policy that quantizes it.
+    """
+    plan = []
+    for fmt in formats:
+        for policy in policies:
+            plan.append((fmt, policy, (fmt, policy, TOTAL)))
+            for group in BASE_GROUPS + (ALL_ONLY_GROUPS if policy == "all" else ()):
+                if group in present:
+                    plan.append((fmt, policy, (fmt, "all", group)))
+    return plan
 
 
 def format_table(rows: Sequence[dict], source_bytes: int | None = None, n_seqs: int | None = None,

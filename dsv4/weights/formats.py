@@ -27,6 +27,7 @@ from typing import Any, Callable, ClassVar, Self, Sequence
 
 import torch
 
+from ..errors import Dsv4Error
 from ..ops import numerics
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-class WeightFormatError(ValueError):
+class WeightFormatError(Dsv4Error, ValueError):
     """A tensor does not match the declared weight format (message names the tensor)."""
 
 
@@ -50,6 +51,7 @@ _E8M0_DTYPES = (torch.uint8,) + (
     (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
 )
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_E2M1_RMS = math.sqrt(sum(v * v for v in numerics.E2M1_VALUES[:8]) / 8)  # RMS of uniform e2m1 codes
 
 
 # ----------------------------------------------------------------------------- bit helpers
@@ -113,6 +115,12 @@ def _ceil_pow2_exponent(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- validation
 
+def _any(mask: torch.Tensor) -> bool:
+    """``mask.any()`` read on the host. False on the ``meta`` device: header-only checks of a
+    checkpoint build the same weights from data-less tensors, where only shapes can be checked."""
+    return not mask.is_meta and bool(mask.any())
+
+
 def _err(name: str | None, msg: str) -> WeightFormatError:
     return WeightFormatError(f"{name or '<unnamed weight>'}: {msg}")
 
@@ -139,7 +147,7 @@ def _as_uint8(t: Any, name: str | None, what: str, dtypes: Sequence[torch.dtype]
 def _as_e8m0(t: Any, name: str | None, what: str) -> torch.Tensor:
     """e8m0 scale (float8_e8m0fnu or uint8) -> uint8 exponent bits; code 255 (NaN) rejected."""
     bits = _as_uint8(t, name, what, _E8M0_DTYPES)
-    if bool((bits == 255).any()):
+    if _any(bits == 255):
         raise _err(name, f"{what} contains e8m0 code 255 (NaN)")
     return bits
 
@@ -162,9 +170,9 @@ def _require_device(tensors: Sequence[torch.Tensor | None], name: str | None) ->
 
 
 def _check_float_scale(t: torch.Tensor, name: str | None, what: str) -> None:
-    if not bool(torch.isfinite(t).all()):
+    if _any(~torch.isfinite(t)):
         raise _err(name, f"{what} contains NaN or Inf")
-    if bool((t < 0).any()):
+    if _any(t < 0):
         raise _err(name, f"{what} contains negative values")
 
 
@@ -277,6 +285,17 @@ class QuantWeight:
         if not self.is_stacked:
             raise _err(self.name, f"select_experts needs a stacked [E, N, K] weight, shape is {self.shape}")
         return self._map(lambda t: t.index_select(0, ids))
+
+    @classmethod
+    def _unchecked(cls, name: str | None = None, **attrs: Any) -> Self:
+        """An instance over trusted tensors, without validation (random weights, slicing)."""
+        out = cls.__new__(cls)
+        out.name = name
+        for k in cls._tensors:
+            setattr(out, k, attrs.pop(k, None))
+        for k, v in attrs.items():
+            setattr(out, k, v)
+        return out
 
     def slice_experts(self, start: int, stop: int) -> Self:
         """Experts ``[start, stop)`` of a stacked weight (views)."""
@@ -423,9 +442,29 @@ class Fp8BlockWeight(QuantWeight):
         b = self.block
         if n % b or k % b:
             return self.dequantize_rows(0, n, dtype)
-        s = e8m0_to_float(self.scale) if self.scale_ue8m0 else self.scale
-        w = self.weight.float().view(*lead, n // b, b, k // b, b)
+        # power-of-two scales times e4m3 values are exact in bf16: stay in bf16 (half the traffic)
+        work = torch.bfloat16 if (dtype == torch.bfloat16 and self.scale_ue8m0) else torch.float32
+        s = (e8m0_to_float(self.scale) if self.scale_ue8m0 else self.scale).to(work)
+        w = self.weight.to(work).view(*lead, n // b, b, k // b, b)
         return (w * s.unsqueeze(-1).unsqueeze(-3)).view(*lead, n, k).to(dtype)
+
+    @classmethod
+    def random(cls, shape: tuple[int, ...], std: float, device: torch.device | str,
+               generator: torch.Generator | None = None, *, ue8m0: bool = True, block: int = 128,
+               name: str | None = None) -> Self:
+        """Random weights with element std ~``std`` made directly on ``device`` in this format
+        (benchmarks at real geometry: no BF16 copy, one expert at a time)."""
+        *lead, n, k = shape
+        weight = torch.empty(*shape, dtype=torch.float8_e4m3fn, device=device)
+        for w in (weight.view(-1, n, k) if lead else weight.view(1, n, k)):
+            w.copy_(torch.randn(n, k, device=device, generator=generator, dtype=torch.bfloat16) * 64)
+        exp = round(math.log2(std / 64))
+        sshape = (*lead, math.ceil(n / block), math.ceil(k / block))
+        if ue8m0:
+            scale = torch.full(sshape, exp + 127, dtype=torch.uint8, device=device)
+        else:
+            scale = torch.full(sshape, 2.0 ** exp, dtype=torch.float32, device=device)
+        return cls._unchecked(name, weight=weight, scale=scale, block=block)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, ue8m0: bool = False, block: int = 128,
@@ -520,6 +559,16 @@ class Mxfp4Weight(_Fp4Weight):
         return numerics.fp4_dequantize(self.packed, self.scale, 32, dtype)
 
     @classmethod
+    def random(cls, shape: tuple[int, ...], std: float, device: torch.device | str,
+               generator: torch.Generator | None = None, *, name: str | None = None) -> Self:
+        """Random e2m1 codes (RMS 2.93) with one e8m0 scale giving element std ~``std``."""
+        *lead, n, k = shape
+        packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=device, generator=generator)
+        exp = round(math.log2(std / _E2M1_RMS))
+        scale = torch.full((*lead, n, math.ceil(k / 32)), exp + 127, dtype=torch.uint8, device=device)
+        return cls._unchecked(name, packed=packed, scale=scale)
+
+    @classmethod
     def quantize(cls, w: torch.Tensor, *, name: str | None = None) -> Self:
         """Round-to-nearest MXFP4 of float [N, K] / [E, N, K] (K even).
 
@@ -560,9 +609,9 @@ class Nvfp4Weight(_Fp4Weight):
         _require_shape(block_scale, (*lead, n, math.ceil(2 * kh / 16)), name, "NVFP4 block scale",
                        f"[N, ceil(K/16)] for packed {tuple(packed.shape)}, K = {2 * kh}")
         bits = block_scale.view(torch.uint8)
-        if bool(((bits & 0x7F) == 0x7F).any()):
+        if _any((bits & 0x7F) == 0x7F):
             raise _err(name, "NVFP4 block scale contains NaN (e4m3 code 0x7F/0xFF)")
-        if bool((bits > 0x80).any()):
+        if _any(bits > 0x80):
             raise _err(name, "NVFP4 block scale contains negative values")
         global_scale = self._scalar(global_scale, lead, packed.device, name, "NVFP4 global scale")
         if input_scale is not None:
@@ -597,13 +646,23 @@ class Nvfp4Weight(_Fp4Weight):
         """Whole weight as `dtype`: e2m1 * e4m3 block scale (per 16) * global scale, fp32 math."""
         *lead, n, kh = self.packed.shape
         k = 2 * kh
-        v = numerics.e2m1_decode(numerics.unpack_e2m1(self.packed))  # [..., N, K]
+        v = numerics.fp4_values(self.packed)  # [..., N, K] fp32
         if k % 16:
             return self.dequantize_rows(0, n, dtype)
         bs = self.block_scale.float().unsqueeze(-1)  # [..., N, K/16, 1]
         g = self.global_scale.float()[..., None, None, None]
         # (v * bs) * g, the same rounding order as dequantize_rows
         return (v.view(*lead, n, k // 16, 16) * bs * g).view(*lead, n, k).to(dtype)
+
+    @classmethod
+    def random(cls, shape: tuple[int, ...], std: float, device: torch.device | str,
+               generator: torch.Generator | None = None, *, name: str | None = None) -> Self:
+        """Random e2m1 codes, e4m3 block scales of 1 and a global scale giving element std ~``std``."""
+        *lead, n, k = shape
+        packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=device, generator=generator)
+        block = torch.ones(*lead, n, math.ceil(k / 16), device=device).to(torch.float8_e4m3fn)
+        gs = torch.full(tuple(lead), std / _E2M1_RMS, dtype=torch.float32, device=device)
+        return cls._unchecked(name, packed=packed, block_scale=block, global_scale=gs, input_scale=None)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, input_scale: torch.Tensor | float | None = None,

@@ -1,7 +1,10 @@
 """``dsv4 inspect``: a checkpoint's config, layer kinds, tensor formats, parameter count and bytes.
 
-Reads only the config and the safetensors headers (no tensor data), so it is instant on a
-several-hundred-GB checkpoint.
+By default it reads only the config and the safetensors headers (no tensor data), so it is
+instant on a several-hundred-GB checkpoint, and checks them as the loader would
+(:func:`~dsv4.weights.loader.check_checkpoint`: names, shapes, dtypes, index, quantization
+config). ``check="data"`` also reads every tensor (NaN/Inf values and scales, unreadable bytes);
+``check=None`` skips checking.
 """
 
 from __future__ import annotations
@@ -12,8 +15,14 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+import torch
+
 from ..config import ModelConfig
-from .loader import CheckpointError, list_shards, tensor_group
+from ..engine.limits import format_bytes
+from ..engine.state import state_layout
+from .loader import CheckpointError, check_checkpoint, list_shards, tensor_group
+
+CHECKS = ("headers", "data", None)
 
 _BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U8": 1, "I8": 1,
           "I16": 2, "I32": 4, "I64": 8, "F4": 0.5, "BOOL": 1}
@@ -32,8 +41,51 @@ def _run_length(kinds: list[str]) -> str:
     return ", ".join(parts)
 
 
-def describe(path: Path) -> str:
-    """Human-readable summary of the checkpoint at ``path``."""
+def check_line(path: Path, check: str | None) -> str:
+    """Run the loader's checks at depth ``check``; one line saying what was checked (or raise)."""
+    if check is None:
+        return "check        skipped (--no-check)"
+    check_checkpoint(path, read_data=check == "data", progress=check == "data")
+    if check == "data":
+        return "check        ok: headers and data (names, shapes, dtypes, index, quantization; values, scales)"
+    return ("check        ok: names, shapes, dtypes, index and quantization match the config "
+            "(headers only; --check-data also reads the values)")
+
+
+def state_lines(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, qat_sim: bool | None = None,
+                budgets_gib: tuple[int, ...] = (80, 141)) -> list[str]:
+    """Generation-state size per sequence by layer kind (:func:`~dsv4.engine.state.state_layout`),
+    and the longest context one sequence can have in a few amounts of GPU memory.
+
+    The state grows linearly with the context (CSA/HCA compressed entries, CSA indexer keys) on top
+    of a fixed part (the sliding-window rings, the compressors' open windows). ``qat_sim`` (default:
+    on for quantized releases, as ``--qat-sim auto``) stores K=V rows as FP8 + BF16 rope dims and
+    indexer keys as FP4.
+    """
+    if qat_sim is None:
+        qat_sim = config.quantization_config is not None or config.expert_dtype is not None
+    layout = state_layout(config, dtype, qat_sim)
+    per_token, fixed = sum(layout.per_token.values()), sum(layout.fixed.values())
+    store = "FP8 K=V + FP4 indexer keys (QAT simulation)" if qat_sim else str(dtype).removeprefix("torch.")
+    at = [(n, f"{n:,} positions") for n in (4096,) if n < config.max_position_embeddings]
+    at.append((config.max_position_embeddings, f"{config.max_position_embeddings:,} (max_position_embeddings)"))
+    sizes = ", ".join(f"{label}: {format_bytes(fixed + per_token * n)}" for n, label in at)
+    fits = ", ".join(f"{g} GiB: {layout.max_context(g << 30):,} tokens" for g in budgets_gib)
+    lines = [f"state        {format_bytes(per_token)} per token per sequence + {format_bytes(fixed)} fixed "
+             f"({store}, all {config.num_hidden_layers} layers); {sizes}",
+             f"             longest context of one sequence if the state alone had {fits}"]
+    for kind, n in layout.layers.items():
+        lines.append(f"             {kind:<8} x{n:<3} {layout.per_token[kind] / n:8.1f} B/token/layer, "
+                     f"{format_bytes(layout.fixed[kind] / n)} fixed/layer")
+    return lines
+
+
+def describe(path: Path, check: str | None = "headers") -> str:
+    """Human-readable summary of the checkpoint at ``path``, after checking it to depth ``check``
+    (``headers``, ``data`` or None)."""
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
+    checked = check_line(path, check)
     config = ModelConfig.from_file(path / "config.json")
     shards = list_shards(path)
     dtypes: dict[str, Counter] = defaultdict(Counter)
@@ -72,6 +124,8 @@ def describe(path: Path) -> str:
     ]
     if c.quantization_config or c.expert_dtype:
         lines.append(f"quantization {c.quantization_config or {}} expert_dtype={c.expert_dtype}")
+    lines += state_lines(c)
+    lines.append(checked)
     lines.append("tensors by group:")
     for group in sorted(params):
         kinds = ", ".join(f"{n} x {d}" for d, n in sorted(dtypes[group].items()))

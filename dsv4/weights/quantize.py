@@ -23,18 +23,16 @@ weight-only quantization without calibration, and an FP4 activation path must de
 from the data anyway (section 4).
 
 :func:`quantize_checkpoint` writes a complete checkpoint directory atomically (temporary
-sibling, renamed when complete).
+sibling, renamed when complete) and never replaces a directory it did not write
+(:mod:`.output_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
-import sys
-import tempfile
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,18 +40,22 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
-from ..config import ModelConfig
+from ..config import ModelConfig, read_config_json
+from ..devices import resolve_device
+from ..errors import Dsv4Error
 from ..model.transformer import Transformer
+from ..progress import progress_bar
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantWeight, WeightFormatError
-from .loader import INDEX_FILE, list_shards
+from .loader import INDEX_FILE, check_checkpoint, check_values, list_shards
 from .names import is_hf_name
+from .output_dir import OUTPUT_MARKER, check_destination, make_temp_sibling, replace_dir, write_marker
 from .serialize import COMPANIONS, build_weight, split_name, weight_tensors
 
 __all__ = [
     "FORMATS", "POLICIES", "DENSE_FORMATS", "SCALE_FMTS", "GROUPS", "FLOOR_GROUPS", "QuantizeError",
     "QuantSpec", "linear_group", "layout_of", "quantize_tensors", "quant_config_for", "quantize_checkpoint",
+    "OUTPUT_MARKER",
 ]
 
 FORMATS = ("nvfp4", "mxfp4", "fp8")
@@ -83,7 +85,7 @@ GROUPS = ("attention", "routed_experts", "shared_expert", "head", "router", "hel
 FLOOR_GROUPS = frozenset({"head", "router", "helpers", "mtp_proj", "other"})
 
 
-class QuantizeError(ValueError):
+class QuantizeError(Dsv4Error, ValueError):
     """Bad quantization arguments, or a source tensor that cannot be quantized (message names it)."""
 
 
@@ -342,7 +344,7 @@ def _get(handle: object, name: str, file: Path) -> torch.Tensor:
     try:
         return handle.get_tensor(name)  # type: ignore[attr-defined]
     except Exception as e:  # corrupt shard
-        raise QuantizeError(f"{file.name}: cannot read tensor `{name}`: {e}") from None
+        raise QuantizeError(f"{file}: cannot read tensor `{name}`: {e}") from None
 
 
 def _convert(src: Path, out_dir: Path, config: ModelConfig, spec: QuantSpec, progress: bool,
@@ -359,28 +361,29 @@ def _convert(src: Path, out_dir: Path, config: ModelConfig, spec: QuantSpec, pro
                 raise QuantizeError(f"cannot read {file}: {e}") from None
             for name in handles[file].keys():  # type: ignore[attr-defined]
                 if name in owner:
-                    raise QuantizeError(f"{file.name}: tensor `{name}` also appears in {owner[name].name}")
+                    raise QuantizeError(f"{file}: tensor `{name}` also appears in {owner[name].name}")
                 owner[name] = file
         expected = _expected_names(config)
         writer = _ShardWriter(out_dir, max_shard_bytes)
         done: set[str] = set()
         layout: dict[str, str] = {}
-        bar = tqdm(total=len(owner), unit="tensor", desc="quantizing", disable=not progress, file=sys.stderr)
-        for name, file in owner.items():  # shard by shard, in file order
-            if name in done:
-                continue
-            split = split_name(name)
-            state = ({name: _get(handles[file], name, file)} if split is None else
-                     _named(split[0], _read_parts(split[0], owner, handles)))
-            try:
-                written = _quantize_state(state, expected, spec, device)
-            except (QuantizeError, WeightFormatError) as e:
-                raise QuantizeError(f"{file.name}: {e}") from None
-            writer.add(written)
-            layout.update(layout_of(written))
-            done.update(state)
-            bar.update(len(state))
-        bar.close()
+        with progress_bar(progress, total=len(owner), unit="tensor", desc="quantizing") as bar:
+            for name, file in owner.items():  # shard by shard, in file order
+                if name in done:
+                    continue
+                split = split_name(name)
+                state = ({name: _get(handles[file], name, file)} if split is None else
+                         _named(split[0], _read_parts(split[0], owner, handles)))
+                for part, tensor in state.items():  # what the headers cannot show: NaN/Inf, expert ids
+                    check_values(part, tensor, owner[part], config.n_routed_experts)
+                try:
+                    written = _quantize_state(state, expected, spec, device)
+                except (QuantizeError, WeightFormatError) as e:
+                    raise QuantizeError(f"{file}: {e}") from None
+                writer.add(written)
+                layout.update(layout_of(written))
+                done.update(state)
+                bar.update(len(state))
         writer.finish()
     return layout
 
@@ -392,26 +395,33 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
     """Write a quantized copy of checkpoint ``src`` to the new directory ``dst``.
 
     Output: ``model-0000i-of-0000N.safetensors`` + index, ``config.json`` with
-    ``quantization_config``/``expert_dtype``, ``hf_quant_config.json`` for NVFP4, and the tokenizer
-    files. Atomic: built in a temporary sibling of ``dst`` and renamed when complete; on any error
-    the temporary directory is removed and ``dst`` is untouched. ``only_groups`` quantizes only those
-    linear groups (see :data:`GROUPS`); ``device`` runs the quantization math (e.g. ``cuda``, far
-    faster than the CPU on a full-size model). Raises :class:`QuantizeError` naming the file or tensor.
+    ``quantization_config``/``expert_dtype``, ``hf_quant_config.json`` for NVFP4, the tokenizer
+    files, and the :data:`OUTPUT_MARKER` file recording how it was made.
+
+    The source is checked as the loader checks a checkpoint (headers up front, values as each
+    tensor is read): a broken source gives an error naming the file and tensor, never broken
+    output. Atomic: built in a temporary sibling of ``dst`` and renamed when complete; on any error
+    the temporary directory is removed and ``dst`` is untouched. ``dst`` must be new, empty, or a
+    previous dsv4 output (replaced only with ``overwrite``), and may neither hold ``src`` nor lie
+    inside it.
+
+    ``only_groups`` quantizes only those linear groups (see :data:`GROUPS`); ``device`` runs the
+    quantization math (``auto``, ``cpu``, ``cuda``: far faster on a full-size model). Raises
+    :class:`QuantizeError`, ``CheckpointError``, ``ConfigError`` or ``DeviceError`` naming the
+    culprit.
     """
     src, dst = Path(src), Path(dst)
     spec = QuantSpec(fmt, policy, dense_format, scale_fmt, only_groups)  # type: ignore[arg-type]
     if not (src / "config.json").is_file():
         raise QuantizeError(f"{src} is not a checkpoint directory (no config.json)")
-    if dst.resolve() == src.resolve():
-        raise QuantizeError(f"destination {dst} is the source checkpoint")
-    if dst.exists() and not overwrite:
-        raise QuantizeError(f"destination {dst} already exists (pass overwrite=True / --overwrite)")
-    raw = json.loads((src / "config.json").read_text())
-    config = ModelConfig.from_dict(raw)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    check_destination(src, dst, overwrite, QuantizeError)
+    dev = resolve_device(device)
+    raw = read_config_json(src / "config.json")
+    config = ModelConfig.from_file(src / "config.json")
+    check_checkpoint(src)  # the loader's header checks: a broken source fails before anything is written
+    tmp = make_temp_sibling(dst)
     try:
-        layout = _convert(src, tmp, config, spec, progress, max_shard_bytes, torch.device(device))
+        layout = _convert(src, tmp, config, spec, progress, max_shard_bytes, dev)
         updates, hf_quant = quant_config_for(fmt, policy, dense_format, scale_fmt, layout)
         if only_groups is not None:
             updates["quantization_config"]["dsv4_only_groups"] = sorted(only_groups)
@@ -424,23 +434,11 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
         for fname in COPIED_FILES:
             if (src / fname).is_file():
                 shutil.copy2(src / fname, tmp / fname)
-        _replace_dir(tmp, dst)
+        write_marker(tmp, tool="dsv4 quantize", source=str(src.resolve()), format=fmt, policy=policy,
+                     dense_format=dense_format, scale_fmt=scale_fmt,
+                     only_groups=sorted(only_groups) if only_groups is not None else None)
+        check_destination(src, dst, overwrite, QuantizeError)  # again: minutes may have passed
+        replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _replace_dir(tmp: Path, dst: Path) -> None:
-    """Rename ``tmp`` to ``dst``; an existing ``dst`` (overwrite) is moved aside, then removed."""
-    if not dst.exists():
-        os.rename(tmp, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-    os.rename(dst, old / "dir")
-    try:
-        os.rename(tmp, dst)
-    except BaseException:
-        os.rename(old / "dir", dst)
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

@@ -16,8 +16,10 @@ from __future__ import annotations
 import importlib
 import os
 
+from .. import register
+
 #: kernel modules, imported in this order
-MODULES: tuple[str, ...] = ("linear",)
+MODULES: tuple[str, ...] = ("linear", "moe", "attention", "small")
 
 
 def available() -> bool:
@@ -33,13 +35,33 @@ def enabled() -> bool:
     return os.environ.get("DSV4_KERNELS", "1") not in ("0", "off", "false")
 
 
+def fix_interpreter() -> None:
+    """Triton 3.6's interpreter turns a scalar tensor into a Python int with ``int(array)``, which
+    NumPy >= 2.4 refuses for its 1-element 1-d arrays, so any ``range()`` with run-time bounds fails
+    in the interpreter (never on a GPU). Take the element instead. Idempotent; interpreter only."""
+    from triton.runtime import interpreter
+    if getattr(interpreter, "_dsv4_index_fix", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = patched
+    interpreter._dsv4_index_fix = True
+
+
 def register_all(device_type: str = "cuda") -> list[tuple[str, object]]:
     """Register every kernel module's kernels for ``device_type``; returns ``(op, format)`` pairs."""
-    from .. import register
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        fix_interpreter()
     done = []
+    off = {op.strip() for op in os.environ.get("DSV4_KERNELS_OFF", "").split(",") if op.strip()}
     for name in MODULES:
         module = importlib.import_module(f"{__name__}.{name}")
         for op, fmt, fn in module.REGISTRATIONS:
+            if op in off:       # DSV4_KERNELS_OFF=op,op: those ops run the reference (numerics bisection)
+                continue
             register(op, device_type, fmt)(fn)
             done.append((op, fmt))
     return done

@@ -24,7 +24,8 @@ Two kernels, chosen by the number of rows ``M`` (``SKINNY_MAX_M``):
   split of a row tile to finish (a per-tile arrival counter) sums them in split order 0..S-1 and
   writes the output, so the result never depends on the order the programs ran in.
 - prefill (``M > 32``): :func:`_gemm_kernel`, a tiled GEMM (K steps of 128, grouped tile order;
-  tiles ``64 x 128`` for FP8 weights, ``128 x 128`` for FP4: :func:`_gemm_defaults`). FP8 weights: ``tl.dot`` on float8e4nv operands, the activation quantized once by
+  tiles ``64 x 128`` for FP8 weights, ``128 x 128`` for FP4: :func:`_gemm_defaults`). FP8
+  weights: ``tl.dot`` on float8e4nv operands, the activation quantized once by
   :func:`_act_quant_kernel` (q e4m3 + scales), partial products promoted per 128 block with
   ``s_x * s_w`` (DeepGEMM's scheme). FP4 weights: e2m1 decoded in the prologue, scales folded
   exactly, bf16 ``tl.dot`` on the pre-quantized activation (with ``pow2`` the values ``q * s_x``
@@ -46,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .. import KernelUnsupported
 
 #: rows up to which the decode kernel (split-K GEMV) runs; above, the tiled GEMM
 SKINNY_MAX_M = 32
@@ -58,8 +60,9 @@ _FP8_F32, _FP8_UE8M0, _MXFP4, _NVFP4 = 0, 1, 2, 3
 _A_RAW, _A_FP8, _A_SIM, _A_QS = 0, 1, 2, 3
 
 
-class LinearKernelError(ValueError):
-    """The inputs do not fit the Triton linear kernels (the message names what is wrong)."""
+class LinearKernelError(KernelUnsupported):
+    """The inputs do not fit the Triton linear kernels (the message names what is wrong); raised
+    before any launch, so the dispatch runs the reference for that call."""
 
 
 # ============================================================================= device helpers

@@ -1,0 +1,156 @@
+"""Continuous batching against static waves on a mixed workload, one run, same engine and model.
+
+    python bench/throughput.py [--model tiny | --preset flash --layers 4 --format fp8-mxfp4]
+                               [--requests 64] [--max-num-seqs 8] [--out DIR]
+
+N requests with mixed prompt lengths and max_tokens (a fixed seed draws them) all arrive at once
+(latencies count from then).
+``continuous``: the scheduler admits a waiting request as soon as a slot frees. ``waves``: the
+previous engine's behaviour, the next ``max_num_seqs`` requests start only when the whole wave is
+done. Prints output tok/s, requests/s, p50/p99 time to first token and inter-token latency per mode,
+and writes ``throughput.png``: per-request latency over time and the batch occupancy per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dsv4.config import preset  # noqa: E402
+from dsv4.engine.core import Engine  # noqa: E402
+from dsv4.engine.runner import Runner  # noqa: E402
+from dsv4.engine.sampler import SamplingParams  # noqa: E402
+
+
+def workload(n: int, vocab: int, max_prompt: int, max_out: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        plen = int(torch.randint(4, max_prompt + 1, (1,), generator=g))
+        # a long tail of output lengths, as in chat traffic
+        olen = max(1, min(max_out, int(torch.empty(1).exponential_(1.0, generator=g) * max_out / 4)))
+        out.append((torch.randint(2, vocab, (plen,), generator=g).tolist(),
+                    SamplingParams(max_tokens=olen, temperature=0.8, seed=i, ignore_eos=True)))
+    return out
+
+
+def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
+    t0 = time.perf_counter()
+    arrival = {}
+    first, last, gaps, done = {}, {}, [], {}
+    occupancy, timeline = [], []
+    pending = list(reqs)
+
+    def admit(batch):
+        for prompt, params in batch:
+            rid = engine.add_request(prompt, params, detokenize=False)
+            arrival[rid] = t0     # every request arrives at the start; a wave waits for its turn
+
+    if mode == "continuous":
+        admit(pending)
+        pending = []
+    while pending or engine.has_unfinished:
+        if mode == "waves" and not engine.has_unfinished:
+            admit(pending[:slots])
+            pending = pending[slots:]
+        outs = engine.step()
+        now = time.perf_counter()
+        occupancy.append((now - t0, len(engine.scheduler.running)))
+        for o in outs:
+            if not o.new_token_ids:
+                continue
+            if o.request_id not in first:
+                first[o.request_id] = now - arrival[o.request_id]
+            else:
+                gaps.append(now - last[o.request_id])
+            last[o.request_id] = now
+            if o.finished:
+                done[o.request_id] = len(o.output.token_ids)
+                timeline.append((now - t0, now - arrival[o.request_id]))
+    total = time.perf_counter() - t0
+    ttft = sorted(first.values())
+    gaps.sort()
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    return dict(mode=mode, seconds=total, tok_s=sum(done.values()) / total, req_s=len(done) / total,
+                ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99), itl_p50=pct(gaps, 0.5), itl_p99=pct(gaps, 0.99),
+                occupancy=occupancy, timeline=timeline, mean_batch=statistics.fmean(b for _, b in occupancy))
+
+
+def plot(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7))
+    for r in results:
+        t, lat = zip(*r["timeline"])
+        a.plot(t, lat, ".", label=f"{r['mode']}: request latency at completion")
+        t, occ = zip(*r["occupancy"])
+        b.step(t, occ, where="post", label=f"{r['mode']} (mean {r['mean_batch']:.1f})")
+    a.set_ylabel("end-to-end latency (s)")
+    a.legend()
+    b.set_xlabel("time (s)")
+    b.set_ylabel("running requests")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint or tiny[:variant] (default: random weights of --preset)")
+    ap.add_argument("--preset", default="flash")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--format", default="fp8-mxfp4")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--max-out", type=int, default=256)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    if args.model:
+        from dsv4.engine.llm import LLM
+        llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_prompt + args.max_out + 8, enforce_eager=args.enforce_eager)
+        runner, vocab = llm.runner, llm.config.vocab_size
+    else:
+        from dsv4.model.random_weights import build_random_model
+        config = preset(args.preset, num_layers=args.layers)
+        model = build_random_model(config, args.format, args.device)
+        runner = Runner(model, max_slots=args.max_num_seqs, max_context=args.max_prompt + args.max_out + 8,
+                        qat_sim=args.format != "bf16")
+        if args.device.startswith("cuda") and not args.enforce_eager:
+            runner.capture()
+        vocab = config.vocab_size
+    reqs = workload(args.requests, vocab, args.max_prompt, args.max_out)
+    results = []
+    for mode in ("waves", "continuous"):
+        engine = Engine(runner, None, eos_id=1)
+        r = run(engine, reqs, mode, args.max_num_seqs)
+        results.append(r)
+        print(f"{mode:<10} {r['tok_s']:9.1f} output tok/s {r['req_s']:7.2f} req/s | TTFT p50 {r['ttft_p50'] * 1e3:8.1f} "
+              f"p99 {r['ttft_p99'] * 1e3:8.1f} ms | ITL p50 {r['itl_p50'] * 1e3:7.2f} p99 {r['itl_p99'] * 1e3:7.2f} ms | "
+              f"mean batch {r['mean_batch']:.2f} | {r['seconds']:.1f} s", flush=True)
+    print(f"continuous / waves output throughput: {results[1]['tok_s'] / results[0]['tok_s']:.2f}x "
+          f"({args.requests} requests, max_num_seqs {args.max_num_seqs})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "throughput.png")
+
+
+if __name__ == "__main__":
+    main()

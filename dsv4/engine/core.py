@@ -1,0 +1,299 @@
+"""The engine loop: scheduler -> runner -> sampled ids -> text, one step at a time.
+
+:class:`Engine` is what the Python API (:class:`dsv4.LLM`) and the server drive. ``add_request``
+queues a tokenized prompt with its :class:`SamplingParams`; each :meth:`Engine.step` asks the
+scheduler for a plan, runs the prompt chunks and one batched decode step on the runner, and turns
+the sampled ids into :class:`RequestOutput` deltas: new token ids, new text (incrementally
+detokenized, never half a UTF-8 character, stop strings held back until they resolve), logprobs,
+and the finish reason. A finished, stopped or aborted request frees its slot within the step.
+
+Only the sampled ids of a step cross to the host. On a GPU the copy is started as soon as the step
+is launched, and the host prepares the next step's plan while the device still runs this one: the
+plan only needs what the host already knows (a request at ``max_tokens`` is not scheduled again).
+A request that stops on a token or a stop string is seen one step late; the one extra token it was
+given is dropped.
+
+A failure inside one request's output handling (say its detokenizer raises) ends that request
+alone with reason ``error``; the others keep going.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
+from .runner import Runner
+from .sampler import SampleOutput, SamplingParams, StopChecker
+from .scheduler import Request, Scheduler, StepPlan
+
+
+@dataclass
+class CompletionOutput:
+    """One request's generation so far (cumulative). Times in seconds from its arrival."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: with ``SamplingParams.prompt_logprobs``: each prompt token's logprob (None for the first) and
+    #: the top alternatives at its position; complete when the first output arrives
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+    error: str | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Output tokens per second after the first (None when there was no second token)."""
+        span = self.total_time - self.time_to_first_token
+        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the delta, and the cumulative output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    output: CompletionOutput
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
+
+
+class _Track:
+    """Host-side output state of one request: detokenizer, stop checker, the output."""
+
+    def __init__(self, request: Request, tokenizer: Tokenizer | None, eos_id: int, detokenize: bool,
+                 skip_special_tokens: bool = True):
+        self.request = request
+        self.out = CompletionOutput(prompt_token_ids=request.prompt_ids)
+        if request.params.logprobs is not None:
+            self.out.logprobs, self.out.top_logprobs = [], []
+        if request.params.prompt_logprobs is not None:
+            self.out.prompt_logprobs, self.out.prompt_top_logprobs = [None], [[]]
+        self.detok = (IncrementalDetokenizer(tokenizer, request.prompt_ids, skip_special_tokens=skip_special_tokens)
+                      if tokenizer is not None and detokenize else None)
+        # max_tokens is the scheduler's (it must not schedule past it); stops are ours
+        p = request.params
+        self.stops = StopChecker(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, None)
+        self.pending = 0          # tokens launched on the device, not yet seen on the host
+
+
+class _PinnedPool:
+    """Reusable page-locked host buffers for the per-step device -> host copies (allocating pinned
+    memory every step would cost more than the copy)."""
+
+    def __init__(self):
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def copy(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        key = (tuple(t.shape), t.dtype)
+        pool = self.free.setdefault(key, [])
+        buf = pool.pop() if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return buf.copy_(t, non_blocking=True)
+
+    def release(self, sampled: SampleOutput) -> None:
+        top = sampled.top_logprobs or ()
+        for t in (sampled.token_ids, sampled.logprobs, *top):
+            if t is not None:
+                self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+
+class Engine:
+    """Continuous batching over one model: ``max_num_seqs`` slots of ``max_model_len`` positions."""
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer | None, eos_id: int, *,
+                 max_num_batched_tokens: int | None = None):
+        self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
+        budget = max_num_batched_tokens or max(512, runner.max_slots + runner.prefill_chunk)
+        if budget <= runner.max_slots:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must exceed max_num_seqs ({runner.max_slots})")
+        self.scheduler = Scheduler(runner.max_slots, runner.max_context, budget, runner.prefill_chunk)
+        self.tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None]] = []
+        self.overlap = runner.device.type == "cuda"
+        self._pinned = _PinnedPool()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    detokenize: bool = True, skip_special_tokens: bool = True) -> str:
+        """Queue a tokenized prompt; returns its request id. Raises a ``RequestError`` naming the
+        problem (and changes nothing) when the request can never run.
+
+        ``skip_special_tokens=False`` keeps special tokens (``</think>``, DSML) in the output text,
+        which the chat parser needs; stop strings are then matched against that text."""
+        vocab = self.runner.model.config.vocab_size
+        ids = [int(t) for t in prompt_ids]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            from ..errors import RequestError
+            raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(rid, ids, params)
+        self.scheduler.add(request)
+        self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """End a request (safe from any thread; takes effect at the next step)."""
+        self.scheduler.abort(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._inflight)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Plan, launch and collect one step; returns the outputs that changed."""
+        outputs: list[RequestOutput] = []
+        plan = self._plan()
+        for req in plan.finished:                      # aborted since the last step
+            outputs.append(self._end(self.tracks[req.request_id], "abort"))
+        launched = self._launch(plan)
+        # with overlap, collect the previous step while this one runs on the device
+        ready = self._inflight[:-1] if (self.overlap and launched) else self._inflight
+        keep = self._inflight[len(ready):]
+        for tracks, sampled, event in ready:
+            outputs += self._collect(tracks, sampled, event)
+        self._inflight = keep
+        return outputs
+
+    def _plan(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        # a decode row whose previous token is still in flight and already reached max_tokens is
+        # not run again (the host knows that count without waiting for the device)
+        plan.decode = [r for r in plan.decode
+                       if len(r.output_ids) + self.tracks[r.request_id].pending < r.params.max_tokens]
+        return plan
+
+    def _launch(self, plan: StepPlan) -> bool:
+        """Run the plan's prompt chunks and decode batch on the runner; queue their sampled ids."""
+        runner = self.runner
+        firsts: list[tuple[int, torch.Tensor, _Track]] = []
+        for chunk in plan.prefill:
+            req = chunk.request
+            if chunk.start == 0:
+                runner.start(req.slot, req.params, req.prompt_ids)
+            if req.params.prompt_logprobs is None:
+                logits = runner.prefill(req.slot, chunk.token_ids)
+            else:
+                every = runner.prefill(req.slot, chunk.token_ids, all_logits=True)   # [n, vocab]
+                _add_prompt_logprobs(self.tracks[req.request_id].out, chunk, every)
+                logits = every[-1]
+            if chunk.last:
+                firsts.append((req.slot, logits, self.tracks[req.request_id]))
+        launched = False
+        if firsts:
+            sampled = runner.sample_first([s for s, _, _ in firsts], torch.stack([lg for _, lg, _ in firsts]))
+            self._queue([t for _, _, t in firsts], sampled)
+            launched = True
+        if plan.decode:
+            sampled = runner.decode_step([r.slot for r in plan.decode])
+            self._queue([self.tracks[r.request_id] for r in plan.decode], sampled)
+            launched = True
+        return launched
+
+    def _queue(self, tracks: list[_Track], sampled: SampleOutput) -> None:
+        """Start the device -> host copy of a step's sampled ids (into pinned buffers, so it runs
+        asynchronously); remember whose they are."""
+        for t in tracks:
+            t.pending += 1
+        event = None
+        if sampled.token_ids.is_cuda:
+            top = sampled.top_logprobs
+            sampled = SampleOutput(self._pinned.copy(sampled.token_ids), self._pinned.copy(sampled.logprobs),
+                                   None if top is None else (self._pinned.copy(top[0]), self._pinned.copy(top[1])))
+            event = torch.cuda.Event()
+            event.record()
+        self._inflight.append((tracks, sampled, event))
+
+    def _collect(self, tracks: list[_Track], sampled: SampleOutput, event) -> list[RequestOutput]:
+        if event is not None:
+            event.synchronize()
+        ids = sampled.token_ids.tolist()
+        lps = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        tops = None
+        if sampled.top_logprobs is not None:
+            tops = [list(zip(i, v)) for i, v in zip(sampled.top_logprobs[0].tolist(),
+                                                     sampled.top_logprobs[1].tolist())]
+        if event is not None:
+            self._pinned.release(sampled)
+        outputs = []
+        for row, track in enumerate(tracks):
+            track.pending -= 1
+            if track.request.finished and track.out.finish_reason is not None:
+                continue                      # stopped a step ago: this extra token is dropped
+            try:
+                out = self._take(track, ids[row], lps[row] if lps else None, tops[row] if tops else None)
+            except Exception as e:  # one request's failure ends it alone
+                track.out.error = f"{type(e).__name__}: {e}"
+                out = self._end(track, "error")
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _take(self, track: _Track, token: int, logprob: float | None, top: list | None) -> RequestOutput:
+        req, out = track.request, track.out
+        now = time.monotonic() - req.arrival
+        if not out.token_ids:
+            out.time_to_first_token = now
+        out.token_ids.append(token)
+        if out.logprobs is not None:
+            out.logprobs.append(logprob)
+            out.top_logprobs.append((top or [])[:req.params.logprobs or 0])
+        new_text = track.detok.push(token) if track.detok else ""
+        emit, stopped, reason = track.stops.check(new_text, token)
+        self.scheduler.append_token(req, token)        # finishes the request at max_tokens
+        if stopped:
+            self.scheduler.finish(req, reason)
+        elif req.finished:                              # length
+            emit += (track.detok.flush() if track.detok else "") + track.stops.finish()
+            reason = "length"
+        out.text += emit
+        if req.finished:
+            out.finish_reason, out.total_time = req.finish_reason or reason, now
+            self.tracks.pop(req.request_id, None)
+        return RequestOutput(req.request_id, [token], emit, req.finished, out)
+
+    def _end(self, track: _Track, reason: str) -> RequestOutput:
+        req = track.request
+        self.scheduler.finish(req, reason)
+        track.out.finish_reason = reason
+        track.out.total_time = time.monotonic() - req.arrival
+        self.tracks.pop(req.request_id, None)
+        return RequestOutput(req.request_id, [], "", True, track.out)
+
+
+def _add_prompt_logprobs(out: CompletionOutput, chunk, logits: torch.Tensor) -> None:
+    """Append the logprobs of the prompt tokens that ``chunk``'s logits ``[n, vocab]`` predict: row
+    j gives position ``start + j + 1`` (the last chunk's last row predicts the first output token,
+    not a prompt token). Raw model distribution: no penalties, temperature 1."""
+    prompt = chunk.request.prompt_ids
+    targets = prompt[chunk.start + 1:chunk.start + 1 + len(chunk.token_ids)]
+    if not targets:
+        return
+    logp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)             # [t, vocab]
+    ids = torch.tensor(targets, dtype=torch.int64, device=logp.device)
+    out.prompt_logprobs += logp.gather(1, ids[:, None])[:, 0].tolist()
+    k = chunk.request.params.prompt_logprobs
+    if k:
+        top = logp.topk(k, dim=-1)
+        out.prompt_top_logprobs += [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        out.prompt_top_logprobs += [[] for _ in targets]

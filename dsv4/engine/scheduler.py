@@ -1,0 +1,192 @@
+"""Continuous batching: which requests run in the next step (DESIGN decision 5).
+
+The scheduler owns the request queues and the slot table; it knows token ids, never tensors. Each
+:meth:`Scheduler.schedule` call returns a :class:`StepPlan`: every running request that is past its
+prompt decodes one token, and what is left of the per-step token budget goes to prompt chunks
+(chunked prefill), oldest request first, so a long prompt delays the others by at most one chunk.
+
+Queues are first come, first served: ``waiting`` (not admitted), ``running`` (holding a slot).
+A request is admitted when a slot is free; a request that could never fit (prompt + max_tokens
+over ``max_model_len``) is refused with a named error when it is added, before any state is
+touched. A finished or aborted request frees its slot in the step it ends; the next waiting one
+takes it. :meth:`abort` is safe from any thread: it only records the id; the engine thread applies
+it at the start of the next :meth:`schedule`.
+
+This module never reads a tensor: the runner executes the plan, the engine feeds the sampled ids
+back with :meth:`Scheduler.append_token`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..errors import ContextOverflowError, RequestError
+from .sampler import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation request as the scheduler sees it: ids in, ids out, a slot while it runs."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_prefilled: int = 0           # prompt tokens already in the slot's state
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_prefilled < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the slot's state once the pending ones are fed (prompt + outputs so far)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class PrefillChunk:
+    request: Request
+    start: int                       # first prompt position of the chunk
+    token_ids: list[int]
+
+    @property
+    def last(self) -> bool:
+        """True when the chunk ends the prompt (its logits give the first output token)."""
+        return self.start + len(self.token_ids) == len(self.request.prompt_ids)
+
+
+@dataclass
+class StepPlan:
+    """What one engine step runs: a decode token for each of ``decode`` (in slot order given) and
+    the prompt chunks ``prefill``. ``freed`` are the slots released since the last plan (the
+    runner resets them before reuse); ``finished`` the requests that ended (aborted) meanwhile."""
+
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    """FCFS continuous batching over ``max_num_seqs`` slots of ``max_model_len`` positions.
+
+    ``max_num_batched_tokens`` bounds the tokens of one step (decodes + prompt chunks);
+    ``prefill_chunk`` bounds one prompt chunk.
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 512,
+                 prefill_chunk: int = 512):
+        if min(max_num_seqs, max_model_len, max_num_batched_tokens, prefill_chunk) <= 0:
+            raise ValueError("scheduler sizes must be positive")
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_num_batched_tokens, self.prefill_chunk = max_num_batched_tokens, prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.free_slots: list[int] = list(range(max_num_seqs))
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ requests in and out
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise a :class:`RequestError` naming the problem if this request can never run."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        need = len(prompt_ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise ContextOverflowError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
+                f"max_model_len ({self.max_model_len})")
+
+    def add(self, request: Request) -> None:
+        """Queue a request (checked first: a refused request changes nothing)."""
+        self.check(request.prompt_ids, request.params)
+        with self._lock:
+            if request.request_id in self.requests:
+                raise RequestError(f"request id {request.request_id!r} is already in use")
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Ask for a request to end (any thread); applied at the next :meth:`schedule`."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request now (engine thread): free its slot, drop it from the queues."""
+        if request.finished:
+            return
+        request.status, request.finish_reason = Status.FINISHED, reason
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        if request.slot is not None:
+            self.free_slots.append(request.slot)
+            self.free_slots.sort()
+        self.requests.pop(request.request_id, None)
+
+    def append_token(self, request: Request, token_id: int) -> None:
+        """Record a sampled token; a request at ``max_tokens`` finishes with reason ``length``."""
+        request.output_ids.append(token_id)
+        if len(request.output_ids) >= request.params.max_tokens:
+            self.finish(request, "length")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts)
+
+    # ------------------------------------------------------------------ the step plan
+    def schedule(self) -> StepPlan:
+        """Plan the next step: apply aborts, admit waiting requests into free slots, give every
+        decoding request one token and the rest of the budget to prompt chunks (oldest first)."""
+        plan = StepPlan()
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+        for rid in aborts:
+            req = self.requests.get(rid)
+            if req is not None:
+                self.finish(req, "abort")
+                plan.finished.append(req)
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            req.slot, req.status = self.free_slots.pop(0), Status.RUNNING
+            self.running.append(req)
+        budget = self.max_num_batched_tokens
+        plan.decode = [r for r in self.running if not r.in_prefill]
+        budget -= len(plan.decode)
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.in_prefill:
+                n = min(budget, self.prefill_chunk, len(req.prompt_ids) - req.num_prefilled)
+                start = req.num_prefilled
+                plan.prefill.append(PrefillChunk(req, start, req.prompt_ids[start:start + n]))
+                req.num_prefilled += n
+                budget -= n
+        return plan

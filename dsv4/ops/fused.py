@@ -1,0 +1,43 @@
+"""Dispatch of the fused decode ops (their specs: :mod:`dsv4.ops.reference_fused`).
+
+Same rules as :mod:`dsv4.ops`: each call picks the kernel registered for ``(op, device type)``,
+else the plain-torch reference (also when the kernel does not cover the call). The model calls ``ops.fused.<op>(...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _call
+
+
+def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMS norm (no weight) then RoPE; see :func:`reference_fused.rope_qnorm`."""
+    return _call("rope_qnorm", q.device, None, q, cos, sin, eps)
+
+
+def kv_prepare(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+               store: object) -> torch.Tensor:
+    """RMSNorm + RoPE + the store's rounding; see :func:`reference_fused.kv_prepare`."""
+    return _call("kv_prepare", kv.device, None, kv, weight, eps, cos, sin, store)
+
+
+def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Encode and write rows into a ``RowStore``; see :func:`reference_fused.store_rows`."""
+    return _call("store_rows", values.device, None, store, slot_idx, row_idx, values)
+
+
+def rope_hadamard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp4: bool) -> torch.Tensor:
+    """RoPE + Hadamard (+ FP4 round trip); see :func:`reference_fused.rope_hadamard`."""
+    return _call("rope_hadamard", x.device, None, x, cos, sin, fp4)
+
+
+def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
+                    positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, rotate: bool) -> None:
+    """A KV compressor's decode update in one call; see :func:`reference_fused.compressor_step`."""
+    return _call("compressor_step", kv.device, None, kv, gate, ape, state, slots, positions, norm_weight, eps,
+                                                        cos, sin, rotate)
+
+
+__all__ = ["rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]

@@ -1,0 +1,88 @@
+"""Plain-torch definitions of the fused decode ops: each is a composition of the ops in
+:mod:`dsv4.ops.reference` (and of the cache's own row rounding), written so a kernel can do the
+whole chain in one launch. They are the spec the fused kernels are tested against; the model
+calls them through :mod:`dsv4.ops.fused`.
+
+Re-exported by :mod:`dsv4.ops.reference` (so ``dsv4.ops.register`` knows them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import apply_rope, compress_windows, fp4_sim, hadamard, rms_norm, rms_norm_unweighted
+
+
+def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The query path: per-head RMS normalisation without weight, then RoPE on the last
+    ``rd = 2 * cos.shape[-1]`` dims. ``q [..., H, hd]``, ``cos``/``sin`` broadcast against
+    ``q[..., :rd // 2]``. Returns ``q.dtype``."""
+    return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
+
+
+def kv_prepare(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+               store: object) -> torch.Tensor:
+    """The K=V path: ``kv_norm`` (RMSNorm with ``weight``), RoPE on the last ``rd`` dims, then the
+    values as ``store`` (a ``dsv4.model.cache.RowStore``) keeps them: the FP8 round trip of the
+    non-rope dims (``fp8`` layout) or a cast (``plain``). ``kv [..., hd]``; returns
+    ``store.dtype``. Nothing is written: the caller stores the rows after attention."""
+    return store.round_trip(apply_rope(rms_norm(kv, weight, eps), cos, sin))
+
+
+def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values [..., dim]`` into ``store`` (a ``RowStore``) at ``(slot_idx, row_idx)`` (index
+    tensors broadcast to ``values.shape[:-1]``), encoded in the store's layout (FP8 + e8m0 scale per
+    64 + rope in the activation dtype; packed FP4 + e8m0 scale per 32; or a cast)."""
+    store.write(slot_idx, row_idx, values)
+
+
+def rope_hadamard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp4: bool) -> torch.Tensor:
+    """The indexer's query path: RoPE on the last ``rd`` dims, the normalised Walsh-Hadamard
+    rotation over the last dim, and (QAT simulation) the FP4 round trip per 32. ``x.dtype``."""
+    y = hadamard(apply_rope(x, cos, sin))
+    return fp4_sim(y) if fp4 else y
+
+
+def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
+                    positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, rotate: bool) -> None:
+    """One decode token per slot through a KV compressor (``Compressor.forward`` at ``S = 1``).
+
+    ``kv``, ``gate`` ``[B, 1, width]`` (or ``[B, width]``) fp32: this token's ``C`` and ``Z``
+    (without ``ape``) at ``positions [B]`` (or ``[B, 1]``) in ``slots [B]``; ``state`` the
+    compressor's ``CompressorState``; ``cos``/``sin`` ``[B, rd/2]`` (or ``[B, 1, rd/2]``) at the
+    window's first position ``positions // m * m``; ``rotate``: the indexer's Hadamard rotation.
+
+    The token's row goes into the open window (row ``pos % m``, gate plus ``ape``). When that
+    closes the window, the entry (the window pooled as in :func:`compress_windows`, then RMSNorm
+    with ``norm_weight``, RoPE, optionally Hadamard) is stored at index ``pos // m`` in the store's
+    layout, the window rows are cleared and (overlap) the window's ``a`` halves become the
+    previous window's. Writes other than the entry's may differ from the batched path only in the
+    store's unread sink row.
+    """
+    m, B = state.ratio, slots.shape[0]
+    kv, gate = kv.reshape(B, -1).float(), gate.reshape(B, -1).float()
+    pos = positions.reshape(B)
+    r = pos % m
+    b = torch.arange(B, device=kv.device)
+    win_kv = state.win_kv[slots].index_put((b, r), kv)                               # [B, m, width]
+    win_gate = state.win_gate[slots].index_put((b, r), gate + ape[r])
+    prev_kv = prev_gate = None
+    if state.prev_kv is not None:
+        prev_kv, prev_gate = state.prev_kv[slots], state.prev_gate[slots]
+    entry = compress_windows(win_kv, win_gate, prev_kv, prev_gate)                     # [B, dim] fp32
+    entry = apply_rope(rms_norm(entry, norm_weight, eps), cos.reshape(B, -1), sin.reshape(B, -1))
+    if rotate:
+        entry = hadamard(entry)
+    closed = r == m - 1
+    state.entries.write(slots, torch.where(closed, pos // m, state.max_entries), entry)
+    open_ = ~closed.view(B, 1, 1)
+    state.win_kv[slots] = torch.where(open_, win_kv, 0.0)
+    state.win_gate[slots] = torch.where(open_, win_gate, 0.0)
+    if prev_kv is not None:
+        d = prev_kv.shape[-1]
+        state.prev_kv[slots] = torch.where(open_, prev_kv, win_kv[..., :d])
+        state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
+
+
+__all__ = ["rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]

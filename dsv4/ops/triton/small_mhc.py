@@ -1,0 +1,230 @@
+"""mHC (manifold-constrained hyper-connections) as Triton kernels: ``mhc_pre``, ``mhc_post`` and
+the final ``hc_head`` collapse (DSV4_FACTS section 2, "mHC pre/post" and "Head").
+
+mhc_pre / hc_head: two launches.
+
+1. ``_mix_partial_kernel``, grid ``(splits, token blocks)``: the skinny projection
+   ``mix = x @ fn.T`` with ``x = h.flatten(nc*D)`` (fp32), split over K so that the
+   ``(2+nc)*nc x nc*D`` fp32 ``fn`` (1.5 MB at Flash, 2.75 MB at Pro) is read once by ~all SMs.
+   Each program multiplies a ``[TB, BK]`` slice of the tokens by a ``[BK, NP]`` slice of ``fn``
+   (``tl.dot`` in IEEE fp32: exact products, fp32 sums) and also sums ``x^2``; it writes its
+   partial ``[TB, NP]`` and ``[TB]`` sums (no atomics: the result does not depend on timing).
+2. ``_mhc_finalize_kernel``, grid ``(tokens, D blocks)``: sums the partials in a fixed order,
+   ``r = rsqrt(mean x^2 + eps)``, ``mix *= r``, the sigmoids, and for ``mhc_pre`` the softmax
+   and the 20 Sinkhorn iterations on the ``nc x nc`` comb in registers (every program of a
+   token repeats this tiny part, so nothing crosses programs); then its block of the collapse
+   ``y = sum_j pre_j h_j``. The first D block writes ``post`` and ``comb``.
+
+mhc_post: one launch, grid ``(tokens, D blocks)``: ``h_next[k] = post_k out + sum_j comb[j,k] h[j]``
+in fp32, cast once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .small_util import check, check_float, empty, pow2, row_stride, rows, sm_count
+
+_BK = 128
+
+
+@triton.jit
+def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
+                        NP: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr):
+    pid_s = tl.program_id(0)
+    t = tl.program_id(1) * TB + tl.arange(0, TB)
+    n = tl.arange(0, NP)
+    tm = t < T
+    acc = tl.zeros([TB, NP], tl.float32)
+    ss = tl.zeros([TB], tl.float32)
+    k_lo = pid_s * KCHUNK
+    kk = 0
+    while kk < KCHUNK:              # (while, not range: Triton's interpreter under numpy 2.4 needs it)
+        k = k_lo + kk + tl.arange(0, BK)
+        km = k < K
+        x = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :],
+                    other=0.0).to(tl.float32)
+        f = tl.load(fn_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=km[:, None] & (n[None, :] < N),
+                    other=0.0)
+        acc = tl.dot(x, f, acc, input_precision="ieee")
+        ss += tl.sum(x * x, axis=1)
+        kk += BK
+    base = (pid_s * T + t).to(tl.int64)
+    tl.store(part_ptr + base[:, None] * NP + n[None, :], acc, mask=tm[:, None])
+    tl.store(ss_ptr + base, ss, mask=tm)
+
+
+@triton.jit
+def _pick(v, idx, j):
+    """``v[j]`` of a register vector (``idx`` its index vector) as a scalar."""
+    return tl.sum(tl.where(idx == j, v, 0.0), axis=0)
+
+
+@triton.jit
+def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
+                         T, D, Kf, SPLITS, iters, norm_eps, hc_eps,
+                         NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                         BD: tl.constexpr, HEAD: tl.constexpr):
+    t = tl.program_id(0)
+    pd = tl.program_id(1)
+    s = tl.arange(0, SP)
+    n = tl.arange(0, NP)
+    sm = s < SPLITS
+    prow = (s * T + t).to(tl.int64)
+    mix = tl.sum(tl.load(part_ptr + prow[:, None] * NP + n[None, :], mask=sm[:, None], other=0.0), axis=0)
+    ss = tl.sum(tl.load(ss_ptr + prow, mask=sm, other=0.0), axis=0)
+    r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, Kf) + norm_eps))
+    mix = mix * r                                                               # [NP]
+
+    j = tl.arange(0, NCP)
+    jm = j < NC
+    sel = n[None, :] == j[:, None]                                              # [NCP, NP]
+    pre = tl.sum(tl.where(sel, mix[None, :], 0.0), axis=1)
+    pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + j, mask=jm, other=0.0)) + hc_eps
+
+    # collapse: y = sum_j pre_j h_j over this program's D block, in stream order
+    d = pd * BD + tl.arange(0, BD)
+    dm = d < D
+    hrow = h_ptr + t.to(tl.int64) * sh
+    y = tl.zeros([BD], tl.float32)
+    for jj in tl.static_range(NC):
+        y += _pick(pre, j, jj) * tl.load(hrow + jj * D + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * D + d, y.to(y_ptr.dtype.element_ty), mask=dm)
+
+    if not HEAD:
+        first = pd == 0
+        post = tl.sum(tl.where(n[None, :] == NC + j[:, None], mix[None, :], 0.0), axis=1)
+        post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + NC + j, mask=jm, other=0.0))
+        tl.store(post_ptr + t * NC + j, post, mask=jm & first)
+
+        ci = tl.arange(0, NCP)[:, None]
+        cj = tl.arange(0, NCP)[None, :]
+        cm = (ci < NC) & (cj < NC)
+        cidx = 2 * NC + ci * NC + cj                                           # [NCP, NCP]
+        logit = tl.sum(tl.where(n[None, None, :] == cidx[:, :, None], mix[None, None, :], 0.0), axis=2)
+        logit = logit * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx, mask=cm, other=0.0)
+        logit = tl.where(cm, logit, -float("inf"))
+        row_max = tl.max(logit, axis=1)
+        e = tl.where(cm, tl.exp(logit - tl.where(ci < NC, row_max[:, None], 0.0)), 0.0)
+        den = tl.sum(e, axis=1)
+        comb = tl.where(cm, tl.div_rn(e, tl.where(ci < NC, den[:, None], 1.0)) + hc_eps, 0.0)
+        # Sinkhorn: one column normalisation, then iters - 1 rounds of (row, column)
+        comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
+        it = 1
+        while it < iters:
+            comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
+            it += 1
+        tl.store(comb_ptr + t * NC * NC + ci * NC + cj, comb, mask=cm & first)
+
+
+@triton.jit
+def _mhc_post_kernel(out_ptr, so, h_ptr, sh, post_ptr, comb_ptr, y_ptr, D,
+                     NC: tl.constexpr, NCP: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = d < D
+    k = tl.arange(0, NCP)
+    km = k < NC
+    t64 = t.to(tl.int64)
+    mm = tl.zeros([NCP, BD], tl.float32)
+    for jj in tl.static_range(NC):
+        hj = tl.load(h_ptr + t64 * sh + jj * D + d, mask=dm, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + t * NC * NC + jj * NC + k, mask=km, other=0.0)     # comb[j, :]
+        mm += cj[:, None] * hj[None, :]
+    o = tl.load(out_ptr + t64 * so + d, mask=dm, other=0.0).to(tl.float32)
+    p = tl.load(post_ptr + t * NC + k, mask=km, other=0.0)
+    res = p[:, None] * o[None, :] + mm
+    tl.store(y_ptr + t64 * (NC * D) + k[:, None] * D + d[None, :], res.to(y_ptr.dtype.element_ty),
+             mask=km[:, None] & dm[None, :])
+
+
+# ----------------------------------------------------------------------------- wrappers
+def _splits(T: int, K: int, tb: int, device: torch.device) -> tuple[int, int]:
+    """(number of K splits, K per split): ~2 programs per SM over (splits x token blocks)."""
+    n_tb = triton.cdiv(T, tb)
+    max_splits = triton.cdiv(K, _BK)
+    splits = max(1, min(max_splits, (2 * sm_count(device)) // n_tb))
+    kchunk = triton.cdiv(triton.cdiv(K, splits), _BK) * _BK
+    return triton.cdiv(K, kchunk), kchunk
+
+
+def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_mix: int,
+         n_scale: int, iters: int, norm_eps: float, hc_eps: float, head: bool):
+    check_float(op, h=h)
+    check(h.dim() >= 2, op, f"h has shape {tuple(h.shape)}; needs [..., nc, D]")
+    nc, D = h.shape[-2], h.shape[-1]
+    K = nc * D
+    check(tuple(fn.shape) == (n_mix, K), op, f"fn has shape {tuple(fn.shape)}; needs ({n_mix}, {K})")
+    check(fn.dtype == torch.float32, op, f"fn has dtype {fn.dtype}; needs float32 (it is an fp32 parameter)")
+    check(tuple(base.shape) == (n_mix,), op, f"base has shape {tuple(base.shape)}; needs ({n_mix},)")
+    check(scale.numel() >= n_scale, op, f"scale has {scale.numel()} values; needs {n_scale}")
+    check(nc <= 8, op, f"{nc} streams; the kernel keeps the nc x nc comb in registers for nc <= 8")
+    lead = tuple(h.shape[:-2])
+    T = math.prod(lead)
+    x = rows(h, K)
+    dev = h.device
+    y = empty((*lead, D), h.dtype, dev)
+    post = empty((*lead, nc), torch.float32, dev)
+    comb = empty((*lead, nc, nc), torch.float32, dev)
+    if T == 0:
+        return y, post, comb
+    np_ = max(16, pow2(n_mix))
+    tb = 16 if T <= 16 else 32
+    splits, kchunk = _splits(T, K, tb, dev)
+    part = torch.empty((splits, T, np_), dtype=torch.float32, device=dev)
+    ss = torch.empty((splits, T), dtype=torch.float32, device=dev)
+    fn = fn.contiguous()
+    _mix_partial_kernel[(splits, triton.cdiv(T, tb))](x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk,
+                                                      NP=np_, TB=tb, BK=_BK, num_warps=4)
+    bd = min(512, pow2(D))
+    _mhc_finalize_kernel[(T, triton.cdiv(D, bd))](
+        x, row_stride(x), part, ss, base.float().contiguous(), scale.float().contiguous(), y, post, comb,
+        T, D, float(K), splits, int(iters), float(norm_eps), float(hc_eps),
+        NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(splits), BD=bd, HEAD=head, num_warps=4)
+    return y, post, comb
+
+
+def mhc_pre_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                   norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    nc = h.shape[-2] if h.dim() >= 2 else 0
+    return _pre("mhc_pre", h, fn, base, scale, (2 + nc) * nc, 3, iters, norm_eps, hc_eps, head=False)
+
+
+def hc_head_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                   hc_eps: float) -> torch.Tensor:
+    nc = h.shape[-2] if h.dim() >= 2 else 0
+    return _pre("hc_head", h, fn, base, scale, nc, 1, 0, norm_eps, hc_eps, head=True)[0]
+
+
+def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    op = "mhc_post"
+    check_float(op, out=out, h=h, post=post, comb=comb)
+    check(h.dim() >= 2, op, f"h has shape {tuple(h.shape)}; needs [..., nc, D]")
+    nc, D = h.shape[-2], h.shape[-1]
+    lead = tuple(h.shape[:-2])
+    check(tuple(out.shape) == (*lead, D), op, f"out has shape {tuple(out.shape)}; needs {(*lead, D)}")
+    check(tuple(post.shape) == (*lead, nc), op, f"post has shape {tuple(post.shape)}; needs {(*lead, nc)}")
+    check(tuple(comb.shape) == (*lead, nc, nc), op, f"comb has shape {tuple(comb.shape)}; needs {(*lead, nc, nc)}")
+    y = empty(h.shape, h.dtype, h.device)
+    T = math.prod(lead)
+    if T == 0:
+        return y
+    o2, h2 = rows(out, D), rows(h, nc * D)
+    post2 = post.float().reshape(T, nc).contiguous()
+    comb2 = comb.float().reshape(T, nc * nc).contiguous()
+    bd = min(512, pow2(D))
+    _mhc_post_kernel[(T, triton.cdiv(D, bd))](o2, row_stride(o2), h2, row_stride(h2), post2, comb2, y, D,
+                                             NC=nc, NCP=pow2(nc), BD=bd, num_warps=4)
+    return y
+
+
+REGISTRATIONS = [
+    ("mhc_pre", None, mhc_pre_triton),
+    ("mhc_post", None, mhc_post_triton),
+    ("hc_head", None, hc_head_triton),
+]

@@ -1,0 +1,307 @@
+"""The asyncio front over the engine: one engine thread, one queue per HTTP response.
+
+The :class:`~dsv4.engine.core.Engine` is single-threaded. One engine thread owns it: it applies
+the commands the event loop sent (add a request, abort one) in order, runs ``Engine.step()`` while
+anything is unfinished, and hands each step's outputs back to the loop in one
+``call_soon_threadsafe`` call. Handlers never touch the engine: they :meth:`AsyncEngine.submit`
+tokenized requests (already checked with :meth:`AsyncEngine.check`, so a refused request changes
+nothing) and read :class:`Delta` objects from the :class:`Submission`'s queue.
+
+A handler that goes away (a client disconnects, a stream is cancelled) calls
+:meth:`Submission.abort`; the engine thread passes it to the scheduler before its next step, so the
+slot is free within one step. A step that raises fails the requests it ran, not the server.
+
+States: ``starting`` (no engine yet), ``ready``, ``draining`` (no new requests; running ones
+finish or are aborted at the deadline), ``stopped``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from ..engine.core import Engine, RequestOutput
+from ..engine.sampler import SamplingParams
+from ..errors import ContextOverflowError, RequestError
+
+log = logging.getLogger("dsv4.serve")
+
+
+@dataclass
+class Delta:
+    """What one engine step produced for one request, copied on the engine thread (the engine keeps
+    mutating its own output objects)."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None          # first delta only
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineRequest:
+    """One engine request of a submission: a tokenized prompt and how to sample it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class _Live:
+    """Loop-side bookkeeping of one running engine request."""
+
+    submission: "Submission"
+    index: int
+    arrival: float
+    prompt_tokens: int
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+
+class Submission:
+    """The engine requests of one HTTP response (prompts x choices). Iterate it for
+    ``(index, Delta)`` pairs; it ends when every request has finished."""
+
+    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+        self.engine, self.request_ids = engine, request_ids
+        self.queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+        self.unfinished = set(range(len(request_ids)))
+        self.ttft: list[float | None] = [None] * len(request_ids)
+        self.completion_tokens = [0] * len(request_ids)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Delta]]:
+        while self.unfinished:
+            index, delta = await self.queue.get()
+            if delta.finished:
+                self.unfinished.discard(index)
+            yield index, delta
+
+    def abort(self, index: int | None = None) -> None:
+        """Abort one request (or every unfinished one): its slot frees within one engine step."""
+        for i in ([index] if index is not None else list(self.unfinished)):
+            if i in self.unfinished:
+                self.engine.abort(self.request_ids[i])
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished
+
+
+@dataclass
+class EngineStats:
+    """Written by the engine thread after each step, read by /health and /metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    slots_used: int = 0
+    slots_total: int = 0
+    steps: int = 0
+    errors: int = 0
+
+
+class AsyncEngine:
+    """Drives an :class:`Engine` from its own thread for an asyncio server."""
+
+    def __init__(self, engine: Engine, max_model_len: int, metrics=None):
+        self.engine, self.max_model_len, self.metrics = engine, max_model_len, metrics
+        self.vocab_size = engine.runner.model.config.vocab_size
+        self.stats = EngineStats(slots_total=engine.runner.max_slots)
+        self.state = "ready"
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._live: dict[str, _Live] = {}
+        self._commands: list[tuple] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._fatal: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle (loop thread)
+    def start(self) -> None:
+        """Start the engine thread; outputs come back to the running event loop."""
+        self.loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort everything and end the engine thread (after its current step)."""
+        self.state = "stopped"
+        for rid in list(self._live):
+            self.abort(rid)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting; let running requests finish for up to ``timeout`` seconds, then abort
+        the rest and wait for their final outputs."""
+        self.state = "draining"
+        deadline = time.monotonic() + timeout
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._live:
+            log.warning("shutdown timeout (%.1f s): aborting %d running request(s)", timeout, len(self._live))
+            for rid in list(self._live):
+                self.abort(rid)
+            end = time.monotonic() + 10
+            while self._live and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ------------------------------------------------------------------ requests (loop thread)
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise a :class:`RequestError` naming the problem if this request can never run."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt "
+                "and at least one generated token must fit)")
+        self.engine.scheduler.check(list(prompt_ids), params)
+
+    def submit(self, request_id: str, requests: Sequence[EngineRequest]) -> Submission:
+        """Queue checked requests as ``{request_id}-{i}``; returns the submission to read."""
+        if self.state != "ready":
+            raise RuntimeError(f"engine is {self.state}")
+        ids = [f"{request_id}-{i}" for i in range(len(requests))]
+        sub = Submission(self, ids)
+        now = time.monotonic()
+        for i, (rid, req) in enumerate(zip(ids, requests)):
+            self._live[rid] = _Live(sub, i, now, len(req.prompt_ids))
+        with self._cond:
+            self._commands += [("add", rid, req) for rid, req in zip(ids, requests)]
+            self._cond.notify()
+        return sub
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (any thread); applied before the engine's next step."""
+        with self._cond:
+            self._commands.append(("abort", request_id))
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._commands and not self.engine.has_unfinished and not self._stop:
+                    self._cond.wait()
+                if self._stop and not self.engine.has_unfinished:
+                    return
+                commands, self._commands = self._commands, []
+            try:
+                deltas = self._apply(commands)
+                if self.engine.has_unfinished:
+                    deltas += self._step()
+                self._update_stats()
+            except Exception as e:  # a bug outside the step: fail what runs, keep the thread alive
+                log.exception("engine loop error; failing the running requests")
+                deltas = self._fail_running(f"{type(e).__name__}: {e}")
+            if deltas:
+                try:
+                    self.loop.call_soon_threadsafe(self._dispatch, deltas)
+                except RuntimeError:  # the event loop is closed: the server is gone
+                    return
+
+    def _apply(self, commands: list[tuple]) -> list[tuple[str, Delta]]:
+        failed = []
+        for cmd in commands:
+            if cmd[0] == "add":
+                _, rid, req = cmd
+                try:
+                    self.engine.add_request(req.prompt_ids, req.params, request_id=rid,
+                                            skip_special_tokens=req.skip_special_tokens)
+                except Exception as e:  # checked before submit; this is a bug, but it fails alone
+                    log.exception("request %s could not be added", rid)
+                    failed.append((rid, Delta([], "", True, "error", error=f"{type(e).__name__}: {e}")))
+            else:
+                self.engine.abort(cmd[1])
+        return failed
+
+    def _step(self) -> list[tuple[str, Delta]]:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the step as a whole failed: fail what it ran, keep serving
+            self.stats.errors += 1
+            log.exception("engine step failed; failing the running requests")
+            return self._fail_running(f"{type(e).__name__}: {e}")
+        self.stats.steps += 1
+        return [(out.request_id, _delta(out)) for out in outputs]
+
+    def _fail_running(self, error: str) -> list[tuple[str, Delta]]:
+        sched = self.engine.scheduler
+        failed = []
+        for req in list(sched.running) + list(sched.waiting):
+            sched.finish(req, "error")
+            failed.append((req.request_id, Delta([], "", True, "error", error=error)))
+        for rid in list(self.engine.tracks):   # the engine's own output state of those requests
+            self.engine.tracks.pop(rid, None)
+            if not any(rid == f[0] for f in failed):
+                failed.append((rid, Delta([], "", True, "error", error=error)))
+        self.engine._inflight.clear()
+        return failed
+
+    def _update_stats(self) -> None:
+        sched, s = self.engine.scheduler, self.stats
+        s.running, s.waiting = len(sched.running), len(sched.waiting)
+        s.slots_used = s.slots_total - len(sched.free_slots)
+        if self.metrics is not None:
+            self.metrics.engine_state(s)
+
+    # ------------------------------------------------------------------ back on the loop
+    def _dispatch(self, deltas: list[tuple[str, Delta]]) -> None:
+        now = time.monotonic()
+        for rid, delta in deltas:
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            if delta.token_ids:
+                self._timing(live, now, len(delta.token_ids))
+            if delta.finished:
+                del self._live[rid]
+                if self.metrics is not None:
+                    self.metrics.request_done(live.prompt_tokens, live.tokens, now - live.arrival, delta.finish_reason)
+            live.submission.completion_tokens[live.index] = live.tokens
+            live.submission.queue.put_nowait((live.index, delta))
+
+    def _timing(self, live: _Live, now: float, n: int) -> None:
+        if live.first is None:
+            live.first = now
+            live.submission.ttft[live.index] = now - live.arrival
+            if self.metrics is not None:
+                self.metrics.first_token(now - live.arrival)
+        elif self.metrics is not None:
+            self.metrics.inter_token((now - live.last) / n)
+        live.last = now
+        live.tokens += n
+        if self.metrics is not None:
+            self.metrics.generated(n)
+
+
+def _delta(out: RequestOutput) -> Delta:
+    """Copy what the loop needs out of a :class:`RequestOutput` (on the engine thread)."""
+    o, n = out.output, len(out.new_token_ids)
+    d = Delta(list(out.new_token_ids), out.new_text, out.finished, o.finish_reason if out.finished else None,
+              error=o.error if out.finished else None)
+    if o.logprobs is not None and n:
+        d.logprobs, d.top_logprobs = list(o.logprobs[-n:]), [list(t) for t in o.top_logprobs[-n:]]
+    if o.prompt_logprobs is not None and n and len(o.token_ids) == n:   # the first output
+        d.prompt_logprobs, d.prompt_top_logprobs = list(o.prompt_logprobs), list(o.prompt_top_logprobs)
+    return d

@@ -1,0 +1,117 @@
+"""Flags and entry points of ``dsv4 serve`` and ``dsv4 bench serve`` (imported by :mod:`dsv4.cli`;
+the server's own dependencies load only when a command runs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from ..cli_common import HelpFormatter, positive_int
+from ..errors import UsageError
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def add_serve_parser(p: argparse.ArgumentParser) -> None:
+    """The server's own flags (the engine flags are added by :mod:`dsv4.cli`)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients send as `model` (default: the --model value, or 'tiny')")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (default: "
+                        "$DSV4_API_KEY if set, else no key)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                   help="on SIGTERM/Ctrl-C, seconds running requests may take to finish before they are aborted")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="tokens per engine step, decodes plus prompt chunks (default: max(512, max_num_seqs + 512))")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="also log uvicorn's access line per HTTP request")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (so a busy port is a one-line error before the model loads)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: argparse.Namespace, load) -> int:
+    """``dsv4 serve``: bind, then load the model while answering 503, then serve until a signal."""
+    from ..tiny import resolve_model
+    from ..weights.loader import CheckpointError
+    path = resolve_model(args.model)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist (--model)")
+    from .server import run_server
+    names = args.served_model_name or [args.model or "tiny"]
+    sock = _listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    api_key = args.api_key or os.environ.get("DSV4_API_KEY") or None
+    return run_server(load, model_names=names, host=host, port=port, api_key=api_key,
+                      shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, access_log=args.access_log,
+                      sock=sock)
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (bench serve: load-test an OpenAI-compatible server)",
+                           formatter_class=HelpFormatter)
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = kinds.add_parser("serve", help="send N requests to a running server; throughput, TTFT/ITL percentiles, PNG",
+                         formatter_class=HelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (its /v1 routes)")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--api-key", default=None, help="bearer key (default: $DSV4_API_KEY)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--num-requests", "-n", type=positive_int, default=64, help="requests to send")
+    p.add_argument("--concurrency", type=positive_int, default=None,
+                   help="requests in flight at once (default: all, or unlimited with --request-rate)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="requests per second, Poisson arrivals (default: send as concurrency allows)")
+    p.add_argument("--dataset", default=None, metavar="JSONL",
+                   help="prompts: one JSON object per line with 'prompt' (text) or 'messages', optional "
+                        "'max_tokens' (default: synthetic prompts)")
+    p.add_argument("--input-len", type=positive_int, default=256, help="synthetic prompt length in tokens (mean)")
+    p.add_argument("--output-len", type=positive_int, default=128, help="max_tokens of each request (mean)")
+    p.add_argument("--range-ratio", type=float, default=0.5,
+                   help="synthetic lengths are uniform in [len x (1 - r), len x (1 + r)]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and arrivals")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate max_tokens tokens for every request (a fixed workload)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--plot", default="bench_serve.png", help="PNG with the latency CDFs and throughput over time "
+                                                             "('' for none)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results (and every request) as JSON")
+
+
+def bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+    return run_bench(args)

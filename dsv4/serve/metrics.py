@@ -1,0 +1,86 @@
+"""Prometheus metrics of the server (``GET /metrics``), through ``prometheus-client``.
+
+Each server has its own registry (several apps can live in one process, e.g. in tests). Names
+follow Prometheus conventions with a ``dsv4_`` prefix:
+
+- gauges ``dsv4_num_requests_running``, ``dsv4_num_requests_waiting``, ``dsv4_slots_used``,
+  ``dsv4_slots_total``, ``dsv4_slot_usage_ratio`` (written by the engine thread after each step);
+- counters ``dsv4_prompt_tokens_total``, ``dsv4_generation_tokens_total``,
+  ``dsv4_requests_finished_total{finish_reason}``, ``dsv4_http_requests_total{endpoint,status}``;
+- histograms ``dsv4_time_to_first_token_seconds``, ``dsv4_inter_token_latency_seconds``,
+  ``dsv4_e2e_request_latency_seconds``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+        0.75, 1.0, 2.5)
+_E2E = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class Metrics:
+    """The server's metrics in their own registry."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        label = {"model_name": model_name}
+        self.running = Gauge("dsv4_num_requests_running", "Requests holding a slot", ["model_name"],
+                             registry=r).labels(**label)
+        self.waiting = Gauge("dsv4_num_requests_waiting", "Requests waiting for a slot", ["model_name"],
+                             registry=r).labels(**label)
+        self.slots_used = Gauge("dsv4_slots_used", "Generation slots in use", ["model_name"], registry=r).labels(**label)
+        self.slots_total = Gauge("dsv4_slots_total", "Generation slots (max_num_seqs)", ["model_name"],
+                                 registry=r).labels(**label)
+        self.slot_usage = Gauge("dsv4_slot_usage_ratio", "Fraction of the slots in use", ["model_name"],
+                                registry=r).labels(**label)
+        self.prompt_tokens = Counter("dsv4_prompt_tokens", "Prompt tokens admitted", ["model_name"],
+                                     registry=r).labels(**label)
+        self.generation_tokens = Counter("dsv4_generation_tokens", "Tokens generated", ["model_name"],
+                                         registry=r).labels(**label)
+        self._finished = Counter("dsv4_requests_finished", "Engine requests finished, by finish reason (stop, "
+                                 "length, abort, error)", ["model_name", "finish_reason"], registry=r)
+        self._http = Counter("dsv4_http_requests", "HTTP responses by endpoint and status", ["endpoint", "status"],
+                             registry=r)
+        self.ttft = Histogram("dsv4_time_to_first_token_seconds", "Time to first token", ["model_name"],
+                              buckets=_TTFT, registry=r).labels(**label)
+        self.itl = Histogram("dsv4_inter_token_latency_seconds", "Time between output tokens", ["model_name"],
+                             buckets=_ITL, registry=r).labels(**label)
+        self.e2e = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ["model_name"],
+                             buckets=_E2E, registry=r).labels(**label)
+        self.model_name = model_name
+
+    # engine thread
+    def engine_state(self, stats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.slots_used.set(stats.slots_used)
+        self.slots_total.set(stats.slots_total)
+        self.slot_usage.set(stats.slots_used / stats.slots_total if stats.slots_total else 0.0)
+
+    # event loop
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def generated(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def request_done(self, prompt_tokens: int, output_tokens: int, seconds: float, finish_reason: str | None) -> None:
+        self.e2e.observe(seconds)
+        self._finished.labels(self.model_name, finish_reason or "unknown").inc()
+
+    def http(self, endpoint: str, status: int) -> None:
+        self._http.labels(endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

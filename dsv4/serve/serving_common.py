@@ -1,0 +1,186 @@
+"""What the completion and chat handlers share: the model table, sampling parameters from a
+request, token strings for logprobs, SSE framing, disconnect handling and the per-request log line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from ..engine.sampler import SamplingParams
+from ..errors import RequestError
+from ..text.tokenizer import Tokenizer
+from .async_engine import AsyncEngine, Submission
+from .errors import APIError, bad_request
+from .protocol import _Sampling
+
+log = logging.getLogger("dsv4.serve")
+
+MAX_STOP = 16
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs: the engine front, the tokenizer, the names it answers to."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_names: list[str]
+    max_model_len: int
+    root: str = ""
+    metrics: Any = None
+    _bytes: dict[int, bytes] = field(default_factory=dict)
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request asked for (404 for an unknown one); the first when omitted."""
+        if name is None or name in self.model_names:
+            return self.model_names[0] if name is None else name
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                       f"{', '.join(map(repr, self.model_names))}", "model", "model_not_found")
+
+    # ------------------------------------------------------------------ token strings
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a byte-level token may be part of a UTF-8 character)."""
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self._bytes[token_id] = _token_bytes(self.tokenizer, token_id)
+        return b
+
+    def token_str(self, token_id: int) -> str:
+        """A token as text; a partial UTF-8 character reads ``bytes:\\xe2\\x80`` (OpenAI's way)."""
+        b = self.token_bytes(token_id)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable stand-in character -> byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    piece = tokenizer.hf.id_to_token(token_id)
+    if piece is None:
+        return b""
+    added = tokenizer.hf.get_added_tokens_decoder() if hasattr(tokenizer.hf, "get_added_tokens_decoder") else {}
+    if token_id not in added and all(c in _BYTE_DECODER for c in piece):
+        return bytes(_BYTE_DECODER[c] for c in piece)
+    return tokenizer.decode([token_id]).encode("utf-8")
+
+
+# ------------------------------------------------------------------ sampling parameters
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop: stop strings must not be empty", "stop")
+    return stops
+
+
+def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None,
+                    choice: int = 0) -> SamplingParams:
+    """The engine's parameters for choice ``choice`` of a request (seeded choices differ by index)."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            seed=None if req.seed is None else req.seed + choice, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+    except RequestError as e:   # the ranges are checked by the protocol; this names any that slipped by
+        raise bad_request(str(e).replace("SamplingParams.", "")) from None
+
+
+def check_stop_ids(ids: list[int] | None, vocab: int) -> None:
+    bad = [t for t in ids or [] if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"stop_token_ids: ids outside [0, {vocab}): {bad[:5]}", "stop_token_ids")
+
+
+def check_request(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
+    """400 naming the problem (lengths included) when the engine could never run this request."""
+    try:
+        ctx.engine.check(prompt_ids, params)
+    except RequestError as e:
+        code = "context_length_exceeded" if "max_model_len" in str(e) else None
+        message = str(e) if str(e).startswith(what.split("[")[0]) else f"{what}: {e}"
+        raise bad_request(message, "max_tokens" if "max_tokens" in str(e) else what.split("[")[0], code) from None
+
+
+# ------------------------------------------------------------------ responses
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def until_done_or_disconnect(request: Request, work: Awaitable, on_disconnect: Callable[[], None]):
+    """Run ``work``; if the client disconnects first, cancel it, call ``on_disconnect`` (abort the
+    engine requests) and return None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        on_disconnect()
+        return None
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            on_disconnect()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def log_request(kind: str, rid: str, status: int | str, sub: Submission | None, prompt_tokens: int,
+                started: float, finish: list | None = None, note: str = "") -> None:
+    """The one log line of a request: id, status, tokens, time to first token, total time."""
+    done = time.monotonic() - started
+    if sub is None:
+        log.info("%s %s: %s %s", kind, rid, status, note)
+        return
+    ttfts = [t for t in sub.ttft if t is not None]
+    ttft = f"{min(ttfts) * 1000:.1f} ms" if ttfts else "-"
+    reasons = ",".join(sorted({str(r) for r in finish or [] if r}))
+    log.info("%s %s: %s, prompt %d tokens, completion %d tokens, ttft %s, total %.3f s, finish %s%s", kind, rid,
+             status, prompt_tokens, sum(sub.completion_tokens), ttft, done, reasons or "-",
+             f", {note}" if note else "")
+
+
+async def aclosing_iter(gen: AsyncIterator[str], on_close: Callable[[], None]) -> AsyncIterator[str]:
+    """Yield from ``gen``; whatever ends the stream (done, error, client gone), call ``on_close``."""
+    try:
+        async for item in gen:
+            yield item
+    finally:
+        on_close()

@@ -1,0 +1,258 @@
+"""`dsv4 serve` through the official `openai` client, sync and async: completions and chat,
+streaming and not, seeds, logprobs (the prompt's too), thinking, usage; errors in OpenAI's shape
+with the right status; the tokenizer routes and /metrics. Tiny model on CPU, a few tokens each."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import httpx
+import pytest
+
+from serve_util import metric
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aclient(served):
+    return openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "dsv4-tiny"]
+    assert client.models.retrieve("dsv4-tiny").id == "dsv4-tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_completions_prompt_forms_and_n(client, served):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    ids = httpx.post(served.url + "/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids)
+    # the same prompt as token ids, greedy: the same text
+    same = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    assert same.choices[0].text == r.choices[0].text
+    many = client.completions.create(model=MODEL, prompt=["a", "b b"], max_tokens=2, n=2, temperature=0.8, seed=3)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.usage.completion_tokens == 8
+    lists = client.completions.create(model="dsv4-tiny", prompt=[[0, 5, 6], [0, 7]], max_tokens=1)
+    assert len(lists.choices) == 2 and lists.usage.prompt_tokens == 5
+
+
+def test_seed_reproducible_and_choices_differ(client):
+    kw = dict(model=MODEL, prompt="The sea", max_tokens=6, temperature=1.0, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    two = client.completions.create(**kw, n=2)
+    assert two.choices[0].text == a.choices[0].text          # choice 0 keeps the request's seed
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, seed=7)
+    assert (client.chat.completions.create(**chat).choices[0].message.content ==
+            client.chat.completions.create(**chat).choices[0].message.content)
+
+
+def test_echo_logprobs_give_the_prompt_logprobs(client):
+    prompt = [0, 40, 41, 42, 43]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    for tok, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[tok] == value and len(top) <= 3 and max(top.values()) >= value
+    # the generated token's logprob equals what a plain request reports
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=2, temperature=0)
+    assert math.isclose(plain.choices[0].logprobs.token_logprobs[0], lp.token_logprobs[-1], abs_tol=1e-5)
+    assert r.choices[0].text.endswith(plain.choices[0].text)
+    # max_tokens=0 with echo: the prompt alone
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert only.usage.completion_tokens == 0
+
+
+def test_completion_streaming_with_usage(client):
+    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True, temperature=0,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-2].choices[0].finish_reason == "length"
+    full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert text == full.choices[0].text
+
+
+def test_chat_plain_and_streaming(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and c.message.role == "assistant" and c.finish_reason == "length"
+    assert len(c.logprobs.content) == 4 and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+    assert r.usage.completion_tokens == 4 and r.usage.completion_tokens_details.reasoning_tokens == 0
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, logprobs=True)
+    chunks = list(stream)
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == c.message.content
+    lps = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.token for t in lps] == [t.token for t in c.logprobs.content]
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_chat_thinking_reasoning_content(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2+2?"}], max_tokens=5,
+                                       temperature=0, extra_body={"chat_template_kwargs": {"thinking": True}})
+    m = r.choices[0].message
+    # random weights never close </think> in 5 tokens: everything is reasoning, counted as such
+    assert m.reasoning_content and m.content in ("", None) or "</think>" not in (m.content or "")
+    assert r.usage.completion_tokens_details.reasoning_tokens == 5
+    off = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2+2?"}], max_tokens=2,
+                                         temperature=0)
+    assert getattr(off.choices[0].message, "reasoning_content", None) is None
+    effort = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2+2?"}],
+                                            max_tokens=2, reasoning_effort="max")
+    assert effort.usage.prompt_tokens > r.usage.prompt_tokens        # the max-effort preamble
+
+
+def test_async_client_concurrent(aclient):
+    async def main():
+        chats = [aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"n{i}"}],
+                                                 max_tokens=3, seed=i) for i in range(6)]
+        comps = [aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=3) for i in range(6)]
+        stream = await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
+                                                       max_tokens=3, stream=True)
+        streamed = [c async for c in stream]
+        return await asyncio.gather(*chats, *comps), streamed
+
+    results, streamed = asyncio.run(main())
+    assert all(r.usage.completion_tokens == 3 or r.choices[0].finish_reason == "stop" for r in results), \
+        [(r.usage.completion_tokens, r.choices[0].finish_reason) for r in results]
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, status, param, words", [
+    (dict(max_tokens=-1), 400, "max_tokens", "greater than or equal"),
+    (dict(top_p=1.5), 400, "top_p", "less than or equal to 1"),
+    (dict(model="nope"), 404, "model", "does not exist"),
+    (dict(max_tokens=10_000), 400, "max_tokens", "max_model_len (512)"),
+    (dict(messages=[]), 400, "messages", "non-empty"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role", "Input should be"),
+    (dict(messages=[{"role": "user", "content": "x"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "r"}]), 400, "messages", "invalid JSON"),
+    (dict(messages=[{"role": "user", "content": "word " * 600}]), 400, "messages", "max_model_len is 512"),
+    (dict(reasoning_effort="medium"), 400, "reasoning_effort", "'high' or 'max'"),
+    (dict(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice",
+     "supported"),
+])
+def test_chat_errors(client, kwargs, status, param, words):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**body)
+    assert e.value.status_code == status
+    err = e.value.body
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_prompt_too_long_names_both_lengths(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[5] * 600, max_tokens=1)
+    assert "600 tokens" in e.value.body["message"] and "512" in e.value.body["message"]
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_http_errors_shape(served):
+    url = served.url
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.get(url + "/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+def test_tokenizer_routes(served):
+    url = served.url
+    t = httpx.post(url + "/tokenize", json={"prompt": "Hello there", "add_special_tokens": False}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 512
+    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "Hello there"}
+    with_bos = httpx.post(url + "/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    assert with_bos == [0] + t["tokens"]
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    text = httpx.post(url + "/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert text == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+    info = httpx.get(url + "/tokenizer_info").json()
+    assert info["eos_token"] == "<｜end▁of▁sentence｜>"
+    assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+def test_metrics_and_health(served, client):
+    client.completions.create(model=MODEL, prompt="m", max_tokens=2)
+    page = httpx.get(served.url + "/metrics").text
+    for name in ("dsv4_num_requests_running", "dsv4_num_requests_waiting", "dsv4_slots_used", "dsv4_slot_usage_ratio",
+                 "dsv4_prompt_tokens_total", "dsv4_generation_tokens_total", "dsv4_time_to_first_token_seconds_count",
+                 "dsv4_inter_token_latency_seconds_count", "dsv4_e2e_request_latency_seconds_count"):
+        metric(page, name)
+    assert metric(page, "dsv4_generation_tokens_total") >= 2 and metric(page, "dsv4_slots_total") == 16
+    health = httpx.get(served.url + "/health").json()
+    assert health["status"] == "ok" and health["slots_total"] == 16
+    assert "completion cmpl-" in served.log() and "ttft" in served.log()
+
+
+def test_a_non_streaming_client_that_hangs_up_frees_its_slot(served):
+    name = 'dsv4_requests_finished_total{finish_reason="abort",model_name="tiny"}'
+
+    def aborted() -> float:
+        try:
+            return metric(httpx.get(served.url + "/metrics").text, name)
+        except KeyError:
+            return 0.0
+
+    before = aborted()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", timeout=httpx.Timeout(60, read=0.5),
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True})
+    for _ in range(100):
+        health = httpx.get(served.url + "/health").json()
+        if health["slots_used"] == 0 and aborted() == before + 1:
+            break
+        time.sleep(0.05)
+    assert health["slots_used"] == 0 and aborted() == before + 1
+
+
+def test_every_role_response_format_and_penalties(client, served):
+    from dsv4.text.chat import encode_messages
+    messages = [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"},
+                {"role": "user", "content": [{"type": "text", "text": "U1"}, {"type": "text", "text": "U2"}]},
+                {"role": "assistant", "content": "A"}, {"role": "user", "content": "U3"},
+                {"role": "latest_reminder", "content": "R"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, response_format=fmt,
+                                       frequency_penalty=1.5, presence_penalty=0.5,
+                                       extra_body={"repetition_penalty": 1.3, "top_k": 5, "min_p": 0.1})
+    assert r.choices[0].finish_reason in ("length", "stop")
+    # the server's prompt is the DSV4 encoding of the same conversation (text parts joined)
+    plain = [{**m, "content": "U1\n\nU2"} if isinstance(m["content"], list) else m for m in messages]
+    want = encode_messages(plain, response_format=fmt)
+    ids = httpx.post(served.url + "/tokenize", json={"prompt": want, "add_special_tokens": False}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids)

@@ -1,0 +1,617 @@
+"""The small-op Triton kernels (dsv4/ops/triton/small*.py) against their references.
+
+CPU: through Triton's interpreter (``TRITON_INTERPRET=1``, set here before triton is imported)
+at small, odd shapes with fp32/fp16 activations (the interpreter mis-rounds bf16), outputs
+poisoned with NaN so every element must be written. GPU (``-m gpu``): real DeepSeek-V4 shapes,
+bf16, and a CUDA-graph replay equal to eager.
+
+Also on CPU: a tiny model (every layer kind) decodes with every small kernel and the fused-op
+model's fused decode path (``dsv4.ops.fused``) and matches the reference decode.
+
+Bit-exact where the reference is elementwise fp32 arithmetic (RoPE, the FP8/FP4 round trips, the
+mHC post mix in the interpreter); where the reference reduces (norm statistics, the mHC
+projection, softmaxes, Hadamard) the sums run in another order: tolerances of a few fp32 ulps
+of the statistic, i.e. at most one step of the output dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from dsv4.model.cache import RowStore  # noqa: E402
+from dsv4.ops import reference as ref  # noqa: E402
+from dsv4.ops.triton import small, small_util  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS = {op: fn for op, _, fn in small.REGISTRATIONS}
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    small_util.POISON = True
+    yield
+    small_util.POISON = False
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed: int, dtype=torch.float32, scale: float = 1.0, device=DEV) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype).to(device)
+
+
+def _ulps(dtype: torch.dtype) -> float:
+    return {torch.float32: 2.0 ** -22, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+
+
+def _close(out: torch.Tensor, want: torch.Tensor, steps: float = 1.0) -> None:
+    """Equal up to ``steps`` steps of the output dtype, relative to the element plus its row's
+    largest element (a rotation can cancel), and no NaN / unwritten element."""
+    assert out.shape == want.shape and out.dtype == want.dtype, (out.shape, want.shape, out.dtype, want.dtype)
+    assert not out.isnan().any(), "unwritten (NaN) elements"
+    o, w = out.double(), want.double()
+    tol = steps * _ulps(out.dtype) * (w.abs() + w.abs().amax(-1, keepdim=True)) + 1e-30
+    bad = (o - w).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} elements off; worst {(o - w).abs().max().item():.3g}"
+
+
+def _exact(out: torch.Tensor, want: torch.Tensor) -> None:
+    assert out.shape == want.shape and out.dtype == want.dtype
+    assert not out.isnan().any(), "unwritten (NaN) elements"
+    assert torch.equal(out, want), f"max diff {(out.double() - want.double()).abs().max().item():.3g}"
+
+
+# ----------------------------------------------------------------------------- norms / rope
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 96), (1, 37), (2, 130)])
+def test_rms_norm(dtype, shape):
+    x = _randn(*shape, seed=1, dtype=dtype, scale=3.0)
+    w = _randn(shape[-1], seed=2)
+    _close(KERNELS["rms_norm"](x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_unweighted(dtype):
+    x = _randn(2, 3, 5, 72, seed=3, dtype=dtype, scale=2.0)
+    _close(KERNELS["rms_norm_unweighted"](x, 1e-6), ref.rms_norm_unweighted(x, 1e-6))
+
+
+def _rope_tables(lead: tuple[int, ...], rd2: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.rand(*lead, rd2, generator=_gen(seed)) * 50
+    return ang.cos().to(DEV), ang.sin().to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope_bit_exact(dtype, inverse):
+    x = _randn(2, 3, 5, 40, seed=4, dtype=dtype)          # [B, S, H, hd], rd = 12
+    cos, sin = _rope_tables((2, 3), 6, seed=5)
+    cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
+    _exact(KERNELS["apply_rope"](x, cos_h, sin_h, inverse), ref.apply_rope(x, cos_h, sin_h, inverse))
+    kv = _randn(2, 3, 40, seed=6, dtype=dtype)
+    _exact(KERNELS["apply_rope"](kv, cos, sin, inverse), ref.apply_rope(kv, cos, sin, inverse))
+    # a broadcast that is not over trailing dims, and a non-contiguous input
+    c1, s1 = _rope_tables((3,), 6, seed=7)            # [3, 6] against rows [2, 3]
+    xt = _randn(3, 2, 40, seed=8, dtype=dtype).transpose(0, 1)
+    _exact(KERNELS["apply_rope"](xt, c1, s1), ref.apply_rope(xt, c1, s1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_qnorm(dtype):
+    q = _randn(2, 1, 6, 48, seed=9, dtype=dtype, scale=4.0)
+    cos, sin = _rope_tables((2, 1), 8, seed=10)
+    cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
+    want = ref.rope_qnorm(q, cos_h, sin_h, 1e-6)
+    _close(KERNELS["rope_qnorm"](q, cos_h, sin_h, 1e-6), want)
+
+
+@pytest.mark.parametrize("layout, pow2", [("plain", True), ("fp8", True), ("fp8", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kv_prepare(layout, pow2, dtype):
+    hd, rd = 160, 32                                     # nope 128: two FP8 blocks of 64
+    kv = _randn(3, 2, hd, seed=11, dtype=dtype, scale=5.0)
+    w = _randn(hd, seed=12)
+    cos, sin = _rope_tables((3, 2), rd // 2, seed=13)
+    store = RowStore.allocate(layout, 2, 4, hd, dtype, DEV, rope_dim=rd, pow2=pow2)
+    want = ref.kv_prepare(kv, w, 1e-6, cos, sin, store)
+    out = KERNELS["kv_prepare"](kv, w, 1e-6, cos, sin, store)
+    _close(out, want, steps=1.0 if layout == "plain" else 16.0)   # an ulp of the norm can move an FP8 step
+    exact_rows = (out == want).all(-1).float().mean()
+    assert exact_rows > 0.8, f"only {exact_rows:.2f} of rows bit-exact"
+
+
+# ----------------------------------------------------------------------------- mHC
+def _mixer(nc: int, D: int, n_mix: int, n_scale: int, seed: int):
+    fn = _randn(n_mix, nc * D, seed=seed, scale=0.1)
+    base = _randn(n_mix, seed=seed + 1, scale=0.5)
+    scale = _randn(n_scale, seed=seed + 2, scale=0.5) + 1.0
+    return fn, base, scale
+
+
+@pytest.mark.parametrize("dtype, lead, nc, D, iters", [
+    (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (3,), 3, 33, 20),
+    (torch.float16, (17,), 4, 24, 2)])       # 17 tokens: two token blocks (few iterations: interpreter time)
+def test_mhc_pre(dtype, lead, nc, D, iters):
+    h = _randn(*lead, nc, D, seed=20, dtype=dtype, scale=2.0)
+    fn, base, scale = _mixer(nc, D, (2 + nc) * nc, 3, seed=21)
+    want = ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)
+    got = KERNELS["mhc_pre"](h, fn, base, scale, iters, 1e-6, 1e-6)
+    _close(got[0], want[0], steps=1.0 if dtype != torch.float32 else 16.0)
+    _close(got[1], want[1], steps=16.0)
+    _close(got[2], want[2], steps=64.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hc_head(dtype):
+    nc, D = 4, 72
+    h = _randn(3, 2, nc, D, seed=22, dtype=dtype, scale=2.0)
+    fn, base, scale = _mixer(nc, D, nc, 1, seed=23)
+    want = ref.hc_head(h, fn, base, scale, 1e-6, 1e-6)
+    _close(KERNELS["hc_head"](h, fn, base, scale, 1e-6, 1e-6), want, steps=1.0 if dtype != torch.float32 else 16.0)
+    # a strided view, as the model's last-position logits pass it
+    hs = h[:, -1:]
+    _close(KERNELS["hc_head"](hs, fn, base, scale, 1e-6, 1e-6), ref.hc_head(hs, fn, base, scale, 1e-6, 1e-6),
+           steps=1.0 if dtype != torch.float32 else 16.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lead, nc, D", [((2, 3), 4, 40), ((5,), 3, 600)])
+def test_mhc_post(dtype, lead, nc, D):
+    out = _randn(*lead, D, seed=24, dtype=dtype)
+    h = _randn(*lead, nc, D, seed=25, dtype=dtype)
+    post = _randn(*lead, nc, seed=26).sigmoid() * 2
+    comb = _randn(*lead, nc, nc, seed=27).softmax(-1)
+    _close(KERNELS["mhc_post"](out, h, post, comb), ref.mhc_post(out, h, post, comb), steps=4.0)
+
+
+# ----------------------------------------------------------------------------- FP8 / FP4 / stores
+def _hard_values(*shape, seed: int, dtype) -> torch.Tensor:
+    """Random values with the awkward cases mixed in: zeros, -0, exact powers of two, e4m3/e2m1
+    ties, tiny blocks (amax floors), huge values."""
+    g = _gen(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g).float())
+    pick = torch.randint(0, 8, shape, generator=g)
+    x = torch.where(pick == 0, torch.zeros_like(x), x)
+    x = torch.where(pick == 1, -torch.zeros_like(x), x)
+    x = torch.where(pick == 2, torch.exp2(torch.randint(-8, 8, shape, generator=g).float()), x)
+    x = torch.where(pick == 3, (torch.randint(-60, 60, shape, generator=g).float() + 0.5) / 8, x)   # ties
+    x[..., :7] = 1e-7 * torch.randn(*x.shape[:-1], 7, generator=g)   # a block below the floors
+    return x.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block, pow2, shape", [(64, True, (3, 200)), (128, False, (2, 2, 300)), (48, True, (5, 96))])
+def test_fp8_sim_bit_exact(dtype, block, pow2, shape):
+    x = _hard_values(*shape, seed=30, dtype=dtype)
+    _exact(KERNELS["fp8_sim"](x, block, pow2), ref.fp8_sim(x, block, pow2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 200), (4, 64)])
+def test_fp4_sim_bit_exact(dtype, shape):
+    x = _hard_values(*shape, seed=31, dtype=dtype)
+    out, want = KERNELS["fp4_sim"](x, 32), ref.fp4_sim(x, 32)
+    _exact(out, want)
+    assert torch.equal(out.signbit(), want.signbit())
+
+
+def _fill(store: RowStore, seed: int) -> None:
+    g = _gen(seed)
+    for t in store.tensors():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("layout, pow2, dtype, dim, rope", [
+    ("plain", True, torch.float16, 40, 0), ("fp8", True, torch.float16, 160, 32), ("fp8", False, torch.float32, 100, 8),
+    ("fp4", True, torch.float16, 96, 0), ("fp4", True, torch.float32, 40, 0)])
+@pytest.mark.parametrize("lead", ["ring", "entries", "flat"])
+def test_store_rows_bit_exact(layout, pow2, dtype, dim, rope, lead):
+    a = RowStore.allocate(layout, 3, 6, dim, dtype, DEV, rope_dim=rope, pow2=pow2)
+    b = RowStore.allocate(layout, 3, 6, dim, dtype, DEV, rope_dim=rope, pow2=pow2)
+    _fill(a, 40)
+    _fill(b, 40)
+    if lead == "ring":           # [B, keep] rows of slots [B, 1]
+        slots, rows_ = torch.tensor([[2], [0]]), torch.tensor([[1, 4], [5, 0]])
+        values = _hard_values(2, 2, dim, seed=41, dtype=torch.float32)
+    elif lead == "entries":      # a sink row written twice
+        slots, rows_ = torch.tensor([[1]]), torch.tensor([[3, 5, 5]])
+        values = _hard_values(1, 3, dim, seed=42, dtype=dtype)
+        values[0, 2] = values[0, 1]
+    else:
+        slots, rows_ = torch.tensor([0, 2, 1]), torch.tensor([2, 2, 0])
+        values = _hard_values(3, dim, seed=43, dtype=dtype)
+    slots, rows_ = slots.to(DEV), rows_.to(DEV)
+    ref.store_rows(a, slots, rows_, values)
+    KERNELS["store_rows"](b, slots, rows_, values)
+    for ta, tb in zip(a.tensors(), b.tensors()):
+        assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- Hadamard
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 128), (2, 32), (3, 16), (2, 2)])
+def test_hadamard(dtype, shape):
+    x = _randn(*shape, seed=50, dtype=dtype)
+    _close(KERNELS["hadamard"](x), ref.hadamard(x), steps=2.0 if dtype != torch.float32 else 64.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fp4", [False, True])
+@pytest.mark.parametrize("d, rd", [(64, 32), (16, 8)])
+def test_rope_hadamard(dtype, fp4, d, rd):
+    x = _randn(2, 3, 4, d, seed=51, dtype=dtype, scale=3.0)   # [B, S, nI, d]
+    cos, sin = _rope_tables((2, 3), rd // 2, seed=52)
+    cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
+    out, want = KERNELS["rope_hadamard"](x, cos_h, sin_h, fp4), ref.rope_hadamard(x, cos_h, sin_h, fp4)
+    if not fp4:
+        _close(out, want, steps=2.0 if dtype != torch.float32 else 64.0)
+        return
+    # FP4 steps are coarse: an ulp of the rotation may flip a value sitting on a rounding boundary
+    same = (out == want).float().mean()
+    assert not out.isnan().any() and same > 0.99, f"{same:.4f} equal"
+    step = want.abs().amax(-1, keepdim=True) / 6 * 2   # the largest e2m1 step of a block (2 in units of scale)
+    assert ((out - want).abs() <= step).all()
+
+
+# ----------------------------------------------------------------------------- compressor pooling, SwiGLU
+@pytest.mark.parametrize("overlap, m, hd", [(False, 4, 24), (True, 4, 20), (False, 16, 8)])
+def test_compress_windows(overlap, m, hd):
+    width = 2 * hd if overlap else hd
+    kv = _randn(2, 3, m, width, seed=60)
+    gate = _randn(2, 3, m, width, seed=61, scale=3.0)
+    prev_kv = prev_gate = None
+    if overlap:
+        prev_kv = _randn(2, 3, m, hd, seed=62)
+        prev_gate = _randn(2, 3, m, hd, seed=63, scale=3.0)
+        prev_gate[0, 0] = float("-inf")                  # the first window has no previous one
+    want = ref.compress_windows(kv, gate, prev_kv, prev_gate)
+    _close(KERNELS["compress_windows"](kv, gate, prev_kv, prev_gate), want, steps=16.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("limit", [0.0, 2.5])
+def test_swiglu(dtype, limit):
+    g = _randn(3, 1100, seed=64, dtype=dtype, scale=3.0)
+    u = _randn(3, 1100, seed=65, dtype=dtype, scale=3.0)
+    _close(KERNELS["swiglu"](g, u, limit), ref.swiglu(g, u, limit), steps=1.0 if dtype != torch.float32 else 8.0)
+
+
+# ----------------------------------------------------------------------------- compressor decode step
+def _compressor_case(overlap: bool, ratio: int, dim: int, layout: str, dtype, seed: int):
+    from dsv4.engine.state import _compressor
+    from dsv4.model.compressor import Compressor
+    hidden, slots = 24, 3
+    torch.manual_seed(seed)
+    comp = Compressor(hidden, dim, ratio, overlap, 1e-6, dtype).to(DEV)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.copy_(torch.randn(p.shape, generator=_gen(seed + p.numel())) * 0.5)
+        comp.norm.weight.add_(1.0)
+    rope = 16 if layout == "fp8" else 0
+    entries = RowStore.allocate(layout, slots, 64 // ratio + 1, dim, dtype, DEV, rope_dim=rope)
+    return comp, _compressor(entries, slots, ratio, dim, overlap, DEV), hidden
+
+
+def _clone_state(st):
+    import copy
+    out = copy.copy(st)
+    out.entries = copy.copy(st.entries)
+    for name in ("data", "scale", "rope"):
+        t = getattr(st.entries, name)
+        setattr(out.entries, name, None if t is None else t.clone())
+    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
+        t = getattr(st, name)
+        setattr(out, name, None if t is None else t.clone())
+    return out
+
+
+def _states_equal(a, b, exact: bool, window_exact: bool = True) -> None:
+    """Window state and every entry row but the sink (never read) equal (or close)."""
+    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
+        ta, tb = getattr(a, name), getattr(b, name)
+        if ta is None:
+            continue
+        if window_exact:
+            assert torch.equal(ta, tb), name
+        else:
+            assert torch.equal(ta.isinf(), tb.isinf()), name
+            fin = ta.isfinite()
+            _close(torch.where(fin, tb, 0.0), torch.where(fin, ta, 0.0), steps=64.0)
+    for ta, tb in zip(a.entries.tensors(), b.entries.tensors()):
+        ta, tb = ta[:, :-1], tb[:, :-1]
+        if exact or ta.dtype == torch.uint8 or ta.dtype == torch.float8_e4m3fn:
+            same = (ta.view(torch.uint8) == tb.view(torch.uint8)).float().mean()
+            assert same >= (1.0 if exact else 0.99), f"{same:.4f} of entry bytes equal"
+        else:
+            _close(tb, ta, steps=64.0)
+
+
+def _decode_run(comp, state, hidden, rotate, steps, step_fn, seed, chunk: bool = False):
+    """``steps`` tokens on slots 2 and 0 (different positions) by ``step_fn``: one at a time
+    (decode), or all in one chunk (the batched prefill path) with ``chunk``."""
+    from types import SimpleNamespace
+    from dsv4.ops import reference as r
+    inv = r.rope_inv_freq(16, 10000.0).to(DEV)
+    start = torch.tensor([5, 2], device=DEV)
+    slots = torch.tensor([2, 0], device=DEV)
+    xs = [_randn(2, 1, hidden, seed=seed + t, dtype=comp.wkv.w.dtype) for t in range(steps)]
+    for t0, x in ([(0, torch.cat(xs, 1))] if chunk else list(enumerate(xs))):
+        pos = start.unsqueeze(1) + t0 + torch.arange(x.shape[1], device=DEV)
+        ctx = SimpleNamespace(slots=slots, start=start + t0, positions=pos, qat_sim=False, pow2=True)
+        step_fn(comp, state, x, ctx, inv, rotate)
+
+
+def _step_module(comp, state, x, ctx, inv, rotate):
+    from dsv4.ops import reference as r
+
+    def finish(entry, pos):
+        cos, sin = r.rope_cos_sin(pos, inv)
+        e = r.apply_rope(entry, cos, sin)
+        return r.hadamard(e) if rotate else e
+    comp(x, ctx, state, finish)
+
+
+def _step_fused(impl):
+    def run(comp, state, x, ctx, inv, rotate):
+        from dsv4.ops import reference as r
+        f32 = torch.float32
+        kv = r.linear(x, comp.wkv.w, out_dtype=f32)
+        gate = r.linear(x, comp.wgate.w, out_dtype=f32)
+        cos, sin = r.rope_cos_sin(ctx.positions // comp.ratio * comp.ratio, inv)
+        impl(kv, gate, comp.ape, state, ctx.slots, ctx.positions, comp.norm.weight, comp.norm.eps, cos, sin, rotate)
+    return run
+
+
+@pytest.mark.parametrize("overlap, ratio, dim, layout, rotate", [
+    (True, 4, 32, "plain", True), (False, 8, 48, "fp8", False), (True, 4, 32, "fp4", True)])
+def test_compressor_step_reference_equals_module(overlap, ratio, dim, layout, rotate):
+    """The fused op's spec, token by token, equals the batched compressor fed the same tokens as
+    one chunk (CPU, reference vs reference; matmuls of other shapes may sum in another order)."""
+    comp, state, hidden = _compressor_case(overlap, ratio, dim, layout, torch.float32, seed=70)
+    other = _clone_state(state)
+    _decode_run(comp, state, hidden, rotate, 11, _step_module, seed=71, chunk=True)
+    _decode_run(comp, other, hidden, rotate, 11, _step_fused(ref.compressor_step), seed=71)
+    _states_equal(state, other, exact=False, window_exact=False)
+
+
+@pytest.mark.parametrize("overlap, ratio, dim, layout, rotate, dtype", [
+    (True, 4, 64, "fp4", True, torch.float16), (False, 8, 64, "fp8", False, torch.float16),
+    (True, 4, 32, "plain", False, torch.float32)])
+def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
+    comp, state, hidden = _compressor_case(overlap, ratio, dim, layout, dtype, seed=72)
+    other = _clone_state(state)
+    steps = 2 * ratio + 1                                  # two windows close
+    _decode_run(comp, state, hidden, rotate, steps, _step_fused(ref.compressor_step), seed=73)
+    _decode_run(comp, other, hidden, rotate, steps, _step_fused(KERNELS["compressor_step"]), seed=73)
+    _states_equal(state, other, exact=False)
+
+
+# ============================================================================= GPU: real shapes, bf16, graphs
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu(fn):
+    """Marked ``gpu`` (``pytest -m gpu``) and skipped without CUDA."""
+    return pytest.mark.gpu(_needs_cuda(fn))
+
+#: the GPU tests' device and activation dtype (a dry run of their logic can set "cpu", float16)
+GDEV, GDT = "cuda", torch.bfloat16
+#: (hidden, heads, q_lora) of V4-Flash and V4-Pro
+GEOMETRY = {"flash": (4096, 64, 1024), "pro": (7168, 128, 1536)}
+
+
+def _g(*shape, seed: int, scale: float = 1.0, dtype=None) -> torch.Tensor:
+    return _randn(*shape, seed=seed, scale=scale, dtype=dtype or GDT, device=GDEV)
+
+
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@gpu
+def test_gpu_mhc(geo, batch):
+    D = GEOMETRY[geo][0]
+    h = _g(batch, 1, 4, D, seed=100, scale=2.0)
+    fn = _g(24, 4 * D, seed=101, scale=0.02, dtype=torch.float32)
+    base = _g(24, seed=102, scale=0.5, dtype=torch.float32)
+    scale = _g(3, seed=103, scale=0.5, dtype=torch.float32) + 1
+    want, got = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6), KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
+    _close(got[0], want[0], steps=1.0)
+    _close(got[1], want[1], steps=64.0)
+    _close(got[2], want[2], steps=256.0)
+    out = _g(batch, 1, D, seed=104)
+    _close(KERNELS["mhc_post"](out, h, want[1], want[2]), ref.mhc_post(out, h, want[1], want[2]), steps=1.0)
+    hf = _g(4, D * 4, seed=105, scale=0.02, dtype=torch.float32)
+    hb, hs = _g(4, seed=106, dtype=torch.float32), _g(1, seed=107, dtype=torch.float32)
+    _close(KERNELS["hc_head"](h, hf, hb, hs, 1e-6, 1e-6), ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), steps=1.0)
+
+
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("batch", [1, 32])
+@gpu
+def test_gpu_norms_rope(geo, batch):
+    D, H, ql = GEOMETRY[geo]
+    for width in (D, ql, 512):
+        x, w = _g(batch, 1, width, seed=110, scale=3.0), _g(width, seed=111, dtype=torch.float32)
+        _close(KERNELS["rms_norm"](x, w, 1e-6), ref.rms_norm(x, w, 1e-6), steps=1.0)
+    ang = torch.rand(batch, 1, 32, generator=_gen(112), device="cpu").to(GDEV) * 1000
+    cos, sin = ang.cos(), ang.sin()
+    q = _g(batch, 1, H, 512, seed=113, scale=2.0)
+    ch, sh = cos.unsqueeze(2), sin.unsqueeze(2)
+    _close(KERNELS["rope_qnorm"](q, ch, sh, 1e-6), ref.rope_qnorm(q, ch, sh, 1e-6), steps=1.0)
+    _exact(KERNELS["apply_rope"](q, ch, sh, True), ref.apply_rope(q, ch, sh, True))
+    kv, kw = _g(batch, 1, 512, seed=114, scale=3.0), _g(512, seed=115, dtype=torch.float32)
+    for layout in ("plain", "fp8"):
+        ring = RowStore.allocate(layout, 33, 128, 512, GDT, GDEV, rope_dim=64)
+        want = ref.kv_prepare(kv, kw, 1e-6, cos, sin, ring)
+        got = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
+        assert (got == want).float().mean() > 0.999
+        _close(got, want, steps=16.0)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@gpu
+def test_gpu_quant_and_stores(batch):
+    x = _g(batch, 4096, seed=120, scale=5.0)
+    _exact(KERNELS["fp8_sim"](x, 128, True), ref.fp8_sim(x, 128, True))
+    _exact(KERNELS["fp8_sim"](x, 64, False), ref.fp8_sim(x, 64, False))
+    qi = _g(batch, 1, 64, 128, seed=121)
+    _exact(KERNELS["fp4_sim"](qi, 32), ref.fp4_sim(qi, 32))
+    for layout, dim, rope in (("fp8", 512, 64), ("fp4", 128, 0), ("plain", 512, 0)):
+        a = RowStore.allocate(layout, 33, 130, dim, GDT, GDEV, rope_dim=rope)
+        b = RowStore.allocate(layout, 33, 130, dim, GDT, GDEV, rope_dim=rope)
+        slots = torch.randperm(33, generator=_gen(122))[:batch].to(GDEV).unsqueeze(1)
+        rows_ = torch.randint(0, 130, (batch, 1), generator=_gen(123)).to(GDEV)
+        v = _g(batch, 1, dim, seed=124, scale=4.0, dtype=torch.float32 if layout == "fp4" else GDT)
+        ref.store_rows(a, slots, rows_, v)
+        KERNELS["store_rows"](b, slots, rows_, v)
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), layout
+    ang = torch.rand(batch, 1, 32, generator=_gen(125)).to(GDEV) * 1000
+    ch, sh = ang.cos().unsqueeze(2), ang.sin().unsqueeze(2)
+    _close(KERNELS["rope_hadamard"](qi, ch, sh, False), ref.rope_hadamard(qi, ch, sh, False), steps=1.0)
+    got, want = KERNELS["rope_hadamard"](qi, ch, sh, True), ref.rope_hadamard(qi, ch, sh, True)
+    assert (got == want).float().mean() > 0.99
+    g, u = _g(batch, 2048, seed=126, scale=4.0, dtype=torch.float32), _g(batch, 2048, seed=127, scale=4.0,
+                                                                           dtype=torch.float32)
+    _close(KERNELS["swiglu"](g, u, 10.0), ref.swiglu(g, u, 10.0), steps=8.0)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@gpu
+def test_gpu_compress_windows(batch):
+    f32 = torch.float32
+    kv, gate = _g(batch, 2, 4, 1024, seed=130, dtype=f32), _g(batch, 2, 4, 1024, seed=131, scale=3.0, dtype=f32)
+    pk, pg = _g(batch, 2, 4, 512, seed=132, dtype=f32), _g(batch, 2, 4, 512, seed=133, scale=3.0, dtype=f32)
+    _close(KERNELS["compress_windows"](kv, gate, pk, pg), ref.compress_windows(kv, gate, pk, pg), steps=64.0)
+    kv, gate = _g(batch, 1, 128, 512, seed=134, dtype=f32), _g(batch, 1, 128, 512, seed=135, scale=3.0, dtype=f32)
+    _close(KERNELS["compress_windows"](kv, gate), ref.compress_windows(kv, gate), steps=64.0)
+
+
+def _gpu_compressor(dim, ratio, overlap, layout, slots, seed):
+    from dsv4.engine.state import _compressor
+    width = 2 * dim if overlap else dim
+    entries = RowStore.allocate(layout, slots, 4096 // ratio + 1, dim, GDT, GDEV,
+                                rope_dim=64 if layout == "fp8" else 0)
+    st = _compressor(entries, slots, ratio, dim, overlap, GDEV)
+    st.win_kv.normal_(generator=torch.Generator(GDEV).manual_seed(seed))
+    st.win_gate.normal_(generator=torch.Generator(GDEV).manual_seed(seed + 1))
+    if overlap:
+        st.prev_kv.normal_(generator=torch.Generator(GDEV).manual_seed(seed + 2))
+        st.prev_gate.normal_(generator=torch.Generator(GDEV).manual_seed(seed + 3))
+    return st, width
+
+
+@pytest.mark.parametrize("dim, ratio, overlap, layout, rotate", [
+    (512, 4, True, "fp8", False), (128, 4, True, "fp4", True), (512, 128, False, "fp8", False)])
+@pytest.mark.parametrize("batch", [1, 32])
+@gpu
+def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
+    a, width = _gpu_compressor(dim, ratio, overlap, layout, 33, seed=140)
+    b = _clone_state(a)
+    slots = torch.randperm(33, generator=_gen(141))[:batch].to(GDEV)
+    pos = torch.randint(0, 4000, (batch, 1), generator=_gen(142)).to(GDEV)
+    pos[::2] = (pos[::2] // ratio) * ratio + ratio - 1               # half of the rows close a window
+    kv, gate = _g(batch, 1, width, seed=143, dtype=torch.float32), _g(batch, 1, width, seed=144, dtype=torch.float32)
+    ape, w = _g(ratio, width, seed=145, dtype=torch.float32), _g(dim, seed=146, dtype=torch.float32) + 1
+    ang = (pos // ratio * ratio).float() * torch.rand(32, generator=_gen(147)).to(GDEV)
+    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+    ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
+    KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate)
+    _states_equal(a, b, exact=False)
+
+
+@gpu
+def test_gpu_graph_replay_equals_eager():
+    """A decode layer's small ops captured in one CUDA graph replay to exactly the eager results."""
+    D, H, batch = 4096, 64, 8
+    h = _g(batch, 1, 4, D, seed=150)
+    fn, base = _g(24, 4 * D, seed=151, scale=0.02, dtype=torch.float32), _g(24, seed=152, dtype=torch.float32)
+    scale = _g(3, seed=153, dtype=torch.float32)
+    q, kv = _g(batch, 1, H, 512, seed=154), _g(batch, 1, 512, seed=155)
+    kw = _g(512, seed=156, dtype=torch.float32)
+    ang = torch.rand(batch, 1, 32, generator=_gen(157)).to(GDEV) * 100
+    cos, sin = ang.cos(), ang.sin()
+    ring = RowStore.allocate("fp8", batch, 128, 512, GDT, GDEV, rope_dim=64)
+    st, width = _gpu_compressor(512, 4, True, "fp8", batch, seed=158)
+    slots = torch.arange(batch, device=GDEV)
+    pos = torch.arange(batch, device=GDEV).unsqueeze(1) * 3 + 3
+    ckv, cg = _g(batch, 1, width, seed=159, dtype=torch.float32), _g(batch, 1, width, seed=160, dtype=torch.float32)
+    ape = _g(4, width, seed=161, dtype=torch.float32)
+
+    def step():
+        y, post, comb = KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
+        qq = KERNELS["rope_qnorm"](q, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6)
+        k = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
+        KERNELS["store_rows"](ring, slots.unsqueeze(1), pos % 128, k)
+        KERNELS["compressor_step"](ckv, cg, ape, st, slots, pos, kw, 1e-6, cos, sin, False)
+        return [KERNELS["mhc_post"](KERNELS["rms_norm"](y, kw[:1].expand(D).contiguous(), 1e-6), h, post, comb), qq, k]
+
+    saved = [t.clone() for t in ring.tensors() + st.entries.tensors() + [st.win_kv, st.win_gate, st.prev_kv,
+                                                                           st.prev_gate]]
+    live = ring.tensors() + st.entries.tensors() + [st.win_kv, st.win_gate, st.prev_kv, st.prev_gate]
+    eager = step()
+    after = [t.clone() for t in live]
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                                       # warm-up (compiles) outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for t, s in zip(live, saved):
+        t.copy_(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, eager):
+        assert torch.equal(a, b)
+    for a, b in zip(live, after):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+# ----------------------------------------------------------------------------- the whole decode step
+@pytest.mark.parametrize("qat", [False, True])
+def test_decode_with_small_kernels_equals_reference(qat, monkeypatch):
+    """A tiny model (every layer kind) decodes with every small-op kernel (interpreter) and the
+    fused ops switched in by the proposed model edits: logits and the generation state match the
+    reference decode."""
+    from conftest import parity_config, random_model
+    from dsv4 import ops
+    from dsv4.engine.runner import Runner
+
+    kinds = ["sliding", "csa", "hca"]
+    config = parity_config(num_hidden_layers=3, layer_kinds=kinds, compress_ratios=[0, 4, 16],
+                           hash_layers=[True, False, False])
+    model = random_model(config, seed=5).to(DEV)
+    runners = [Runner(model, max_slots=2, max_context=64, qat_sim=qat) for _ in range(2)]
+    with ops.reference_only():
+        for r in runners:
+            r.prefill(0, list(range(2, 17)))
+            r.prefill(1, list(range(3, 9)))
+    for op, _, fn in small.REGISTRATIONS:
+        monkeypatch.setitem(ops._KERNELS, (op, DEV, None), fn)
+    for step in range(2):                       # positions 15, 16 and 6, 7: CSA and HCA windows close
+        ids = torch.tensor([7 + step, 11 + step])
+        with ops.reference_only():
+            want = runners[0].decode([0, 1], ids)
+        got = runners[1].decode([0, 1], ids)
+        torch.testing.assert_close(got, want, rtol=1e-4 if qat else 1e-5, atol=1e-4 if qat else 1e-5)
+    for a, b in zip(runners[0].state.layers, runners[1].state.layers):
+        for comp in ("compressor", "indexer"):
+            if getattr(a, comp) is not None:
+                _states_equal(getattr(a, comp), getattr(b, comp), exact=False, window_exact=False)
+        for ta, tb in zip(a.ring.tensors(), b.ring.tensors()):
+            if ta.dtype in (torch.uint8, torch.float8_e4m3fn):
+                assert (ta.view(torch.uint8) == tb.view(torch.uint8)).float().mean() > 0.99
+            else:
+                _close(tb, ta, steps=64.0)
