@@ -27,11 +27,6 @@ def compile_(fn, types, consts, num_warps, num_stages, label, extra_consts=None)
         print(f"FAIL {label}: {type(e).__name__}: {str(e)[:3000]}")
         return None
     md = k.metadata
-    sass = ""
-    try:
-        sass = k.asm.get("sass", "") or ""
-    except Exception:
-        pass
     ptx = k.asm["ptx"]
     mma = sorted(set(re.findall(r"(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)", ptx)))
     import subprocess, tempfile

@@ -473,8 +473,8 @@ def _run_skinny(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: 
     else:
         prec = _prec(x3.dtype)
     if split > 1:
+        cnt = _counters(x3.device, G * tiles)  # may refuse (first use inside a capture): allocate nothing before
         ws = _empty((split, M, G * R), torch.float32, x3.device)
-        cnt = _counters(x3.device, G * tiles)
     else:
         ws, cnt = out3, out3
     _skinny_kernel[(G * tiles, split)](
