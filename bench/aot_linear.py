@@ -1,7 +1,7 @@
 """Compile the linear kernels for sm_90 without a GPU: frontend + MLIR + ptxas. Prints resources."""
 import os, sys, re, itertools
 os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, "/work/wt/k-linear")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton
 from triton.backends.compiler import GPUTarget
 from dsv4.ops.triton import linear as L
@@ -27,11 +27,6 @@ def compile_(fn, types, consts, num_warps, num_stages, label, extra_consts=None)
         print(f"FAIL {label}: {type(e).__name__}: {str(e)[:3000]}")
         return None
     md = k.metadata
-    sass = ""
-    try:
-        sass = k.asm.get("sass", "") or ""
-    except Exception:
-        pass
     ptx = k.asm["ptx"]
     mma = sorted(set(re.findall(r"(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)", ptx)))
     import subprocess, tempfile
@@ -58,8 +53,12 @@ if __name__ == "__main__":
         for fmt, mode in [(0, 1), (1, 1), (1, 0), (2, 2), (2, 3), (3, 2), (2, 0), (3, 0)]:
             a = {0: "*bf16", 1: "*fp8e4nv", 2: "*bf16", 3: "*bf16"}[mode]
             types = dict(a_ptr=a, sa_ptr="*fp32", w_ptr=wt[fmt], s_ptr=st[fmt], g_ptr="*fp32", out_ptr="*bf16")
-            consts = dict(FMT=fmt, A_MODE=mode, PREC=None, KB=32, FP8_ACC=32, BM=128, BN=128, GROUP_M=8)
-            compile_(L._gemm_kernel, types, consts, 8, 3, f"gemm fmt={fmt} mode={mode}")
+            cfg = L._gemm_defaults(fmt)  # the shipped tiling
+            for acc in sorted({cfg["FP8_ACC"], 32} if mode == 1 else {None}, key=str):
+                consts = dict(FMT=fmt, A_MODE=mode, PREC=None, KB=32, FP8_ACC=acc, BM=cfg["BM"], BN=cfg["BN"],
+                              GROUP_M=cfg["GROUP_M"])
+                compile_(L._gemm_kernel, types, consts, cfg["num_warps"], cfg["num_stages"],
+                         f"gemm fmt={fmt} mode={mode} BM={cfg['BM']} FP8_ACC={acc}")
     if "quant" in which:
         for mode, q in [(1, "*fp8e4nv"), (2, "*bf16"), (3, "*bf16")]:
             types = dict(x_ptr="*bf16", q_ptr=q, s_ptr="*fp32")

@@ -57,8 +57,6 @@ def prefill() -> None:
                     dict(BM=256, BN=64, num_warps=8, num_stages=4, FP8_ACC=None),
                     dict(BM=128, BN=128, num_warps=4, num_stages=3, FP8_ACC=None),
                     dict(BM=128, BN=64, num_warps=8, num_stages=4, FP8_ACC=None)]
-        else:
-            cfgs = cfgs[4:5]
         for cfg in cfgs:
             try:
                 y = lin.linear_triton(x, w, True, True, torch.float32, _path="gemm", _config=cfg)

@@ -204,6 +204,57 @@ def test_dispatch_and_validation():
         lin.grouped_linear_triton(_x((2, 3, 128), seed=17), w, 3)
 
 
+def test_unsupported_inputs_run_the_reference(monkeypatch, capsys):
+    """Every refusal is a KernelUnsupported raised before any launch: through the dispatch the call
+    runs the reference instead (one stderr line), and DSV4_STRICT_KERNELS=1 makes it an error."""
+    assert issubclass(lin.LinearKernelError, ops.KernelUnsupported)
+    monkeypatch.delenv("DSV4_STRICT_KERNELS", raising=False)
+    launched = []
+    for kern in ("_skinny_kernel", "_gemm_kernel", "_act_quant_kernel"):
+        monkeypatch.setattr(lin, kern, _NoLaunch(kern, launched))
+    w64 = Fp8BlockWeight.quantize(torch.randn(64, 256, generator=_gen(30)), block=64)
+    w = _weight("mxfp4", 3 * 32, 256, seed=31, device="cpu")
+    x = _x((2, 256), seed=32, device="cpu")
+    cases = [("linear", (x, w64, True, True, torch.float32)),           # FP8 block 64
+             ("linear", (x.double(), w, False, True, None)),            # fp64 activations
+             ("linear", (x, w, False, True, torch.int32)),              # integer output
+             ("grouped_linear", (x.view(2, 2, 128), w, 2))]             # K is not the weight's
+    try:
+        for op, fmt, fn in lin.REGISTRATIONS:
+            ops.register(op, "cpu", fmt)(fn)
+        for op, args in cases:
+            with pytest.raises(lin.LinearKernelError):
+                getattr(lin, f"{op}_triton")(*args)
+            assert not launched, f"{op}: launched {launched} before refusing"
+            try:
+                want = getattr(ref, op)(*args)
+            except (ValueError, RuntimeError) as e:  # the reference refuses too: the same error
+                with pytest.raises(type(e)):
+                    getattr(ops, op)(*args)
+            else:
+                assert torch.equal(getattr(ops, op)(*args), want)
+            monkeypatch.setenv("DSV4_STRICT_KERNELS", "1")
+            with pytest.raises(lin.LinearKernelError):
+                getattr(ops, op)(*args)
+            monkeypatch.delenv("DSV4_STRICT_KERNELS")
+        assert "the reference runs it instead" in capsys.readouterr().err
+    finally:
+        for op, fmt, _ in lin.REGISTRATIONS:
+            ops.unregister(op, "cpu", fmt)
+
+
+class _NoLaunch:
+    """Stands in for a kernel: records any launch."""
+
+    def __init__(self, name: str, launched: list):
+        self.name, self.launched = name, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append(self.name)
+        return launch
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 FLASH = dict(hidden=4096, heads=64, hd=512, q_lora=1024, groups=8, o_lora=1024, inter=2048)
 PRO = dict(hidden=7168, heads=128, hd=512, q_lora=1536, groups=16, o_lora=1024, inter=3072)

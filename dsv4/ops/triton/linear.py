@@ -23,8 +23,9 @@ Two kernels, chosen by the number of rows ``M`` (``SKINNY_MAX_M``):
   registers. Grid ``(row tiles, K splits)``. Splits write fp32 partials to a workspace; the last
   split of a row tile to finish (a per-tile arrival counter) sums them in split order 0..S-1 and
   writes the output, so the result never depends on the order the programs ran in.
-- prefill (``M > 32``): :func:`_gemm_kernel`, a tiled GEMM (``128 x 128 x 128``, grouped tile
-  order). FP8 weights: ``tl.dot`` on float8e4nv operands, the activation quantized once by
+- prefill (``M > 32``): :func:`_gemm_kernel`, a tiled GEMM (K steps of 128, grouped tile order;
+  tiles ``64 x 128`` for FP8 weights, ``128 x 128`` for FP4: :func:`_gemm_defaults`). FP8
+  weights: ``tl.dot`` on float8e4nv operands, the activation quantized once by
   :func:`_act_quant_kernel` (q e4m3 + scales), partial products promoted per 128 block with
   ``s_x * s_w`` (DeepGEMM's scheme). FP4 weights: e2m1 decoded in the prologue, scales folded
   exactly, bf16 ``tl.dot`` on the pre-quantized activation (with ``pow2`` the values ``q * s_x``
@@ -472,8 +473,8 @@ def _run_skinny(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: 
     else:
         prec = _prec(x3.dtype)
     if split > 1:
+        cnt = _counters(x3.device, G * tiles)  # may refuse (first use inside a capture): allocate nothing before
         ws = _empty((split, M, G * R), torch.float32, x3.device)
-        cnt = _counters(x3.device, G * tiles)
     else:
         ws, cnt = out3, out3
     _skinny_kernel[(G * tiles, split)](
@@ -502,15 +503,19 @@ def act_quant_triton(x2: torch.Tensor, pow2: bool, mode: int = _A_FP8,
     return q, s
 
 
+def _gemm_defaults(code: int) -> dict:
+    """Tiling of the GEMM per weight format code (bench/aot_linear.py compiles these)."""
+    if code < 2:  # measured on H100 (bench/tune_linear.py): 80% of cuBLAS BF16 at 4096x4096x8192
+        return dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=4, FP8_ACC=None)
+    return dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, FP8_ACC=None)
+
+
 def _run_gemm(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: torch.Tensor, G: int, R: int,
               who: str, config: dict | None = None) -> None:
     """x3 [M, G, K] -> out3 [M, G, R] through the tiled GEMM."""
     code, data, scale, gs, _ = _weight_args(w, who)
     M, _, K = x3.shape
-    if code < 2:  # measured on H100 (bench/tune_linear.py): 80% of cuBLAS BF16 at 4096x4096x8192
-        cfg = dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=4, FP8_ACC=None)
-    else:
-        cfg = dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, FP8_ACC=None)
+    cfg = _gemm_defaults(code)
     cfg.update(config or {})
     if act_quant:
         if G != 1:
