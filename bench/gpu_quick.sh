@@ -1,18 +1,57 @@
 #!/usr/bin/env bash
-# One device call (~10 min on an H100): capture/engine graph tests, MoE and linear kernel tests at
-# real shapes, the fp32 drift table, the kernel table and the Flash x4 decode step; logs in $OUT.
+# The GPU checks of bench/gpu_check.sh cut to fit 10-minute device calls, each step under its own
+# time limit so a slow step returns its partial log instead of eating the call; logs land in $OUT.
+#   bash bench/gpu_quick.sh tests    # CUDA-graph/engine tests, kernel tests at real shapes
+#   bash bench/gpu_quick.sh parity   # HF parity on CUDA
+#   bash bench/gpu_quick.sh profile  # graph replay: time outside kernels at 2 and 8 layers
+#   bash bench/gpu_quick.sh engine   # continuous batching vs waves, dsv4 bench serve, the decode step vs the floor
+#   bash bench/gpu_quick.sh perf     # per-kernel table (linear, MoE, attention, small)
 set -uo pipefail
+section=${1:-tests}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 DSV4_CACHE=/tmp/dsv4cache
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+export DSV4_REPORT_AT_ONCE=1   # tests print each failure at once (tests/conftest.py)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-t() { local s=$1 f=$2; shift 2; echo "== $f"; timeout "$s" "$@" > "$OUT/$f" 2>&1; echo "rc=$?" >> "$OUT/$f"; tail -4 "$OUT/$f"; }
-t 115 graphs.log python3 -m pytest -q -rf --tb=short -m gpu tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py
-t 45 kernel_drift.txt python3 bench/kernel_drift.py --steps 30
-t 140 kernel_tests.log python3 -m pytest -q -rf --tb=short -m gpu tests/test_triton_moe.py tests/test_triton_linear.py tests/test_triton_small.py
-t 150 kernels.txt python3 bench/kernels.py --out "$OUT"
-t 120 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format bf16 fp8-mxfp4 \
-  --ops kernels-eager kernels-graph --steps 10
+t() { local s=$1 f=$2; shift 2; echo "== $f ($(date +%T))"; timeout "$s" "$@" > "$OUT/$f" 2>&1; echo "rc=$?" >> "$OUT/$f"; tail -6 "$OUT/$f"; }
+pt() { local s=$1 f=$2; shift 2; t "$s" "$f" python3 -m pytest -q -rf --tb=short --maxfail=4 -m gpu "$@"; }
+case $section in
+tests)
+  pt 150 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py
+  pt 150 moe_tests.log tests/test_triton_moe.py
+  pt 170 linear_tests.log tests/test_triton_linear.py
+  pt 90 small_attn_tests.log tests/test_triton_small.py tests/test_triton_attention.py
+  ;;
+parity)
+  pt 90 parity.log tests/test_parity_hf.py
+  ;;
+profile)
+  for layers in 2 8; do
+    t 60 "profile_$layers.txt" python3 bench/profile_decode.py --layers "$layers" --format fp8-mxfp4 --batch 1 --ops kernels --graph --top 12
+  done
+  ;;
+engine)
+  t 200 throughput.txt python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"
+  python3 bench/serve_random.py --preset flash --layers 4 --format fp8-mxfp4 --max-num-seqs 32 --max-model-len 4096 \
+    --port 8000 > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 150); do
+    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code!=200)" 2>/dev/null && break
+    kill -0 $server 2>/dev/null || break
+    sleep 2
+  done
+  t 90 bench_serve_warmup.txt python3 -m dsv4.cli bench serve -n 64 --concurrency 32 --input-len 512 --output-len 16
+  t 120 bench_serve.txt python3 -m dsv4.cli bench serve -n 128 --concurrency 32 --input-len 512 --output-len 128 \
+    --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"
+  t 60 bench_serve_c1.txt python3 -m dsv4.cli bench serve -n 8 --concurrency 1 --input-len 512 --output-len 128
+  kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
+  t 170 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format fp8-mxfp4 \
+    --ops kernels-graph --steps 10
+  ;;
+perf)
+  t 300 kernels.txt python3 bench/kernels.py --out "$OUT"
+  ;;
+esac

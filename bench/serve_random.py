@@ -44,7 +44,7 @@ def load(args) -> SimpleNamespace:
     if runner.device.type == "cuda" and not args.enforce_eager:
         runner.capture()
     tok_dir = Path(tempfile.mkdtemp(prefix="dsv4-random-tok-"))
-    tokenizer = Tokenizer.from_dir(write_tiny_tokenizer(tok_dir, config.vocab_size))
+    tokenizer = Tokenizer.from_dir(write_tiny_tokenizer(tok_dir, config.vocab_size, pad=True))
     engine = Engine(runner, tokenizer, config.eos_token_id, max_num_batched_tokens=args.max_num_batched_tokens)
     print(f"random {args.preset} x{args.layers} {args.format} on {runner.device} in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)

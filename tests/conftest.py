@@ -88,3 +88,12 @@ def served():
         yield server
     finally:
         server.stop()
+
+
+if os.environ.get("DSV4_REPORT_AT_ONCE"):
+    # For device runs under a time limit (bench/gpu_quick.sh): print each failure as it happens,
+    # so a run killed at its limit still shows why the tests that failed before it did.
+    def pytest_runtest_logreport(report):
+        if report.failed:
+            text = str(report.longrepr)
+            print(f"\n--- FAILED {report.nodeid} ({report.when})\n{text[-3000:]}\n", flush=True)

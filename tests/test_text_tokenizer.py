@@ -68,6 +68,18 @@ def test_tiny_tokenizer_bad_sizes():
         build_tiny_tokenizer(100_000)
 
 
+def test_padded_tiny_tokenizer_covers_a_real_vocabulary():
+    """pad=True reaches a real geometry's 129280 ids: encoding matches the unpadded tokenizer
+    (fillers are never produced), every id decodes, and the fillers are distinct."""
+    padded, plain = build_tiny_tokenizer(129_280, pad=True), build_tiny_tokenizer(1_000)
+    assert padded.get_vocab_size() == 129_280
+    text = "The lighthouse keeper wrote 42 lines. ünïcödé"
+    assert padded.encode(text).ids == build_tiny_tokenizer(1_223).encode(text).ids
+    assert max(padded.encode(text).ids) < 1_223 and plain.encode(text).ids
+    assert isinstance(padded.decode([129_279, 1_223, 70_000]), str)
+    assert len(set(padded.get_vocab())) == 129_280
+
+
 def test_write_tiny_tokenizer_files(tok_dir):
     cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
     assert cfg["bos_token"] == BOS_TOKEN and cfg["eos_token"] == EOS_TOKEN

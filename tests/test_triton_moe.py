@@ -70,23 +70,24 @@ def _gen(seed: int) -> torch.Generator:
 
 def _weights(fmt: str, E: int, N: int, K: int, seed: int, dev: str = DEV):
     """A random stacked weight ``[E, N, K]`` of format ``fmt`` (random codes and plausible
-    scales, built directly: quantizing is slow in CPU CI)."""
-    g = _gen(seed)
+    scales, built directly on ``dev``: quantizing is slow in CPU CI, and drawing gigabytes of
+    real-shape codes on the host is slow on the GPU machine)."""
+    g = torch.Generator(dev).manual_seed(seed)
+    u8 = dict(generator=g, dtype=torch.uint8, device=dev)
     if fmt == "mxfp4":
-        packed = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
-        scale = torch.randint(117, 123, (E, N, (K + 31) // 32), generator=g, dtype=torch.uint8)
-        return Mxfp4Weight(packed.to(dev), scale.to(dev))
+        return Mxfp4Weight(torch.randint(0, 256, (E, N, K // 2), **u8), torch.randint(117, 123, (E, N, (K + 31) // 32), **u8))
     if fmt == "nvfp4":
-        packed = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
-        bs = (torch.rand(E, N, (K + 15) // 16, generator=g) * 1.5 + 0.05).to(torch.float8_e4m3fn)
-        gs = torch.rand(E, generator=g) * 0.02 + 0.005
-        return Nvfp4Weight(packed.to(dev), bs.to(dev), gs.to(dev))
-    w = (torch.randn(E, N, K, generator=g) * 2).to(torch.float8_e4m3fn)
+        packed = torch.randint(0, 256, (E, N, K // 2), **u8)
+        bs = (torch.rand(E, N, (K + 15) // 16, generator=g, device=dev) * 1.5 + 0.05).to(torch.float8_e4m3fn)
+        gs = torch.rand(E, generator=g, device=dev) * 0.02 + 0.005
+        return Nvfp4Weight(packed, bs, gs)
+    # e4m3 codes of |v| < 8 (exponent field <= 9), either sign: drawn as bytes, no fp32 detour
+    w = torch.randint(0, 80, (E, N, K), **u8) | (torch.randint(0, 2, (E, N, K), **u8) << 7)
+    w = w.view(torch.float8_e4m3fn)
     nb = ((N + 127) // 128, (K + 127) // 128)
     if fmt == "fp8":                                           # fp32 block scales
-        return Fp8BlockWeight(w.to(dev), (torch.rand(E, *nb, generator=g) * 0.01 + 0.002).to(dev))
-    return Fp8BlockWeight(w.to(dev), torch.randint(117, 122, (E, *nb), generator=g,
-                                                   dtype=torch.uint8).to(dev))   # e8m0 ("fp8e")
+        return Fp8BlockWeight(w, torch.rand(E, *nb, generator=g, device=dev) * 0.01 + 0.002)
+    return Fp8BlockWeight(w, torch.randint(117, 122, (E, *nb), **u8))   # e8m0 ("fp8e")
 
 
 def _routing(T: int, k: int, E: int, seed: int, dev: str = DEV):

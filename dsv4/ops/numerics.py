@@ -48,6 +48,14 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def div_const(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c``, correctly rounded on every device. PyTorch's CUDA division by a Python scalar
+    multiplies by the scalar's rounded reciprocal (``amax / 448`` then differs from the CPU's and
+    the kernels' by an ulp on some blocks, which moves a quantized value by a whole e4m3 step);
+    dividing by a tensor divides."""
+    return t / torch.full_like(t, c)
+
+
 def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
     """The smallest power of two ``>= v`` for positive normal fp32 ``v`` (exact)."""
     return exp2_int(pow2_ceil_exponent(v))
@@ -133,7 +141,7 @@ def fp8_quantize(x: torch.Tensor, block: int, pow2: bool = True) -> tuple[torch.
     n = x.shape[-1]
     xb = _blocks(x, block).float()     # in fp32, as DeepSeek's kernels: a bf16 scale or quotient would round
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-    scale = amax / FP8_E4M3_MAX
+    scale = div_const(amax, FP8_E4M3_MAX)
     if pow2:
         scale = pow2_ceil(scale)
     q = (xb / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
@@ -160,7 +168,7 @@ def fp4_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     n = x.shape[-1]
     xb = _blocks(x, block).float()
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)
-    scale = pow2_ceil(amax / E2M1_MAX)
+    scale = pow2_ceil(div_const(amax, E2M1_MAX))
     codes = e2m1_codes(xb / scale).flatten(-2)[..., :n]
     return pack_e2m1(codes), pow2_to_e8m0(scale.squeeze(-1))
 

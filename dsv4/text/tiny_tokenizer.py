@@ -97,10 +97,10 @@ than the year before, and that, they agreed, was the whole point.
 """
 
 
-def _train_merges(num_merges: int) -> list[tuple[str, str]]:
+def _train_merges(num_merges: int, at_most: bool = False) -> list[tuple[str, str]]:
     """Train `num_merges` BPE merges on `_CORPUS` with the byte-level alphabet.
 
-    Raises ValueError if the corpus cannot provide that many merges.
+    Raises ValueError if the corpus cannot provide that many merges, unless `at_most`.
     """
     scratch = Tokenizer(models.BPE())
     scratch.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -111,7 +111,7 @@ def _train_merges(num_merges: int) -> list[tuple[str, str]]:
     )
     scratch.train_from_iterator([_CORPUS], trainer)
     merges = [tuple(m) for m in json.loads(scratch.to_str())["model"]["merges"]]
-    if len(merges) < num_merges:
+    if len(merges) < num_merges and not at_most:
         raise ValueError(
             f"vocab_size too large for the tiny tokenizer: its corpus yields only {len(merges)} "
             f"merges (max vocab_size {MIN_VOCAB_SIZE + len(merges)})"
@@ -135,23 +135,44 @@ def _byte_symbols() -> list[str]:
     return [symbols[b] for b in range(NUM_BYTE_SYMBOLS)]
 
 
-def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+def _fillers(taken: dict[str, int], count: int):
+    """`count` three-byte tokens not in `taken`, in a fixed order: ids that decode to bytes but
+    that no merge produces, so encoding never emits them."""
+    symbols = _byte_symbols()
+    made = 0
+    for a in symbols:
+        for b in symbols:
+            for c in symbols:
+                if made == count:
+                    return
+                if a + b + c not in taken:
+                    made += 1
+                    yield a + b + c
+
+
+def build_tiny_tokenizer(vocab_size: int = 512, pad: bool = False) -> Tokenizer:
     """Build the deterministic tiny DSV4-style tokenizer with exactly `vocab_size` ids.
 
     Args:
         vocab_size: total number of ids, specials and bytes included; at least
             `MIN_VOCAB_SIZE` (264) and at most what the embedded corpus can merge to.
+        pad: allow any larger `vocab_size` by filling the ids past the corpus' merges with
+            three-byte tokens that encoding never produces but decoding renders (for a random
+            model of a real geometry's vocabulary, e.g. 129280 ids, whose samples must decode).
     Returns:
         A `tokenizers.Tokenizer` (byte-level BPE, no post-processor: BOS is added by the caller).
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (specials + 256 bytes), got {vocab_size}")
-    merges = _train_merges(vocab_size - MIN_VOCAB_SIZE)
+    merges = _train_merges(vocab_size - MIN_VOCAB_SIZE, at_most=pad)
     vocab: dict[str, int] = {}
     for token in (*SPECIAL_TOKENS, *_byte_symbols()):
         vocab[token] = len(vocab)
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
+    if pad:
+        for token in list(_fillers(vocab, vocab_size - len(vocab))):
+            vocab[token] = len(vocab)
     if len(vocab) != vocab_size:  # two merges producing the same string would shrink the vocab
         raise ValueError(f"tiny tokenizer built {len(vocab)} ids, expected {vocab_size}")
 
@@ -162,14 +183,14 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
     return tokenizer
 
 
-def write_tiny_tokenizer(directory: str | Path, vocab_size: int = 512) -> Path:
+def write_tiny_tokenizer(directory: str | Path, vocab_size: int = 512, pad: bool = False) -> Path:
     """Write `tokenizer.json` and `tokenizer_config.json` for the tiny tokenizer into `directory`.
 
     Returns the directory, created if needed, ready for `Tokenizer.from_dir`.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    build_tiny_tokenizer(vocab_size).save(str(directory / "tokenizer.json"))
+    build_tiny_tokenizer(vocab_size, pad).save(str(directory / "tokenizer.json"))
     config = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "model_max_length": 1 << 20}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
     return directory

@@ -480,7 +480,7 @@ class Fp8BlockWeight(QuantWeight):
         x = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
         amax = x.view(*lead, nb, block, kb, block).abs().amax(dim=(-3, -1))  # [..., nb, kb]
         amax = torch.where(amax > 0, amax, torch.full_like(amax, FP8_E4M3_MAX))
-        scale = amax / FP8_E4M3_MAX
+        scale = numerics.div_const(amax, FP8_E4M3_MAX)
         if ue8m0:
             scale = torch.ldexp(torch.ones_like(scale), _ceil_pow2_exponent(scale).clamp(-127, 127))
         full = scale.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :n, :k]
@@ -577,7 +577,7 @@ class Mxfp4Weight(_Fp4Weight):
         _fp4_quant_input(w, name)
         xb = _blocks(w.float(), 32)  # [..., N, nb, 32]
         amax = xb.abs().amax(-1)  # [..., N, nb]
-        exp = torch.where(amax > 0, _ceil_pow2_exponent(amax / FP4_E2M1_MAX),
+        exp = torch.where(amax > 0, _ceil_pow2_exponent(numerics.div_const(amax, FP4_E2M1_MAX)),
                           torch.zeros_like(amax, dtype=torch.long)).clamp(-127, 127)
         scale = torch.ldexp(torch.ones_like(amax), exp)
         q = round_to_e2m1(xb / scale[..., None]).flatten(-2)[..., : w.shape[-1]]
