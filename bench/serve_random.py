@@ -43,6 +43,8 @@ def load(args) -> SimpleNamespace:
     runner = Runner(model, max_slots=args.max_num_seqs, max_context=args.max_model_len, qat_sim=qat)
     if runner.device.type == "cuda" and not args.enforce_eager:
         runner.capture()
+    if runner.device.type == "cuda":
+        runner.warm_up()      # as LLM does: no Triton compile while serving
     tok_dir = Path(tempfile.mkdtemp(prefix="dsv4-random-tok-"))
     tokenizer = Tokenizer.from_dir(write_tiny_tokenizer(tok_dir, config.vocab_size, pad=True))
     engine = Engine(runner, tokenizer, config.eos_token_id, max_num_batched_tokens=args.max_num_batched_tokens)

@@ -34,6 +34,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=positive_int, default=None, metavar="N",
                    help="split the model over N GPUs (cuda:0..N-1, or N CPU processes), one process each; "
                         "under torchrun, its WORLD_SIZE")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="on a GPU, skip compiling every kernel variant at start-up (the first prompt of each new "
+                        "length class then waits for its compiles)")
     add_threads_arg(p)
 
 
@@ -101,7 +104,7 @@ def _llm(args: argparse.Namespace, **extra):
     from .engine.llm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               tensor_parallel_size=args.tensor_parallel_size, **extra)
+               tensor_parallel_size=args.tensor_parallel_size, warm_up=args.warm_up, **extra)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:

@@ -38,7 +38,7 @@ from .runner import Runner
 from .sampler import SampleOutput, SamplingParams
 from .slot_sampling import SampleFlags
 
-OPS = ("reset", "start", "prefill", "sample_first", "decode", "decode_step", "capture", "stop")
+OPS = ("reset", "start", "prefill", "sample_first", "decode", "decode_step", "capture", "warm_up", "stop")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ def execute(runner: Runner, plan: StepPlan, tp: ParallelGroup, token_ids: torch.
         return runner.decode_step(list(plan.slots))
     if op == "capture":
         return runner.capture(plan.flag_sets, plan.max_batch, progress=tp.rank == 0, buckets=plan.buckets)
+    if op == "warm_up":
+        return runner.warm_up(progress=tp.rank == 0)
     return None
 
 
@@ -187,6 +189,15 @@ class ParallelRunner:
         try:
             self._send(StepPlan("capture", flag_sets=tuple(flag_sets), max_batch=max_batch, buckets=buckets))
             self.runner.capture(flag_sets, max_batch, progress=progress, buckets=buckets)
+        except BaseException:
+            self.broken = True
+            raise
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Every rank runs the same warm-up (its forwards meet in the same collectives)."""
+        try:
+            self._send(StepPlan("warm_up"))
+            return self.runner.warm_up(progress=progress)
         except BaseException:
             self.broken = True
             raise

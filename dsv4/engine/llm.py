@@ -109,6 +109,8 @@ class LLM:
             one graph per batch bucket, and replayed).
         max_num_batched_tokens: tokens per engine step (decodes plus prompt chunks); default
             ``max(512, max_num_seqs + 512)``.
+        warm_up: on a GPU, compile at start-up every kernel variant that prompts of any length at any
+            position reach (:mod:`dsv4.engine.warmup`), so no request waits for a compile later.
         tensor_parallel_size: split every layer over this many ranks, one process per GPU
             (``cuda:0..N-1``; on the CPU, N processes over gloo). This process is rank 0 and starts
             the others; :meth:`close` (or the end of a ``with`` block) stops them. Under ``torchrun``
@@ -122,7 +124,7 @@ class LLM:
                  dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int = 4,
                  max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True,
                  enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
-                 tensor_parallel_size: int | None = None):
+                 tensor_parallel_size: int | None = None, warm_up: bool = True):
         from ..tiny import resolve_model
         check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
         world = _world_size(tensor_parallel_size)
@@ -164,6 +166,8 @@ class LLM:
         self.runner = runner
         if dev.type == "cuda" and not enforce_eager:
             self.runner.capture(progress=progress)
+        if dev.type == "cuda" and warm_up:     # Triton compiles now, not in the middle of serving
+            self.runner.warm_up(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,
                              max_num_batched_tokens=max_num_batched_tokens)
 

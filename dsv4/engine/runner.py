@@ -148,6 +148,13 @@ class Runner:
         if n == 0:
             raise ValueError("prefill needs at least one token")
         start = self._reserve(slot, n)
+        out = self._prefill_rows(slot, ids, start, all_logits)
+        self.lengths[slot] = start + n
+        return out
+
+    def _prefill_rows(self, slot: int, ids: torch.Tensor, start: int, all_logits: bool) -> torch.Tensor:
+        """The forward of :meth:`prefill` for any slot, the scratch one included (warm-up)."""
+        n = ids.numel()
         slots = torch.tensor([slot], device=self.device)
         outs = []
         for lo in range(0, n, self.prefill_chunk):
@@ -157,7 +164,6 @@ class Runner:
             logits, _ = self.model(chunk, slots, begin, self.state.layers, self.qat_sim,
                                    last_only=not all_logits, context_bound=bound)
             outs.append(logits[0])
-        self.lengths[slot] = start + n
         self.state.positions[slot] = start + n
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
@@ -242,6 +248,12 @@ class Runner:
         positions[idx] = start + 1
         positions.narrow(0, self.scratch, 1).zero_()     # padding rows never move the scratch slot along (no host scalar: capturable)
         return out
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile every kernel variant prefill and eager decode can reach, on the scratch slot
+        (:mod:`dsv4.engine.warmup`); returns the seconds taken."""
+        from .warmup import warm_up
+        return warm_up(self, progress=progress)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _buckets(self) -> list[int]:

@@ -97,8 +97,8 @@ def _load_cuda_kernels() -> None:
         kernels.register_all("cuda")
         # nothing else says why the first steps take seconds (long work shows progress)
         cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
-        print(f"dsv4: GPU kernels compile on first use of each shape (cached in {cache}); "
-              "the first steps are slower", file=sys.stderr)
+        print(f"dsv4: GPU kernels compile on first use of each shape class (cached in {cache}); "
+              "LLM and dsv4 serve compile them all at start-up (warm-up)", file=sys.stderr)
 
 
 def implementation(op: str, device: torch.device, fmt: type | None = None) -> Callable:

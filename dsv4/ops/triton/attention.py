@@ -170,16 +170,16 @@ def _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- attention kernels
-@triton.jit
+@triton.jit(do_not_specialize=["NC", "n_splits", "bps"])
 def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, slots_ptr, start_ptr,
                  ring_data, ring_scale, ring_rope, comp_data, comp_scale, comp_rope, idx_ptr, len_ptr,
-                 S, H, ring_rows, comp_rows, NC, qk_scale,
+                 S, H, ring_rows, comp_rows, NC, qk_scale, n_splits, bps,
                  sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h,
                  W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
                  ROPE_ALIGNED: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                  R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
                  HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
-                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, SPLITS: tl.constexpr, BPS: tl.constexpr,
+                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, MULTI: tl.constexpr,
                  FUSED: tl.constexpr, PREC: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -203,8 +203,8 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([NCH, BH, CH], tl.float32)
     n_wb: tl.constexpr = (W + BN - 1) // BN
-    blk_lo = pid_sp * BPS
-    blk_hi = blk_lo + BPS
+    blk_lo = pid_sp * bps
+    blk_hi = blk_lo + bps
 
     # the window: virtual key i is position t - W + 1 + i (blocks of negative positions skipped)
     first = tl.maximum(W - 1 - t, 0) // BN
@@ -240,7 +240,7 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
                          C_LAYOUT, HD, NOPE, NCH, CH, ROPE_ALIGNED, C_NSC, C_E8M0, dt)
             m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
 
-    if SPLITS == 1:
+    if not MULTI:
         sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
         m_f = tl.maximum(m_i, sink)
         alpha = tl.exp2(m_i - m_f)
@@ -249,7 +249,7 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
         tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3, o.to(out_ptr.dtype.element_ty),
                  mask=hm3 & dm3)
     else:
-        part = (pid_q.to(tl.int64) * H + h) * SPLITS + pid_sp                    # [BH]
+        part = (pid_q.to(tl.int64) * H + h) * n_splits + pid_sp                    # [BH]
         tl.store(pml_ptr + part * 2, m_i, mask=hm)
         tl.store(pml_ptr + part * 2 + 1, l_i, mask=hm)
         # a split that saw no key leaves its acc unwritten: the combine never reads it (l = 0)
@@ -262,9 +262,9 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
             tl.debug_barrier()
             done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             tl.debug_barrier()
-            if done == SPLITS - 1:
-                o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * SPLITS, h, hm, d3,
-                                  dm3, HD, NCH, CH, BH, SPLITS)
+            if done == n_splits - 1:
+                o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * n_splits, h, hm, d3,
+                                  dm3, HD, NCH, CH, BH, n_splits)
                 tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3,
                          o.to(out_ptr.dtype.element_ty), mask=hm3 & dm3)
                 tl.atomic_xchg(cnt, 0)
@@ -272,16 +272,16 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
 
 @triton.jit
 def _merge_splits(pml_ptr, pacc_ptr, sink_ptr, part0, h, hm, d3, dm3, HD: tl.constexpr, NCH: tl.constexpr,
-                  CH: tl.constexpr, BH: tl.constexpr, SPLITS: tl.constexpr):
-    """Softmax-merge the ``SPLITS`` partial results of heads ``h`` (partials ``part0 + j``) with the
+                  CH: tl.constexpr, BH: tl.constexpr, n_splits):
+    """Softmax-merge the ``n_splits`` partial results of heads ``h`` (partials ``part0 + j``) with the
     sink: ``[NCH, BH, CH]`` fp32, summed in split order. Reads bypass L1 (other SMs wrote them)."""
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
     m_f = sink
-    for j in range(SPLITS):
+    for j in range(n_splits):
         m_f = tl.maximum(m_f, tl.load(pml_ptr + (part0 + j) * 2, mask=hm, other=-1.0e30, cache_modifier=".cg"))
     den = tl.exp2(sink - m_f)
     acc = tl.zeros([NCH, BH, CH], tl.float32)
-    for j in range(SPLITS):
+    for j in range(n_splits):
         m_j = tl.load(pml_ptr + (part0 + j) * 2, mask=hm, other=-1.0e30, cache_modifier=".cg")
         l_j = tl.load(pml_ptr + (part0 + j) * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
         w_j = tl.exp2(m_j - m_f)
@@ -293,28 +293,22 @@ def _merge_splits(pml_ptr, pacc_ptr, sink_ptr, part0, h, hm, d3, dm3, HD: tl.con
     return acc / den[None, :, None]
 
 
-@triton.jit
-def _attn_combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, S, H, so_b, so_s, so_h,
-                         HD: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+@triton.jit(do_not_specialize=["n_splits"])
+def _attn_combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, S, H, n_splits, so_b, so_s, so_h,
+                         HD: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr, BH: tl.constexpr):
+    """Merge the ``n_splits`` partials of ``BH`` heads of one query (when the attention kernel did
+    not merge them itself). The split count is a run-time loop bound: any count, one compile."""
     pid_q = tl.program_id(0)
-    h = tl.program_id(1)
     b = pid_q // S
     s = pid_q % S
-    sp = tl.arange(0, SP)
-    spm = sp < SPLITS
-    part = (pid_q.to(tl.int64) * H + h) * SPLITS + sp
-    m = tl.load(pml_ptr + part * 2, mask=spm, other=-1.0e30)
-    l = tl.load(pml_ptr + part * 2 + 1, mask=spm, other=0.0)
-    sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
-    m_f = tl.maximum(tl.max(m, 0), sink)
-    w = tl.exp2(m - m_f)
-    den = tl.sum(l * w, 0) + tl.exp2(sink - m_f)
-    d = tl.arange(0, DP)
-    live = spm & (l > 0)
-    acc = tl.load(pacc_ptr + part[:, None] * HD + d[None, :], mask=live[:, None] & (d < HD)[None, :], other=0.0)
-    o = tl.sum(acc * (w / den)[:, None], 0)
-    tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h * so_h + d, o.to(out_ptr.dtype.element_ty),
-             mask=d < HD)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < H
+    d3 = tl.arange(0, NCH)[:, None, None] * CH + tl.arange(0, CH)[None, None, :]
+    dm3 = d3 < HD
+    o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * n_splits, h, hm, d3, dm3,
+                      HD, NCH, CH, BH, n_splits)
+    tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h[None, :, None] * so_h + d3,
+             o.to(out_ptr.dtype.element_ty), mask=hm[None, :, None] & dm3)
 
 
 # ----------------------------------------------------------------------------- attention wrapper
@@ -450,7 +444,6 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     bh, bn, warps, stages = _attn_config(H, hd, B * S)
     n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
     splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh), _target_programs(dev))
-    stages = 1 if bps == 1 else stages
     fused = FUSED_COMBINE and 1 < splits <= FUSED_MAX_SPLITS
     if splits > 1:
         pacc = _empty((B * S, H, splits, hd), torch.float32, dev)
@@ -461,18 +454,18 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     (rd, rs, rr, r_layout, _, r_nsc, r_e8m0), (cd, cs, cr, c_layout, _, c_nsc, c_e8m0) = ring_p, comp_p
     _attn_kernel[(B * S, triton.cdiv(H, bh), splits)](
         q, kv_new, out, pacc, pml, cnt, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
-        S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E,
+        S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E, splits, bps,
         q.stride(0), q.stride(1), q.stride(2), kv_new.stride(0), kv_new.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         W=window, HD=hd, NOPE=nope, NCH=dp // ch, CH=ch, ROPE_ALIGNED=nope % ch == 0 and hd - nope == ch == dp - nope,
         BH=bh, BN=bn,
         R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
-        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, SPLITS=splits, BPS=bps, FUSED=fused,
+        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, MULTI=splits > 1, FUSED=fused,
         PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     if splits > 1 and not fused:
-        _attn_combine_kernel[(B * S, H)](
-            pacc, pml, sink, out, S, H, out.stride(0), out.stride(1), out.stride(2),
-            HD=hd, DP=triton.next_power_of_2(hd), SPLITS=splits, SP=triton.next_power_of_2(splits), num_warps=4)
+        _attn_combine_kernel[(B * S, triton.cdiv(H, bh))](
+            pacc, pml, sink, out, S, H, splits, out.stride(0), out.stride(1), out.stride(2),
+            HD=hd, NCH=dp // ch, CH=ch, BH=bh, num_warps=8)
     return out
 
 
@@ -516,7 +509,7 @@ def _index_score(k_even, k_odd, q_even, q_odd, w, PREC: tl.constexpr):
     return tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bound", "n_qb", "tiles_per_split", "so_b", "so_s"])
 def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
                     S, bound, k_rows, n_qb, tiles_per_split,
                     sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s,
@@ -612,7 +605,7 @@ TOPK_CHUNK = 4096
 _INT64_MIN = -(1 << 63)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "k", "src_stride", "dst_stride"])
 def _topk_kernel(src_ptr, dst_ptr, n, k, src_stride, dst_stride, CHUNK: tl.constexpr, KP: tl.constexpr,
                  FROM_SCORES: tl.constexpr, FINAL: tl.constexpr):
     """One chunk of one row: the ``KP`` largest keys of ``CHUNK`` (bitonic top-k), where a key is

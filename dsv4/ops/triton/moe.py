@@ -106,7 +106,7 @@ def _rne_e4m3(x):
     return tl.where(x < 0, -q, q)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _quant_kernel(src_ptr, dst_ptr, q_ptr, s_ptr, ids_ptr, R, K: tl.constexpr, NB: tl.constexpr,
                   POW2: tl.constexpr, XDT: tl.constexpr, WRITE_Q: tl.constexpr,
                   SKIP_EMPTY: tl.constexpr):
@@ -405,7 +405,7 @@ def _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- decode kernels
-@triton.jit
+@triton.jit(do_not_specialize=["ncnt", "P"])
 def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, ncnt,
                        w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr, P, E, limit,
                        D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
@@ -437,7 +437,7 @@ def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, n
                  mask=valid[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
                       w2_ptr, s2_ptr, g2_ptr, P, E,
                       D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,

@@ -32,7 +32,7 @@ from .small_util import check, check_float, empty, pow2, row_stride, rows, sm_co
 _BK = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
                         NP: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr):
     pid_s = tl.program_id(0)
@@ -64,7 +64,7 @@ def _pick(v, idx, j):
     return tl.sum(tl.where(idx == j, v, 0.0), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "SPLITS"])
 def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
                          T, D, Kf, SPLITS, iters, norm_eps, hc_eps,
                          NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
@@ -182,10 +182,11 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     _mix_partial_kernel[(splits, triton.cdiv(T, tb))](x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk,
                                                       NP=np_, TB=tb, BK=_BK, num_warps=4)
     bd = min(512, pow2(D))
+    # SP covers the most splits any T can get (splits shrink as T grows): one variant for every T
     _mhc_finalize_kernel[(T, triton.cdiv(D, bd))](
         x, row_stride(x), part, ss, base.float().contiguous(), scale.float().contiguous(), y, post, comb,
         T, D, float(K), splits, int(iters), float(norm_eps), float(hc_eps),
-        NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(splits), BD=bd, HEAD=head, num_warps=4)
+        NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head, num_warps=4)
     return y, post, comb
 
 

@@ -81,7 +81,7 @@ def compress_windows_triton(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n

@@ -28,7 +28,7 @@ from .small_util import (broadcast_rows, check, check_float, e2m1_code, e2m1_val
 
 
 # ----------------------------------------------------------------------------- fp8_sim / fp4_sim
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _sim_kernel(x_ptr, sx, y_ptr, R, N, BLOCK, NBLK, FP4: tl.constexpr, POW2: tl.constexpr, ROWS: tl.constexpr,
                 NBC: tl.constexpr, BLKP: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -61,7 +61,9 @@ def _sim(op: str, x: torch.Tensor, block: int, fp4: bool, pow2_scales: bool) -> 
     nblk = triton.cdiv(N, block)
     blkp = pow2(block)
     nbc = max(1, min(pow2(nblk), 2048 // blkp))
-    n_rows = max(1, min(pow2(R), 2048 // (nbc * blkp)))
+    # one row count per program for every R: a variant per row-count bucket would be a compile
+    # per new prompt-length class (the masked rows of a small R cost nothing but idle lanes)
+    n_rows = max(1, 2048 // (nbc * blkp))
     grid = (triton.cdiv(R, n_rows), triton.cdiv(nblk, nbc))
     _sim_kernel[grid](x2, row_stride(x2), y, R, N, block, nblk, FP4=fp4, POW2=bool(pow2_scales), ROWS=n_rows,
                       NBC=nbc, BLKP=blkp, num_warps=4, enable_fp_fusion=False)
@@ -77,7 +79,7 @@ def fp4_sim_triton(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- store_rows
-@triton.jit
+@triton.jit(do_not_specialize=["ss0", "ss1", "sr0", "sr1", "L1"])
 def _store_kernel(v_ptr, sv, slot_ptr, ss0, ss1, row_ptr, sr0, sr1, L1, rows_per_slot,
                   data_ptr, scale_ptr, rope_ptr, DIM, NOPE, NSCALE, LAYOUT: tl.constexpr, POW2: tl.constexpr,
                   NBP: tl.constexpr, QB: tl.constexpr, BR: tl.constexpr):
@@ -205,7 +207,7 @@ def _mul_pm1(x, h, IEEE: tl.constexpr, DOT: tl.constexpr):
     return tl.sum(x.to(tl.float32)[:, :, None] * h[None, :, :], axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _hadamard_kernel(x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale,
                      N: tl.constexpr, BM: tl.constexpr, ROPE: tl.constexpr, FP4: tl.constexpr, IEEE: tl.constexpr,
                      DOT: tl.constexpr, FB: tl.constexpr):

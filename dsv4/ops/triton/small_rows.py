@@ -42,7 +42,7 @@ def _normalize(x, w, inv, NORM: tl.constexpr, XDT: tl.constexpr):
     return x.to(XDT).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _row_kernel(x_ptr, sx, w_ptr, cos_ptr, sin_ptr, y_ptr, sy, R, D, Df, NOPE, RD2, G, eps,
                 NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr, FP8: tl.constexpr,
                 POW2: tl.constexpr, ROWS: tl.constexpr, NBP: tl.constexpr, QBLK: tl.constexpr,
@@ -126,8 +126,11 @@ def _launch(op: str, x: torch.Tensor, out_dtype: torch.dtype, *, norm: int = 0, 
         return y
     nbp = pow2(triton.cdiv(D, _FP8_BLOCK))
     tile = nbp * _FP8_BLOCK
-    per_prog = max(1, R // (2 * sm_count(x.device)))
-    n_rows = max(1, min(1 << (per_prog.bit_length() - 1), 4096 // tile))
+    # rows per program: one while a row each leaves every SM two programs or fewer, else a full
+    # 4096-value tile of rows. Two choices, not one per row count: every variant is a compile,
+    # and prompt lengths (and the row counts derived from them) vary without end
+    big = max(1, 4096 // tile)
+    n_rows = big if R >= 2 * sm_count(x.device) * big else 1
     dummy = x2
     _row_kernel[(triton.cdiv(R, n_rows),)](
         x2, row_stride(x2), weight if weight is not None else dummy, cos if cos is not None else dummy,

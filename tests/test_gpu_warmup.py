@@ -1,0 +1,53 @@
+"""GPU: after the start-up warm-up, prompts of any length at any position compile no kernel.
+
+The twin of ``tests/test_warmup.py`` on real compiles: a Flash-geometry slice with the release
+formats, Triton's own per-device kernel caches counted (:func:`dsv4.ops.triton.variants.total`)
+before and after random prefills (lengths 1..prefill_chunk at random positions, some with every
+position's logits) and eager decode steps of random batch sizes.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_flash_slice_compiles_nothing_after_warm_up():
+    from dsv4.config import preset
+    from dsv4.engine.runner import Runner
+    from dsv4.model.random_weights import build_random_model
+    from dsv4.ops.triton import variants
+
+    model = build_random_model(preset("flash", num_layers=2), "fp8-mxfp4", "cuda")
+    runner = Runner(model, max_slots=4, max_context=3000, qat_sim=True, prefill_chunk=512)
+    t0 = time.perf_counter()
+    runner.warm_up(progress=True)
+    print(f"warm-up {time.perf_counter() - t0:.1f} s, {variants.total()} variants", file=sys.stderr)
+    before = variants.count()
+    rng = random.Random(3)
+    vocab = model.config.vocab_size
+    for trial in range(3):
+        slot = trial % 4
+        runner.reset([slot])
+        pos = 0
+        while True:
+            n = rng.randint(1, runner.prefill_chunk) if rng.random() < 0.6 else rng.randint(1, 64)
+            if pos + n > runner.max_context:
+                break
+            runner.prefill(slot, [rng.randrange(vocab) for _ in range(n)], all_logits=rng.random() < 0.1)
+            pos += n
+        after = variants.count()
+        grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        assert not grew, f"trial {trial}: prefills compiled new kernel variants: {grew}"
+    for _ in range(6):
+        slots = rng.sample(range(4), rng.randint(1, 4))
+        runner.decode(slots, torch.randint(0, vocab, (len(slots),)))
+    after = variants.count()
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert not grew, f"eager decode steps compiled new kernel variants: {grew}"
