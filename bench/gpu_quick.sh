@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of bench/gpu_check.sh cut to fit 10-minute device calls, each step under its own
 # time limit so a slow step returns its partial log instead of eating the call; logs land in $OUT.
-#   bash bench/gpu_quick.sh tests    # CUDA-graph/engine tests, kernel tests at real shapes
-#   bash bench/gpu_quick.sh parity   # HF parity on CUDA
-#   bash bench/gpu_quick.sh profile  # graph replay: time outside kernels at 2 and 8 layers
-#   bash bench/gpu_quick.sh engine   # continuous batching vs waves, dsv4 bench serve, the decode step vs the floor
-#   bash bench/gpu_quick.sh perf     # per-kernel table (linear, MoE, attention, small)
+#   bash bench/gpu_quick.sh STEP [STEP ...]   (several steps fit one call; default: tests)
+# steps: warmup (no compile after the start-up warm-up), small (small-op + attention kernels),
+#   graphs (CUDA-graph/engine tests), moe, linear (kernel tests at real shapes), parity (HF parity on
+#   CUDA), profile (graph replay: time outside kernels at 2 and 8 layers), throughput (continuous
+#   batching vs waves), serve (dsv4 bench serve on a random Flash slice), decode (the decode step vs
+#   the floor), perf (per-kernel table); groups: tests = warmup small graphs moe linear,
+#   engine = throughput serve decode
 set -uo pipefail
-section=${1:-tests}
+steps=("${@:-tests}")
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
@@ -18,23 +20,27 @@ export DSV4_REPORT_AT_ONCE=1   # tests print each failure at once (tests/conftes
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t() { local s=$1 f=$2; shift 2; echo "== $f ($(date +%T))"; timeout "$s" "$@" > "$OUT/$f" 2>&1; echo "rc=$?" >> "$OUT/$f"; tail -6 "$OUT/$f"; }
 pt() { local s=$1 f=$2; shift 2; t "$s" "$f" python3 -m pytest -q -rf --tb=short --maxfail=4 -m gpu "$@"; }
-case $section in
-tests)
-  pt 150 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py
-  pt 150 moe_tests.log tests/test_triton_moe.py
-  pt 170 linear_tests.log tests/test_triton_linear.py
-  pt 90 small_attn_tests.log tests/test_triton_small.py tests/test_triton_attention.py
-  ;;
-parity)
-  pt 90 parity.log tests/test_parity_hf.py
-  ;;
+run_step() {
+case $1 in
+tests) for x in warmup small graphs moe linear; do run_step $x; done ;;
+engine) for x in throughput serve decode; do run_step $x; done ;;
+warmup) pt 240 warmup.log -s tests/test_gpu_warmup.py ;;
+small) pt 90 small_attn_tests.log tests/test_triton_small.py tests/test_triton_attention.py ;;
+graphs) pt 150 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py ;;
+moe) pt 150 moe_tests.log tests/test_triton_moe.py ;;
+linear) pt 170 linear_tests.log tests/test_triton_linear.py ;;
+parity) pt 90 parity.log tests/test_parity_hf.py ;;
 profile)
   for layers in 2 8; do
     t 60 "profile_$layers.txt" python3 bench/profile_decode.py --layers "$layers" --format fp8-mxfp4 --batch 1 --ops kernels --graph --top 12
   done
   ;;
-engine)
-  t 200 throughput.txt python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"
+throughput)
+  t 240 throughput.txt python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"
+  t 300 throughput_256x32.txt python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 256 --max-num-seqs 32 \
+    --out "$OUT/256x32"
+  ;;
+serve)
   python3 bench/serve_random.py --preset flash --layers 4 --format fp8-mxfp4 --max-num-seqs 32 --max-model-len 4096 \
     --port 8000 > "$OUT/server.log" 2>&1 &
   server=$!
@@ -43,15 +49,18 @@ engine)
     kill -0 $server 2>/dev/null || break
     sleep 2
   done
-  t 90 bench_serve_warmup.txt python3 -m dsv4.cli bench serve -n 64 --concurrency 32 --input-len 512 --output-len 16
+  echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
   t 120 bench_serve.txt python3 -m dsv4.cli bench serve -n 128 --concurrency 32 --input-len 512 --output-len 128 \
     --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"
   t 60 bench_serve_c1.txt python3 -m dsv4.cli bench serve -n 8 --concurrency 1 --input-len 512 --output-len 128
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
+  ;;
+decode)
   t 170 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format fp8-mxfp4 \
     --ops kernels-graph --steps 10
   ;;
-perf)
-  t 300 kernels.txt python3 bench/kernels.py --out "$OUT"
-  ;;
+perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;
+*) echo "unknown step $1"; exit 2 ;;
 esac
+}
+for step in "${steps[@]}"; do run_step "$step"; done

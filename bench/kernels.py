@@ -5,7 +5,11 @@ measured in the same run, and the same op through the peer implementation.
 
 The copy bandwidth (a large device-to-device copy, bytes read + written) and the dense BF16
 tensor-core peak (a large cuBLAS matmul) are measured first; each kernel's floor is the larger
-of bytes / bandwidth and flops / peak. Times are medians of ``triton.testing.do_bench``. A PNG
+of bytes / bandwidth and flops / peak. Times are medians of ``triton.testing.do_bench`` over a CUDA
+graph of ``GRAPH_REPS`` calls, each after an L2 flush whose own time is subtracted (device time with
+cold weights, as a captured decode step sees it: a decode-shape kernel runs for a few microseconds,
+less than one eager launch costs the host); a case that cannot be captured (a host sync) is timed
+eagerly and marked ``eager``. A PNG
 bar chart of percent-of-roofline per kernel is written next to the table (``--out``).
 """
 
@@ -25,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.kernel_cases import MODULES  # noqa: E402
 
 
+GRAPH_REPS = 10
+
+
 class Env:
     def __init__(self, device: str):
         import triton.testing as tt
@@ -32,6 +39,7 @@ class Env:
         self.do_bench = lambda fn: tt.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
         self.copy_gbs = self._copy_bandwidth()
         self.peak_tflops = self._bf16_peak()
+        self._flush = torch.empty(128 << 20, dtype=torch.uint8, device=device)   # > L2 (50 MB on H100/H200)
 
     def _copy_bandwidth(self) -> float:
         n = 1 << 30
@@ -47,6 +55,41 @@ class Env:
         t = self.do_bench(lambda: a @ b)
         return 2 * m ** 3 / t / 1e12
 
+    def time(self, fn, captured: bool = False) -> tuple[float, str]:
+        """Seconds per call of ``fn``: CUDA-graph replay, else eager launches.
+
+        A decode-shape kernel runs for a few microseconds, less than an eager launch costs the
+        host, so it is timed inside a graph of GRAPH_REPS calls. Each call is preceded by an L2
+        flush (a decode step reads every layer's weights once, far more than L2 holds: a kernel
+        must not find its weights cached by its previous call), and the time of a graph of the
+        flushes alone is subtracted.
+        """
+        if captured:                                # fn replays a graph of its own
+            return self.do_bench(fn), "graph"
+        try:
+            fn()                                    # compile / allocate outside the capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+                self._flush.zero_()
+            torch.cuda.current_stream().wait_stream(side)
+            timed, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(timed):
+                for _ in range(GRAPH_REPS):
+                    self._flush.zero_()
+                    fn()
+            with torch.cuda.graph(flushes):
+                for _ in range(GRAPH_REPS):
+                    self._flush.zero_()
+            t = (self.do_bench(timed.replay) - self.do_bench(flushes.replay)) / GRAPH_REPS
+            if t > 0:
+                return t, "graph"
+        except Exception:                           # noqa: BLE001 - not capturable: time it eagerly
+            pass
+        torch.cuda.synchronize()
+        return self.do_bench(fn), "eager"
+
     def floor(self, nbytes: float, flops: float) -> float:
         return max(nbytes / (self.copy_gbs * 1e9), flops / (self.peak_tflops * 1e12))
 
@@ -58,13 +101,13 @@ def run_cases(env: Env, families: list[str] | None) -> list[dict]:
         for case in module.cases(env):
             if families and case.family not in families:
                 continue
-            t = env.do_bench(case.fn)
+            t, mode = env.time(case.fn, case.captured)
             floor = env.floor(case.bytes, case.flops)
             row = dict(family=case.family, name=case.name, us=t * 1e6, gbs=case.bytes / t / 1e9,
                        tflops=case.flops / t / 1e12, pct_roofline=100 * floor / t, peer=case.peer,
-                       notes=case.notes, **case.extra)
+                       notes=case.notes, mode=mode, **case.extra)
             if case.peer_fn is not None:
-                tp = env.do_bench(case.peer_fn)
+                tp, _ = env.time(case.peer_fn, case.captured)
                 row.update(peer_us=tp * 1e6, peer_pct_roofline=100 * floor / tp, speedup_vs_peer=tp / t)
             rows.append(row)
             print(_fmt(row), flush=True)
@@ -75,7 +118,7 @@ def _fmt(r: dict) -> str:
     peer = (f" | {r['peer']}: {r['peer_us']:9.1f} us ({r['peer_pct_roofline']:5.1f}%), x{r['speedup_vs_peer']:.2f}"
             if "peer_us" in r else "")
     return (f"{r['family']:<10} {r['name']:<40} {r['us']:9.1f} us {r['gbs']:8.1f} GB/s {r['tflops']:7.1f} TF/s "
-            f"{r['pct_roofline']:5.1f}% roof{peer}")
+            f"{r['pct_roofline']:5.1f}% roof{'' if r.get('mode', 'graph') == 'graph' else ' (eager)'}{peer}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

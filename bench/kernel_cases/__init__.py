@@ -31,3 +31,6 @@ class Case:
     peer_fn: Callable[[], object] | None = None
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    #: ``fn`` (and ``peer_fn``) already replay a CUDA graph of their own: time them as they are
+    #: (a graph cannot be captured inside another one's capture)
+    captured: bool = False

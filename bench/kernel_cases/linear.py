@@ -107,7 +107,7 @@ def _case(env, geo: str, name: str, fmt: str, m: int, cache: dict) -> Case:
     io = (m * k + m * n) * 2
     return Case(family="linear", name=f"{geo} {name} {fmt} b={m} x{calls}", fn=_graph(ours),
                 bytes=calls * (wbytes + io), flops=calls * 2.0 * m * n * k,
-                peer="cuBLAS bf16" + (" einsum" if grouped else ""), peer_fn=_graph(peer),
+                peer="cuBLAS bf16" + (" einsum" if grouped else ""), peer_fn=_graph(peer), captured=True,
                 notes=f"{calls} calls in one graph, rotated weights",
                 extra=dict(calls=calls, peer_bytes=calls * (2 * n * k + io)))
 
