@@ -3,11 +3,12 @@
 # time limit so a slow step returns its partial log instead of eating the call; logs land in $OUT.
 #   bash bench/gpu_quick.sh STEP [STEP ...]   (several steps fit one call; default: tests)
 # steps: warmup (no compile after the start-up warm-up), small (small-op + attention kernels),
-#   graphs (CUDA-graph/engine tests), moe, linear (kernel tests at real shapes), parity (HF parity on
-#   CUDA), profile (graph replay: time outside kernels at 2 and 8 layers), throughput (continuous
-#   batching vs waves), serve (dsv4 bench serve on a random Flash slice), decode (the decode step vs
-#   the floor), perf (per-kernel table); groups: tests = warmup small graphs moe linear,
-#   engine = throughput serve decode
+#   graphs (CUDA-graph/engine tests), moe, linear (kernel tests at real shapes; linear_fp4: the FP4
+#   ones), parity (HF parity on CUDA), profile (graph replay: time outside kernels at 2 and 8
+#   layers), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
+#   32), serve (dsv4 bench serve on a random Flash slice), decode (the decode step vs the floor),
+#   tune (decode GEMV tiling search), perf (per-kernel table);
+#   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
 set -uo pipefail
 steps=("${@:-tests}")
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -23,12 +24,13 @@ pt() { local s=$1 f=$2; shift 2; t "$s" "$f" python3 -m pytest -q -rf --tb=short
 run_step() {
 case $1 in
 tests) for x in warmup small graphs moe linear; do run_step $x; done ;;
-engine) for x in throughput serve decode; do run_step $x; done ;;
+engine) for x in throughput throughput32 serve decode; do run_step $x; done ;;
 warmup) pt 240 warmup.log -s tests/test_gpu_warmup.py ;;
-small) pt 90 small_attn_tests.log tests/test_triton_small.py tests/test_triton_attention.py ;;
+small) pt 150 small_attn_tests.log tests/test_triton_small.py tests/test_triton_attention.py ;;
 graphs) pt 150 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py ;;
 moe) pt 150 moe_tests.log tests/test_triton_moe.py ;;
-linear) pt 170 linear_tests.log tests/test_triton_linear.py ;;
+linear) pt 580 linear_tests.log tests/test_triton_linear.py ;;   # cold Triton cache: ~10 s a test
+linear_fp4) pt 330 linear_fp4_tests.log tests/test_triton_linear.py -k "fp4 or cuda_graph" ;;
 parity) pt 90 parity.log tests/test_parity_hf.py ;;
 profile)
   for layers in 2 8; do
@@ -37,6 +39,8 @@ profile)
   ;;
 throughput)
   t 240 throughput.txt python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"
+  ;;
+throughput32)
   t 300 throughput_256x32.txt python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 256 --max-num-seqs 32 \
     --out "$OUT/256x32"
   ;;
@@ -59,6 +63,7 @@ decode)
   t 170 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format fp8-mxfp4 \
     --ops kernels-graph --steps 10
   ;;
+tune) t 420 tune_skinny.txt python3 bench/tune_skinny.py --geo flash --batch 1 ;;
 perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;
 *) echo "unknown step $1"; exit 2 ;;
 esac
