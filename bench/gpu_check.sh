@@ -3,7 +3,7 @@
 #   bash bench/gpu_check.sh tests      # the GPU tests (kernels vs reference, CUDA graphs, HF parity on CUDA)
 #   bash bench/gpu_check.sh kernels    # bench/kernels.py: per-kernel table vs the roofline and the peers
 #   bash bench/gpu_check.sh decode     # the decode step: reference/kernels, eager/graph, transformers, floor
-#   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves
+#   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves, prefill profile
 #   bash bench/gpu_check.sh serve      # dsv4 serve on the Flash x4 slice + dsv4 bench serve
 #   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
 # Expects transformers>=5.23 (and its newer deps) as wheels in .whl/ when the image's are older.
@@ -51,6 +51,10 @@ if want engine; then
   done
   step "continuous batching vs static waves (Flash x4 slice)" tee_to throughput.txt \
     python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"
+  step "continuous batching vs static waves, 256 requests x 32 seqs" tee_to throughput_256x32.txt \
+    python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 256 --max-num-seqs 32 --out "$OUT/256x32"
+  step "prefill: host vs device time per prompt length" tee_to profile_prefill.txt \
+    python3 bench/profile_prefill.py --layers 4 --format fp8-mxfp4
 fi
 if want serve; then
   python3 bench/serve_random.py --preset flash --layers 4 --format fp8-mxfp4 --max-num-seqs 64 --max-model-len 4096 \

@@ -5,7 +5,7 @@
 # steps: warmup (no compile after the start-up warm-up), small (small-op + attention kernels),
 #   graphs (CUDA-graph/engine tests), moe, linear (kernel tests at real shapes; linear_fp4: the FP4
 #   ones), parity (HF parity on CUDA), profile (graph replay: time outside kernels at 2 and 8
-#   layers), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
+#   layers; prefill: one prompt's host vs device time), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
 #   32), serve (dsv4 bench serve on a random Flash slice), decode (the decode step vs the floor),
 #   tune (decode GEMV tiling search), perf (per-kernel table);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
@@ -25,7 +25,7 @@ run_step() {
 case $1 in
 tests) for x in warmup small graphs moe linear; do run_step $x; done ;;
 engine) for x in throughput throughput32 serve decode; do run_step $x; done ;;
-warmup) pt 240 warmup.log -s tests/test_gpu_warmup.py ;;
+warmup) pt 300 warmup.log -s tests/test_gpu_warmup.py tests/test_gpu_no_stall.py ;;
 small) pt 150 small_attn_tests.log tests/test_triton_small.py tests/test_triton_attention.py ;;
 graphs) pt 150 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py ;;
 moe) pt 150 moe_tests.log tests/test_triton_moe.py ;;
@@ -36,6 +36,8 @@ profile)
   for layers in 2 8; do
     t 60 "profile_$layers.txt" python3 bench/profile_decode.py --layers "$layers" --format fp8-mxfp4 --batch 1 --ops kernels --graph --top 12
   done
+  ;;
+prefill) t 240 profile_prefill.txt python3 bench/profile_prefill.py --layers 4 --format fp8-mxfp4
   ;;
 throughput)
   t 240 throughput.txt python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"

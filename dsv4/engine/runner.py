@@ -31,6 +31,7 @@ from .. import ops
 from ..errors import ContextOverflowError
 from ..model.transformer import Transformer
 from ..parallel import SINGLE
+from .h2d import upload, upload_ints
 from .sampler import SampleOutput, SamplingParams
 from .slot_sampling import SampleFlags, SlotSampling
 from .state import GenerationState
@@ -143,7 +144,10 @@ class Runner:
                 ) -> torch.Tensor:
         """Append ``token_ids`` to ``slot``; return fp32 logits of the last token ``[vocab]``
         (or of every token ``[n, vocab]`` with ``all_logits``)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten().to(self.device)
+        if isinstance(token_ids, torch.Tensor) and token_ids.device == self.device:
+            ids = token_ids.to(torch.int64).flatten()
+        else:
+            ids = upload(torch.as_tensor(token_ids, dtype=torch.int64).flatten(), self.device)
         n = ids.numel()
         if n == 0:
             raise ValueError("prefill needs at least one token")
@@ -155,23 +159,25 @@ class Runner:
     def _prefill_rows(self, slot: int, ids: torch.Tensor, start: int, all_logits: bool) -> torch.Tensor:
         """The forward of :meth:`prefill` for any slot, the scratch one included (warm-up)."""
         n = ids.numel()
-        slots = torch.tensor([slot], device=self.device)
+        los = range(0, n, self.prefill_chunk)
+        meta = upload_ints([slot] + [start + lo for lo in los], self.device)   # slot, each chunk's start
+        slots = meta[:1]
         outs = []
-        for lo in range(0, n, self.prefill_chunk):
+        for i, lo in enumerate(los):
             chunk = ids[lo:lo + self.prefill_chunk].unsqueeze(0)
-            begin = torch.tensor([start + lo], device=self.device)
+            begin = meta[1 + i:2 + i]
             bound = start + lo + chunk.shape[1]   # host-known: the longest context this chunk sees
             logits, _ = self.model(chunk, slots, begin, self.state.layers, self.qat_sim,
                                    last_only=not all_logits, context_bound=bound)
             outs.append(logits[0])
-        self.state.positions[slot] = start + n
+        self.state.positions[slot].fill_(start + n)       # fill_: no host scalar copied (no stall)
         return torch.cat(outs) if all_logits else outs[-1][-1]
 
     @torch.inference_mode()
     def sample_first(self, slots: Sequence[int], logits: torch.Tensor) -> SampleOutput:
         """Sample each slot's first token from its prompt's last logits ``[B, vocab]``; the ids stay
         on the device as the slots' next inputs."""
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        idx = upload_ints(slots, self.device)
         out = self._agree(self.sampling.sample(logits, idx, self.sampling.flags(slots)))
         self.tokens[idx] = out.token_ids
         return out
@@ -218,7 +224,7 @@ class Runner:
         n = len(slots)
         bucket = next((b for b in self._buckets() if b >= n), None) if self.use_graphs else None
         if bucket is None:
-            idx = torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
+            idx = upload_ints(slots, self.device)
             bound = self.max_context if self.full_bound else max(self.lengths[s] for s in slots) + 1
             out = self._step(idx, flags, bound)
         else:

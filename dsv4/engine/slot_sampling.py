@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .h2d import copy_into
 from .sampler import MAX_LOGPROBS, SampleOutput, SamplingBatch, SamplingParams, _has_penalty, sample
 
 
@@ -64,15 +65,18 @@ class SlotSampling:
         self.params: list[SamplingParams | None] = [None] * slots
 
     def assign(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        """Write ``slot``'s row for a new request (host to device; never inside a graph)."""
-        one = SamplingBatch([params], self.vocab_size, self.device, prompt_ids=[prompt_ids])
+        """Write ``slot``'s row for a new request (host to device; never inside a graph). The row
+        is built on the host and copied through page-locked memory, and the penalty rows are
+        cleared with ``fill_``: admitting a request never makes the host wait for the device."""
+        one = SamplingBatch([params], self.vocab_size, "cpu", prompt_ids=[prompt_ids])
         for name, value in vars(one).items():
             if isinstance(value, Tensor) and name not in ("counts", "prompt_mask"):
-                getattr(self.rows, name)[slot] = value[0]
-        self.rows.counts[slot] = 0
-        self.rows.prompt_mask[slot] = False
+                copy_into(getattr(self.rows, name)[slot], value[0])
+        self.rows.counts[slot].fill_(0)
         if one.prompt_mask is not None:
-            self.rows.prompt_mask[slot] = one.prompt_mask[0]
+            copy_into(self.rows.prompt_mask[slot], one.prompt_mask[0])
+        else:
+            self.rows.prompt_mask[slot].fill_(False)
         self.params[slot] = params
         self.rows.seeds[slot] = one.seeds[0]
 

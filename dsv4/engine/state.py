@@ -17,6 +17,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ContextOverflowError  # noqa: F401  (raised by the runner; defined with the other user errors)
 from ..model.cache import CompressorState, LayerCache, RowStore
+from .h2d import upload
 
 
 @dataclass
@@ -129,7 +130,8 @@ class GenerationState:
 
     def reset(self, slots: list[int] | torch.Tensor) -> None:
         """Make ``slots`` empty (position 0) so they can take a new sequence."""
-        slots = torch.as_tensor(slots, dtype=torch.int64).to(self.device)
+        if not (isinstance(slots, torch.Tensor) and slots.device == self.positions.device):
+            slots = upload(torch.as_tensor(slots, dtype=torch.int64), self.device)   # no host stall
         self.positions.index_fill_(0, slots, 0)
         for layer in self.layers:
             for comp in (layer.compressor, layer.indexer):

@@ -1,0 +1,110 @@
+"""Where a prompt's prefill time goes: host time, device time and kernels per prompt length.
+
+    python bench/profile_prefill.py [--layers 4] [--format fp8-mxfp4] [--lengths 16 64 128 256 512]
+
+One eager B=1 prefill (what the scheduler runs for every prompt chunk) on an empty slot, per length:
+the wall time (synchronized), the host time of the call (the time Python spends launching; when
+it is close to the wall time the prefill is launch-bound, not GPU-bound), the GPU kernel time
+and kernel count from the profiler, and the host-device synchronizations counted by
+``torch.cuda.set_sync_debug_mode``. Kernels are compiled first (untimed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dsv4.config import preset  # noqa: E402
+from dsv4.engine.runner import Runner  # noqa: E402
+from dsv4.engine.sampler import SamplingParams  # noqa: E402
+from dsv4.model.random_weights import build_random_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="flash")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--format", default="fp8-mxfp4")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 128, 256, 512])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--cprofile", type=int, nargs="*", default=[16, 128],
+                    help="prompt lengths whose prefill's host time is broken down by cProfile")
+    args = ap.parse_args()
+    config = preset(args.preset, num_layers=args.layers)
+    model = build_random_model(config, args.format, "cuda")
+    runner = Runner(model, max_slots=1, max_context=max(args.lengths) + 64, qat_sim=args.format != "bf16")
+    params = SamplingParams(max_tokens=1)
+    g = torch.Generator().manual_seed(0)
+
+    def once(n: int, sync_debug: bool = False) -> tuple[float, float]:
+        ids = torch.randint(2, config.vocab_size, (n,), generator=g).tolist()
+        runner.start(0, params, ids)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.prefill(0, ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return t1 - t0, time.perf_counter() - t0
+
+    print(f"{args.preset} x{args.layers} {args.format}: one eager B=1 prefill on an empty slot")
+    for n in args.lengths:
+        for _ in range(2):
+            once(n)                                     # compile, allocator warm
+        times = [once(n) for _ in range(args.reps)]
+        host = statistics.median(t[0] for t in times)
+        wall = statistics.median(t[1] for t in times)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            once(n, sync_debug=True)
+        sync_at = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)})
+        syncs = sum("synchronizing" in str(w.message) for w in caught)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            once(n)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ktime = sum(e.device_time for e in kernels) / 1e6
+        print(f"prefill {n:5d} tokens: wall {wall * 1e3:7.2f} ms | host {host * 1e3:7.2f} ms "
+              f"({100 * host / wall:3.0f}% of wall) | kernels {ktime * 1e3:7.2f} ms ({len(kernels)} launches, "
+              f"{len(kernels) / args.layers:.0f} per layer) | {syncs} host syncs | {n / wall:8.0f} tok/s", flush=True)
+        if sync_at:
+            print(f"    syncs at {', '.join(sync_at)}")
+        if n == args.lengths[-1] or n == 128:
+            by_name: dict[str, list[float]] = {}
+            for e in kernels:
+                by_name.setdefault(e.name[:80], []).append(e.device_time)
+            for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:args.top]:
+                print(f"    {sum(ts) / 1e3:8.3f} ms  x{len(ts):<4} {name}")
+
+    import cProfile
+    import pstats
+    for n in args.cprofile:
+        once(n)
+        prof = cProfile.Profile()
+        ids = torch.randint(2, config.vocab_size, (n,), generator=g).tolist()
+        runner.start(0, params, ids)
+        torch.cuda.synchronize()
+        prof.enable()
+        runner.prefill(0, ids)
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"host profile of one {n}-token prefill (cProfile; its own overhead inflates the totals):")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(18)
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Host -> device copies that do not stall the host.
+
+A copy from ordinary (pageable) host memory, and a Python scalar written into a device tensor,
+wait for everything already queued on the stream: the host stops launching until the device
+catches up, and launch time and device time add up instead of overlapping. Prefill and request
+admission run eagerly, between graph replays, so every such copy there costs a full round trip.
+These helpers stage through page-locked memory (PyTorch's caching host allocator keeps a staging
+block until its copy completes) and copy with ``non_blocking``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """CPU tensor ``t`` on ``device``, without waiting for the device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def upload_ints(values: Sequence[int], device: torch.device | str, dtype: torch.dtype = torch.int64
+                ) -> torch.Tensor:
+    """A list of ints as a device tensor, without waiting for the device."""
+    return upload(torch.tensor(list(values), dtype=dtype), device)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a CPU ``src`` without waiting for the device."""
+    if dst.is_cuda and not src.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)

@@ -1,0 +1,44 @@
+"""GPU: admitting a request, prefilling it and sampling its first token never make the host wait
+for the device (no pageable host -> device copy, no Python scalar written into a device tensor).
+
+Such a wait serializes the host's kernel launches with the device's work: measured on an H100
+(``bench/profile_prefill.py``), four of them per prefill made a 128-token prefill of a 4-layer Flash
+slice take launch time + kernel time instead of the larger of the two. ``torch.cuda``'s sync debug
+mode turns any implicit synchronization into an error here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_admission_prefill_and_first_sample_never_wait_for_the_device():
+    from dsv4.config import preset
+    from dsv4.engine.runner import Runner
+    from dsv4.engine.sampler import SamplingParams
+    from dsv4.model.random_weights import build_random_model
+
+    model = build_random_model(preset("flash", num_layers=1), "fp8-mxfp4", "cuda")
+    runner = Runner(model, max_slots=2, max_context=1024, qat_sim=True, prefill_chunk=128)
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1, logprobs=2)
+    ids = list(range(5, 300))                  # three chunks
+
+    def admit(slot: int) -> torch.Tensor:
+        runner.start(slot, params, ids)
+        logits = runner.prefill(slot, ids)
+        return runner.sample_first([slot], logits[None]).token_ids
+
+    first = admit(0)                           # compiles (a compile may synchronize)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = admit(1)
+        runner.reset([0])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert again.tolist() == first.tolist()    # same prompt, same seed: the same first token
+    assert runner.state.positions.tolist()[:2] == [0, len(ids)]
