@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, in sections that each fit one 10-minute device call:
 #   bash bench/gpu_check.sh tests      # the GPU tests (kernels vs reference, CUDA graphs, HF parity on CUDA)
-#   bash bench/gpu_check.sh kernels    # bench/kernels.py: per-kernel table vs the roofline and the peers
+#   bash bench/gpu_check.sh kernels    # bench/kernels.py: per-kernel table vs the roofline and the peers; humming MoE peer
 #   bash bench/gpu_check.sh decode     # the decode step: reference/kernels, eager/graph, transformers, floor
 #   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves, prefill profile
 #   bash bench/gpu_check.sh serve      # dsv4 serve on the Flash x4 slice + dsv4 bench serve
 #   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
-# Expects transformers>=5.23 (and its newer deps) as wheels in .whl/ when the image's are older.
+# Expects transformers>=5.23 (and its newer deps: huggingface_hub, tokenizers, httpx2, httpcore2, truststore)
+# as wheels in .whl/ when the image's are older; humming-kernels as a wheel for the MoE peer.
 set -uo pipefail
 section=${1:-all}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -37,6 +38,11 @@ if want tests; then
 fi
 if want kernels; then
   step "per-kernel benchmark" tee_to kernels.txt python3 bench/kernels.py --out "$OUT"
+  if python3 -c "import humming" 2>/dev/null; then
+    step "MoE vs humming-kernels" tee_to humming_peer.txt python3 bench/humming_peer.py
+  else
+    echo "(humming-kernels not installed: put its wheel in .whl/ for the MoE peer)"
+  fi
 fi
 if want decode; then
   step "reference linear cost per format" tee_to ref_linear_cost.txt python3 bench/ref_linear_cost.py --rows 1 8

@@ -7,7 +7,8 @@
 #   ones), parity (HF parity on CUDA), profile (graph replay: time outside kernels at 2 and 8
 #   layers; prefill: one prompt's host vs device time), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
 #   32), serve (dsv4 bench serve on a random Flash slice), decode (the decode step vs the floor),
-#   tune (decode GEMV tiling search), perf (per-kernel table);
+#   tune (decode GEMV tiling search), perf (per-kernel table; perf_moe: its MoE rows), humming (the
+#   humming-kernels MoE peer vs our fused MoE: W4A16 MXFP4, Flash, 1/8/32 tokens; bench/humming_peer.py);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
 set -uo pipefail
 steps=("${@:-tests}")
@@ -66,7 +67,9 @@ decode)
     --ops kernels-graph --steps 10
   ;;
 tune) t 420 tune_skinny.txt python3 bench/tune_skinny.py --geo flash --batch 1 ;;
+perf_moe) t 300 kernels_moe.txt python3 bench/kernels.py --families moe --out "$OUT/moe" ;;
 perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;
+humming) t 200 humming_peer.txt python3 bench/humming_peer.py ;;
 *) echo "unknown step $1"; exit 2 ;;
 esac
 }

@@ -4,7 +4,11 @@ The routed experts of one layer at Flash (256 experts, D 4096, I 2048) and Pro (
 geometry, MXFP4 and NVFP4, the QAT activation quantization on: decode at 1, 8 and 32 tokens (top-6
 each, ids drawn at random: distinct experts ~6, ~45, ~140 of 256) and a 2048-token prefill (Flash).
 ``bytes``: the distinct selected experts' packed weights and scales, read once, plus ``x`` and the
-output. Peer: the reference op (grouped eager PyTorch) on the same inputs.
+output. Peer: the reference op (grouped eager PyTorch) on the same inputs; and for Flash MXFP4 a
+second row, ``[vs grouped_mm bf16]``: the experts dequantized to BF16 and run the way transformers'
+``grouped_mm`` experts run them (pairs sorted by expert, ``torch._grouped_mm`` for ``w1|w3`` and
+``w2`` with per-expert offsets, the clamped SwiGLU and the routing weights in PyTorch, the sum back
+per token), with its own bytes floor in ``extra['peer_bytes']`` (2 bytes a weight).
 """
 
 from __future__ import annotations
@@ -29,6 +33,24 @@ def _experts(fmt: str, E: int, N: int, K: int, g: torch.Generator, dev) -> objec
     return Nvfp4Weight(packed, scale, torch.tensor(1 / (2.93 * K ** 0.5), device=dev), name=f"experts.{fmt}")
 
 
+def _grouped_mm_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """BF16 experts through ``torch._grouped_mm`` (``w13 [E, 2I, D]``, ``w2 [E, D, I]``); no host sync."""
+    T, k = ids.shape
+    E, I2, _ = w13.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat)
+    tok = order // k
+    counts = torch.histc(flat.int(), bins=E, min=0, max=E - 1)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)          # [P, 2I]
+    g, u = h.float().split(I2 // 2, dim=-1)
+    a = (torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)).to(x.dtype)
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs).float()        # [P, D]
+    y = y * weights.reshape(-1)[order, None]
+    return torch.zeros(T, x.shape[1], device=x.device).index_add_(0, tok, y).to(x.dtype)
+
+
 def cases(env) -> list[Case]:
     from dsv4 import ops
     from dsv4.ops import reference
@@ -42,6 +64,10 @@ def cases(env) -> list[Case]:
             w1, w3, w2 = (_experts(fmt, E, I, D, g, dev), _experts(fmt, E, I, D, g, dev),
                           _experts(fmt, E, D, I, g, dev))
             per_expert = (w1.nbytes + w3.nbytes + w2.nbytes) / E
+            dense = None
+            if geo == "flash" and fmt == "mxfp4" and hasattr(torch, "_grouped_mm"):   # 12.9 GB of BF16
+                dense = (torch.cat([w1.dequantize(torch.bfloat16), w3.dequantize(torch.bfloat16)], dim=1),
+                         w2.dequantize(torch.bfloat16))
             for T in sizes:
                 x = torch.randn(T, D, generator=g).to(dev, torch.bfloat16)
                 ids = torch.rand(T, E, generator=g).argsort(-1)[:, :TOP_K].to(dev)
@@ -53,5 +79,13 @@ def cases(env) -> list[Case]:
                                 (lambda a=args: ops.moe(*a)), distinct * per_expert + 2 * x.numel() * 2,
                                 flops=flops if T > 256 else 0.0, peer="reference",
                                 peer_fn=(lambda a=args: reference.moe(*a)) if T <= 32 else None))
+                if dense is not None:
+                    bf16 = (x, ids, weights, dense[0], dense[1], 10.0)
+                    out.append(Case("moe", f"{geo} {fmt} experts T={T} [vs grouped_mm bf16]",
+                                    (lambda a=args: ops.moe(*a)), distinct * per_expert + 2 * x.numel() * 2,
+                                    flops=flops if T > 256 else 0.0, peer="grouped_mm bf16 experts",
+                                    peer_fn=lambda a=bf16: _grouped_mm_moe(*a),
+                                    extra=dict(peer_bytes=distinct * 2 * 3 * D * I + 2 * x.numel() * 2)))
+            dense = None
             del w1, w3, w2
     return out
