@@ -48,6 +48,7 @@ import triton.language as tl
 
 from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .. import KernelUnsupported
+from .small_util import exp2_biased, fp8_scale, round_e4m3
 
 #: rows up to which the decode kernel (split-K GEMV) runs; above, the tiled GEMM
 SKINNY_MAX_M = 32
@@ -66,55 +67,16 @@ class LinearKernelError(KernelUnsupported):
 
 
 # ============================================================================= device helpers
-@triton.jit
-def _pow2_ceil(v):
-    """Smallest power of two >= v for positive normal fp32 v, from the bits (numerics.pow2_ceil)."""
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (e << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pow2_inv(s):
-    """1 / s for a normal power of two s, exact (2^-e from the bits)."""
-    e = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return ((254 - e) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rne_e4m3(v):
-    """Round fp32 v (|v| <= 448) to the e4m3 grid, nearest even, sign kept (-0 stays -0).
-
-    Adding and subtracting 1.5 * 2^23 * ulp rounds to a multiple of the ulp in IEEE fp32; the ulp
-    is 2^(e-3) for normal e4m3 (e >= -6) and 2^-9 below. The result is exactly representable, so
-    the cast to float8e4nv that follows is exact on every backend (the interpreter's own
-    fp32->fp8 cast does not round to nearest even)."""
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    ue = tl.maximum(e, -6) - 3
-    c = ((ue + 150) << 23).to(tl.float32, bitcast=True) * 1.5
-    r = (tl.abs(v) + c) - c
-    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _act_scale(amax, POW2: tl.constexpr):
-    """Per-block activation scale from the block's amax (numerics.fp8_quantize)."""
-    s = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
-    if POW2:
-        s = _pow2_ceil(s)
-    return s
-
-
+# (the FP8 rounding itself is small_util's: one set of rounding helpers for every kernel)
 @triton.jit
 def _act_q(x, s, POW2: tl.constexpr):
     """e4m3 grid values of x / s (s broadcast over the block), as fp32 (exact in e4m3)."""
     if POW2:
-        v = x * _pow2_inv(s)  # exact: dividing by a power of two
+        v = x * exp2_biased(254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF))  # x / s, exact
     else:
         v = tl.div_rn(x, s)
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    return _rne_e4m3(v)
+    return round_e4m3(v)
 
 
 @triton.jit
@@ -206,7 +168,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
             xr = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if ACT_QUANT:
                 xf = xr.to(tl.float32)
-                sx = _act_scale(tl.max(tl.abs(xf), axis=1), POW2)  # [MP]
+                sx = fp8_scale(tl.max(tl.abs(xf), axis=1), POW2)  # [MP]
                 q = _act_q(xf, sx[:, None], POW2).to(tl.float8e4nv)
                 p = tl.dot(w, tl.trans(q))  # [BN, MP], fp32 (see FP8_ACC in _gemm_kernel)
                 acc += p * (sw[:, None] * sx[None, :])
@@ -223,7 +185,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
                 OP: tl.constexpr = tl.bfloat16 if OP_BF16 else tl.float32
                 xef = xe.to(tl.float32)
                 xof = xo.to(tl.float32)
-                sx = _act_scale(tl.maximum(tl.max(tl.abs(xef), axis=1), tl.max(tl.abs(xof), axis=1)), POW2)
+                sx = fp8_scale(tl.maximum(tl.max(tl.abs(xef), axis=1), tl.max(tl.abs(xof), axis=1)), POW2)
                 qe = _act_q(xef, sx[:, None], POW2).to(OP)
                 qo = _act_q(xof, sx[:, None], POW2).to(OP)
                 p = tl.dot(lo.to(OP), tl.trans(qe), input_precision=PREC)
@@ -273,7 +235,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
     if MODE == 1:
         kk = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
         x = tl.load(xrow + kk, mask=kk < K, other=0.0).to(tl.float32)
-        s = _act_scale(tl.max(tl.abs(x), axis=1), POW2)
+        s = fp8_scale(tl.max(tl.abs(x), axis=1), POW2)
         q = _act_q(x, s[:, None], POW2)
         tl.store(qrow + kk, q.to(q_ptr.dtype.element_ty), mask=b_ok[:, None])
         tl.store(s_ptr + m.to(tl.int64) * stride_sm + kb, s, mask=b_ok)
@@ -282,7 +244,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
         ke = kb[:, None] * 128 + 2 * j[None, :]
         xe = tl.load(xrow + ke, mask=ke < K, other=0.0).to(tl.float32)
         xo = tl.load(xrow + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
-        s = _act_scale(tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1)), POW2)
+        s = fp8_scale(tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1)), POW2)
         qe = _act_q(xe, s[:, None], POW2)
         qo = _act_q(xo, s[:, None], POW2)
         if MODE == 2:

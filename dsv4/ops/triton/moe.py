@@ -71,6 +71,7 @@ import triton.language as tl
 
 from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .. import KernelUnsupported
+from .small_util import exp2_biased, fp8_scale, round_e4m3
 
 #: pairs (tokens x top-k) up to which the decode kernels run; above, the grouped GEMM
 DECODE_MAX_PAIRS = 256
@@ -86,24 +87,6 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 class MoeKernelError(KernelUnsupported):
     """The inputs do not fit the Triton MoE kernel (the message names the argument); raised before
     any launch, so the dispatch runs the reference for that call."""
-
-
-# ----------------------------------------------------------------------------- numerics helpers
-@triton.jit
-def _rne_e4m3(x):
-    """Round fp32 ``x`` to the nearest e4m3 value (ties to even, saturating at +-448), as fp32.
-
-    Arithmetic rather than a cast (exact everywhere; Triton's interpreter mis-rounds ties): the
-    value is scaled so its e4m3 quantum becomes 1 (``2^-9`` below the smallest normal ``2^-6``),
-    rounded to an integer by the ``+ 2^23 - 2^23`` trick, and scaled back.
-    """
-    a = tl.minimum(tl.abs(x), 448.0)
-    e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121) - 3   # biased exponent of the quantum
-    quantum = (e << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    r = (a * inv + 8388608.0) - 8388608.0
-    q = r * quantum
-    return tl.where(x < 0, -q, q)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -124,16 +107,12 @@ def _quant_kernel(src_ptr, dst_ptr, q_ptr, s_ptr, ids_ptr, R, K: tl.constexpr, N
         bm = bm & (tl.load(ids_ptr + r) >= 0)
     m = (kk < K) & bm[:, None]
     v = tl.load(src_ptr + r.to(tl.int64) * K + kk, mask=m, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
-    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    s = fp8_scale(tl.max(tl.abs(v), axis=1), POW2)
     if POW2:
-        bits = s.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        s = (e << 23).to(tl.float32, bitcast=True)
-        y = v * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+        y = v * exp2_biased(254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF))[:, None]   # v / s, exact
     else:
         y = tl.math.div_rn(v, tl.broadcast_to(s[:, None], v.shape))
-    q = _rne_e4m3(y)
+    q = round_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
     tl.store(dst_ptr + r.to(tl.int64) * K + kk, (q * s[:, None]).to(XDT), mask=m)
     if WRITE_Q:
         tl.store(q_ptr + r.to(tl.int64) * K + kk, q.to(q_ptr.dtype.element_ty), mask=m)
