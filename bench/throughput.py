@@ -8,7 +8,9 @@ N requests with mixed prompt lengths and max_tokens (a fixed seed draws them) al
 ``continuous``: the scheduler admits a waiting request as soon as a slot frees. ``waves``: the
 previous engine's behaviour, the next ``max_num_seqs`` requests start only when the whole wave is
 done. Prints output tok/s, requests/s, p50/p99 time to first token and inter-token latency per mode,
-and writes ``throughput.png``: per-request latency over time and the batch occupancy per step.
+the wall time of the steps that ran a prompt chunk against the decode-only steps (prefill is paid
+once per prompt in both modes, so its share caps the ratio), and writes ``throughput.png``:
+per-request latency over time and the batch occupancy per step.
 """
 
 from __future__ import annotations
@@ -53,15 +55,7 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
             rid = engine.add_request(prompt, params, detokenize=False)
             arrival[rid] = t0     # every request arrives at the start; a wave waits for its turn
 
-    if mode == "continuous":
-        admit(pending)
-        pending = []
-    while pending or engine.has_unfinished:
-        if mode == "waves" and not engine.has_unfinished:
-            admit(pending[:slots])
-            pending = pending[slots:]
-        outs = engine.step()
-        now = time.perf_counter()
+    def _record(outs, now):
         occupancy.append((now - t0, len(engine.scheduler.running)))
         for o in outs:
             if not o.new_token_ids:
@@ -74,6 +68,32 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
             if o.finished:
                 done[o.request_id] = len(o.output.token_ids)
                 timeline.append((now - t0, now - arrival[o.request_id]))
+
+    if mode == "continuous":
+        admit(pending)
+        pending = []
+    # which steps ran a prompt chunk: their wall time is the prefill share of the run
+    runner, chunks = engine.runner, [0]
+
+    def counted_prefill(*args, **kwargs):
+        chunks[0] += 1
+        return type(runner).prefill(runner, *args, **kwargs)
+    runner.prefill = counted_prefill
+    phase = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+    try:
+        while pending or engine.has_unfinished:
+            if mode == "waves" and not engine.has_unfinished:
+                admit(pending[:slots])
+                pending = pending[slots:]
+            before, t_step = chunks[0], time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            kind = phase["prefill" if chunks[0] > before else "decode"]
+            kind[0] += 1
+            kind[1] += now - t_step
+            _record(outs, now)
+    finally:
+        del runner.prefill
     total = time.perf_counter() - t0
     ttft = sorted(first.values())
     gaps.sort()
@@ -82,7 +102,9 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
     return dict(mode=mode, seconds=total, tok_s=sum(done.values()) / total, req_s=len(done) / total,
                 ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99), itl_p50=pct(gaps, 0.5), itl_p99=pct(gaps, 0.99),
-                occupancy=occupancy, timeline=timeline, mean_batch=statistics.fmean(b for _, b in occupancy))
+                occupancy=occupancy, timeline=timeline, mean_batch=statistics.fmean(b for _, b in occupancy),
+                prefill_steps=phase["prefill"][0], prefill_s=phase["prefill"][1],
+                decode_steps=phase["decode"][0], decode_s=phase["decode"][1])
 
 
 def compiled_variants() -> int:
@@ -157,12 +179,15 @@ def main() -> None:
         results.append(r)
         print(f"{mode:<10} {r['tok_s']:9.1f} output tok/s {r['req_s']:7.2f} req/s | TTFT p50 {r['ttft_p50'] * 1e3:8.1f} "
               f"p99 {r['ttft_p99'] * 1e3:8.1f} ms | ITL p50 {r['itl_p50'] * 1e3:7.2f} p99 {r['itl_p99'] * 1e3:7.2f} ms | "
-              f"mean batch {r['mean_batch']:.2f} | {r['seconds']:.1f} s", flush=True)
+              f"mean batch {r['mean_batch']:.2f} | {r['seconds']:.1f} s | steps with a prompt chunk "
+              f"{r['prefill_steps']} ({r['prefill_s']:.1f} s), decode-only {r['decode_steps']} ({r['decode_s']:.1f} s)",
+              flush=True)
     late = compiled_variants() - compiled
     print(f"kernel variants compiled during the timed runs: {late}" + (" (compile stalls inflate the latencies)"
                                                                        if late else ""))
     print(f"continuous / waves output throughput: {results[1]['tok_s'] / results[0]['tok_s']:.2f}x "
-          f"({args.requests} requests, max_num_seqs {args.max_num_seqs})")
+          f"({args.requests} requests, max_num_seqs {args.max_num_seqs}); decode-only steps alone: "
+          f"{results[0]['decode_s'] / max(results[1]['decode_s'], 1e-9):.2f}x less time")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "throughput.png")
