@@ -383,6 +383,31 @@ def _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT: tl.constexpr):
     return g * tl.sigmoid(g) * u * rw[:, None]
 
 
+@triton.jit
+def _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
+              e, rows, valid, pid_n, limit, D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr,
+              FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              HAS_LIMIT: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr, S_E8M0: tl.constexpr,
+              QDOT: tl.constexpr, PIPE: tl.constexpr):
+    """The gate/up half of expert ``e`` for the pairs ``rows`` (``valid`` masks the padding), output
+    columns ``pid_n * BN ...``: W1 and W3 in one pass, the NVFP4 global scales, the clamped SwiGLU
+    times the routing weight, stored to ``h``. Shared by the decode and the grouped (prefill) kernel."""
+    tok = rows // KTOP
+    n_offs = pid_n * BN + tl.arange(0, BN)
+    nmask = n_offs < I
+    p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, FMT)
+    p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, FMT)
+    g, u = _gemm(x_ptr, xq_ptr, xs_ptr, tok, valid, p1, q1, p3, q3, n_offs, nmask, D, I, FMT,
+                 BM, BN, BK, CDT, S_E8M0, True, QDOT, PIPE)
+    if FMT == 1:
+        g = g * tl.load(g1_ptr + e)
+        u = u * tl.load(g3_ptr + e)
+    rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
+    h = _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n_offs[None, :], h.to(XDT),
+             mask=valid[:, None] & nmask[None, :])
+
+
 # ----------------------------------------------------------------------------- decode kernels
 @triton.jit(do_not_specialize=["ncnt", "P"])
 def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, ncnt,
@@ -400,20 +425,9 @@ def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, n
     e = tl.load(ids_ptr + slot).to(tl.int32)
     rows, valid, active = _chunk(ids_ptr, slot, e, P, BM, PP)
     if active & (e < E):
-        tok = rows // KTOP
-        n_offs = pid_n * BN + tl.arange(0, BN)
-        nmask = n_offs < I
-        p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, FMT)
-        p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, FMT)
-        g, u = _gemm(x_ptr, xq_ptr, xs_ptr, tok, valid, p1, q1, p3, q3, n_offs, nmask, D, I, FMT,
-                     BM, BN, BK, CDT, S_E8M0, True, QDOT, PIPE)
-        if FMT == 1:
-            g = g * tl.load(g1_ptr + e)
-            u = u * tl.load(g3_ptr + e)
-        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
-        h = _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT)
-        tl.store(h_ptr + rows[:, None] * I + n_offs[None, :], h.to(XDT),
-                 mask=valid[:, None] & nmask[None, :])
+        _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
+                  e, rows, valid, pid_n, limit, D, I, KTOP, FMT, BM, BN, BK, HAS_LIMIT, XDT, CDT, S_E8M0,
+                  QDOT, PIPE)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -506,20 +520,9 @@ def _w13_grouped_kernel(x_ptr, xq_ptr, xs_ptr, order_ptr, tile_e_ptr, tile_r0_pt
                        PIPE: tl.constexpr = 1):
     e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)
     if e >= 0:
-        tok = rows // KTOP
-        n_offs = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n_offs < I
-        p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, FMT)
-        p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, FMT)
-        g, u = _gemm(x_ptr, xq_ptr, xs_ptr, tok, valid, p1, q1, p3, q3, n_offs, nmask, D, I, FMT,
-                     BM, BN, BK, CDT, S_E8M0, True, QDOT, PIPE)
-        if FMT == 1:
-            g = g * tl.load(g1_ptr + e)
-            u = u * tl.load(g3_ptr + e)
-        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
-        h = _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT)
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n_offs[None, :], h.to(XDT),
-                 mask=valid[:, None] & nmask[None, :])
+        _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
+                  e, rows, valid, tl.program_id(1), limit, D, I, KTOP, FMT, BM, BN, BK, HAS_LIMIT, XDT, CDT, S_E8M0,
+                  QDOT, PIPE)
 
 
 @triton.jit
