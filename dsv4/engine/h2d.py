@@ -16,9 +16,10 @@ import torch
 
 
 def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """CPU tensor ``t`` on ``device``, without waiting for the device."""
+    """``t`` on ``device``, without waiting for the device: a CPU tensor through page-locked
+    memory, a tensor already on a device as it is (or copied device to device)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not t.is_cpu:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

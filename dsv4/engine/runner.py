@@ -144,10 +144,7 @@ class Runner:
                 ) -> torch.Tensor:
         """Append ``token_ids`` to ``slot``; return fp32 logits of the last token ``[vocab]``
         (or of every token ``[n, vocab]`` with ``all_logits``)."""
-        if isinstance(token_ids, torch.Tensor) and token_ids.device == self.device:
-            ids = token_ids.to(torch.int64).flatten()
-        else:
-            ids = upload(torch.as_tensor(token_ids, dtype=torch.int64).flatten(), self.device)
+        ids = upload(torch.as_tensor(token_ids, dtype=torch.int64).flatten(), self.device)
         n = ids.numel()
         if n == 0:
             raise ValueError("prefill needs at least one token")

@@ -130,8 +130,7 @@ class GenerationState:
 
     def reset(self, slots: list[int] | torch.Tensor) -> None:
         """Make ``slots`` empty (position 0) so they can take a new sequence."""
-        if not (isinstance(slots, torch.Tensor) and slots.device == self.positions.device):
-            slots = upload(torch.as_tensor(slots, dtype=torch.int64), self.device)   # no host stall
+        slots = upload(torch.as_tensor(slots, dtype=torch.int64), self.device)   # no host stall
         self.positions.index_fill_(0, slots, 0)
         for layer in self.layers:
             for comp in (layer.compressor, layer.indexer):

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .. import KernelUnsupported
-from .small_util import exp2_biased, fp8_scale, round_e4m3
+from .small_util import fp8_scale, pow2_inv, round_e4m3
 
 #: rows up to which the decode kernel (split-K GEMV) runs; above, the tiled GEMM
 SKINNY_MAX_M = 32
@@ -72,7 +72,7 @@ class LinearKernelError(KernelUnsupported):
 def _act_q(x, s, POW2: tl.constexpr):
     """e4m3 grid values of x / s (s broadcast over the block), as fp32 (exact in e4m3)."""
     if POW2:
-        v = x * exp2_biased(254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF))  # x / s, exact
+        v = x * pow2_inv(s)  # x / s, exact
     else:
         v = tl.div_rn(x, s)
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)

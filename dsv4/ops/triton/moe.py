@@ -71,7 +71,7 @@ import triton.language as tl
 
 from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .. import KernelUnsupported
-from .small_util import exp2_biased, fp8_scale, round_e4m3
+from .small_util import fp8_scale, pow2_inv, round_e4m3
 
 #: pairs (tokens x top-k) up to which the decode kernels run; above, the grouped GEMM
 DECODE_MAX_PAIRS = 256
@@ -109,7 +109,7 @@ def _quant_kernel(src_ptr, dst_ptr, q_ptr, s_ptr, ids_ptr, R, K: tl.constexpr, N
     v = tl.load(src_ptr + r.to(tl.int64) * K + kk, mask=m, other=0.0).to(tl.float32)
     s = fp8_scale(tl.max(tl.abs(v), axis=1), POW2)
     if POW2:
-        y = v * exp2_biased(254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF))[:, None]   # v / s, exact
+        y = v * pow2_inv(s)[:, None]   # v / s, exact
     else:
         y = tl.math.div_rn(v, tl.broadcast_to(s[:, None], v.shape))
     q = round_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))

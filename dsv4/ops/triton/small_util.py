@@ -132,6 +132,12 @@ def pow2_ceil(v):
 
 
 @triton.jit
+def pow2_inv(s):
+    """``1 / s`` for a normal power of two ``s``, exactly (from the bits)."""
+    return exp2_biased(254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF))
+
+
+@triton.jit
 def fp8_scale(amax, POW2: tl.constexpr):
     """Scale of an FP8 block: ``max(amax, 1e-4) / 448``, rounded up to a power of two when ``POW2``."""
     s = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
