@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dsv4.config import preset  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
+from dsv4.engine.warmup import compiled_variants  # noqa: E402
 from dsv4.engine.sampler import SamplingParams  # noqa: E402
 
 
@@ -105,14 +106,6 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
                 occupancy=occupancy, timeline=timeline, mean_batch=statistics.fmean(b for _, b in occupancy),
                 prefill_steps=phase["prefill"][0], prefill_s=phase["prefill"][1],
                 decode_steps=phase["decode"][0], decode_s=phase["decode"][1])
-
-
-def compiled_variants() -> int:
-    try:
-        from dsv4.ops.triton import variants
-        return variants.total()
-    except ImportError:
-        return 0
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -47,22 +47,18 @@ def length_classes(limit: int) -> list[int]:
     return sorted(out)
 
 
-def _topk_counts(limit: int) -> list[int]:
-    return length_classes(max(1, limit))
-
-
 @torch.inference_mode()
 def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     """Run the warm-up on ``runner`` (its live slots untouched); returns the seconds taken."""
     t0 = time.perf_counter()
-    before = _variants()
+    before = compiled_variants()
     scratch, model = runner.scratch, runner.model
     config = model.config
     lengths = length_classes(min(runner.prefill_chunk, runner.max_context))
     batches = length_classes(runner.max_slots) if decode and not runner.use_graphs else []
     ratios = sorted({r for r in (config.compress_ratios or []) if r})
     k = getattr(config, "index_topk", 0) or 0
-    counts = _topk_counts(runner.max_context // min(ratios)) if k and ratios else []
+    counts = length_classes(max(1, runner.max_context // min(ratios))) if k and ratios else []
     steps = len(lengths) + len(batches) + len(counts)
     bar = tqdm(total=steps, desc="compiling kernels (warm-up)", disable=not progress, file=sys.stderr)
     gen = torch.Generator().manual_seed(0)
@@ -92,14 +88,14 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     bar.close()
     seconds = time.perf_counter() - t0
     if progress:
-        added = _variants() - before
+        added = compiled_variants() - before
         print(f"warm-up: {len(lengths)} prompt lengths, {len(batches)} eager batch sizes, {len(counts)} top-k "
               f"sizes in {seconds:.1f} s" + (f"; {added} kernel variants compiled" if added >= 0 else ""),
               file=sys.stderr)
     return seconds
 
 
-def _variants() -> int:
+def compiled_variants() -> int:
     """Compiled Triton variants so far (-1 when Triton is not in use)."""
     try:
         from ..ops.triton import variants

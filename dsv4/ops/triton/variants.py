@@ -99,11 +99,6 @@ def count() -> dict[str, int]:
     return out
 
 
-def keys(name: str) -> set:
-    """The recorded keys of one kernel (interpreter only), to name what a new variant differs in."""
-    return set(_SEEN.get(name, ()))
-
-
 def snapshot() -> dict[str, set]:
     """The recorded keys of every kernel (interpreter only), for :func:`new_since`."""
     return {name: set(seen) for name, seen in _SEEN.items()}
