@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from conftest import random_prefills
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -30,24 +31,19 @@ def test_flash_slice_compiles_nothing_after_warm_up():
     runner.warm_up(progress=True)
     print(f"warm-up {time.perf_counter() - t0:.1f} s, {variants.total()} variants", file=sys.stderr)
     before = variants.count()
+
+    def grown() -> dict[str, int]:
+        after = variants.count()
+        return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     rng = random.Random(3)
     vocab = model.config.vocab_size
     for trial in range(3):
-        slot = trial % 4
-        runner.reset([slot])
-        pos = 0
-        while True:
-            n = rng.randint(1, runner.prefill_chunk) if rng.random() < 0.6 else rng.randint(1, 64)
-            if pos + n > runner.max_context:
-                break
-            runner.prefill(slot, [rng.randrange(vocab) for _ in range(n)], all_logits=rng.random() < 0.1)
-            pos += n
-        after = variants.count()
-        grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        for _ in random_prefills(runner, trial % 4, rng, long_chance=0.6, short_max=64, logits_chance=0.1):
+            pass
+        grew = grown()
         assert not grew, f"trial {trial}: prefills compiled new kernel variants: {grew}"
     for _ in range(6):
         slots = rng.sample(range(4), rng.randint(1, 4))
         runner.decode(slots, torch.randint(0, vocab, (len(slots),)))
-    after = variants.count()
-    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    grew = grown()
     assert not grew, f"eager decode steps compiled new kernel variants: {grew}"

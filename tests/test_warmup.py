@@ -23,6 +23,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
+from conftest import random_prefills  # noqa: E402
+
 from dsv4 import ops  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.warmup import length_classes, warm_up  # noqa: E402
@@ -72,16 +74,7 @@ def test_no_new_variant_after_warm_up(record_keys, model):
     before = variants.snapshot()
     assert sum(map(len, before.values())) > 20          # the kernels really ran (as key records)
     rng = random.Random(7)
-    vocab = runner.model.config.vocab_size
     for trial in range(6):
-        slot = trial % 2
-        runner.reset([slot])
-        pos = 0
-        while True:
-            n = rng.randint(1, runner.prefill_chunk) if rng.random() < 0.7 else rng.randint(1, 40)
-            if pos + n > runner.max_context:
-                break
-            runner.prefill(slot, [rng.randrange(vocab) for _ in range(n)], all_logits=rng.random() < 0.2)
-            pos += n
+        for n, pos in random_prefills(runner, trial % 2, rng, long_chance=0.7, short_max=40, logits_chance=0.2):
             new = variants.new_since(before)
-            assert not new, f"prefill of {n} tokens at position {pos - n} added kernel variants: {new}"
+            assert not new, f"prefill of {n} tokens at position {pos} added kernel variants: {new}"
