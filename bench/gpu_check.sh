@@ -18,6 +18,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 DSV4_CACH
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. bench/serve_up.sh
 status=0
 step() { echo; echo "== $1 =="; shift; "$@" || { echo "!! FAILED: $*"; status=1; }; }
 tee_to() { local f=$1; shift; "$@" 2>&1 | tee "$OUT/$f"; return "${PIPESTATUS[0]}"; }
@@ -63,14 +64,7 @@ if want engine; then
     python3 bench/profile_prefill.py --layers 4 --format fp8-mxfp4
 fi
 if want serve; then
-  python3 bench/serve_random.py --preset flash --layers 4 --format fp8-mxfp4 --max-num-seqs 64 --max-model-len 4096 \
-    --port 8000 > "$OUT/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 300); do
-    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code!=200)" 2>/dev/null && break
-    kill -0 $server 2>/dev/null || break
-    sleep 2
-  done
+  start_random_server 64 300
   step "dsv4 bench serve, 64 concurrent" python3 -m dsv4.cli bench serve -n 256 --concurrency 64 --input-len 512 \
     --output-len 128 --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"
   step "dsv4 bench serve, 1 at a time" python3 -m dsv4.cli bench serve -n 16 --concurrency 1 --input-len 512 \

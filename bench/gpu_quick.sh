@@ -20,6 +20,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 DSV4_CACH
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 export DSV4_REPORT_AT_ONCE=1   # tests print each failure at once (tests/conftest.py)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. bench/serve_up.sh
 t() { local s=$1 f=$2; shift 2; echo "== $f ($(date +%T))"; timeout "$s" "$@" > "$OUT/$f" 2>&1; echo "rc=$?" >> "$OUT/$f"; tail -6 "$OUT/$f"; }
 pt() { local s=$1 f=$2; shift 2; t "$s" "$f" python3 -m pytest -q -rf --tb=short --maxfail=4 -m gpu "$@"; }
 run_step() {
@@ -48,14 +49,7 @@ throughput32)
     --out "$OUT/256x32"
   ;;
 serve)
-  python3 bench/serve_random.py --preset flash --layers 4 --format fp8-mxfp4 --max-num-seqs 32 --max-model-len 4096 \
-    --port 8000 > "$OUT/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 150); do
-    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health').status_code!=200)" 2>/dev/null && break
-    kill -0 $server 2>/dev/null || break
-    sleep 2
-  done
+  start_random_server 32 150
   echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
   t 120 bench_serve.txt python3 -m dsv4.cli bench serve -n 128 --concurrency 32 --input-len 512 --output-len 128 \
     --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernel_cases import MODULES  # noqa: E402
+from bench.kernel_cases import MODULES, graph_replay  # noqa: E402
 
 
 GRAPH_REPS = 10
@@ -67,22 +67,9 @@ class Env:
         if captured:                                # fn replays a graph of its own
             return self.do_bench(fn), "graph"
         try:
-            fn()                                    # compile / allocate outside the capture
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-                self._flush.zero_()
-            torch.cuda.current_stream().wait_stream(side)
-            timed, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(timed):
-                for _ in range(GRAPH_REPS):
-                    self._flush.zero_()
-                    fn()
-            with torch.cuda.graph(flushes):
-                for _ in range(GRAPH_REPS):
-                    self._flush.zero_()
-            t = (self.do_bench(timed.replay) - self.do_bench(flushes.replay)) / GRAPH_REPS
+            timed = graph_replay([self._flush.zero_, fn] * GRAPH_REPS)
+            flushes = graph_replay([self._flush.zero_] * GRAPH_REPS)
+            t = (self.do_bench(timed) - self.do_bench(flushes)) / GRAPH_REPS
             if t > 0:
                 return t, "graph"
         except Exception:                           # noqa: BLE001 - not capturable: time it eagerly

@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernel_cases.linear import GEOS, ROTATE_BYTES, MAX_CALLS, _graph, _nbytes, _quantize, _shapes  # noqa: E402
+from bench.kernel_cases import graph_replay  # noqa: E402
+from bench.kernel_cases.linear import GEOS, _shapes, rotated_copies  # noqa: E402
 
 
 def configs_stage1(K: int) -> list[dict]:
@@ -60,11 +61,8 @@ def main() -> None:
         names = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w13", "w2") if fmt == "fp8" else ("wq_b", "w13")
         for name in names:
             n, k = _shapes(g)[name]
-            torch.manual_seed(0)
-            base = _quantize(fmt, torch.randn(n, k, device="cuda") * 0.02)
-            wbytes = _nbytes(base)
-            copies = max(1, min(MAX_CALLS, math.ceil(ROTATE_BYTES / wbytes)))
-            ws = [base] + [base._map(torch.clone) for _ in range(copies - 1)]
+            ws, wbytes = rotated_copies(fmt, n, k, "cuda")
+            copies = len(ws)
             grouped = name == "wo_a"
             G = g["groups"] if grouped else 1
             x = torch.randn(args.batch, *((G,) if grouped else ()), k, device="cuda", dtype=torch.bfloat16)
@@ -76,7 +74,7 @@ def main() -> None:
                 else:
                     calls = [lambda w=w: linear_triton(x, w, True, True, _path="skinny", _config=cfg) for w in ws]
                 try:
-                    return bench(_graph(calls))
+                    return bench(graph_replay(calls))
                 except Exception as e:  # noqa: BLE001 - a config the kernel cannot run (resources)
                     print(f"    {cfg}: {type(e).__name__}: {str(e)[:80]}")
                     return math.inf

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 #: modules under bench/kernel_cases, run in this order
 MODULES: tuple[str, ...] = ("linear", "moe", "attention", "small")
 
@@ -34,3 +36,27 @@ class Case:
     #: ``fn`` (and ``peer_fn``) already replay a CUDA graph of their own: time them as they are
     #: (a graph cannot be captured inside another one's capture)
     captured: bool = False
+
+
+def graph_replay(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    """Warm every call up (compile, counters), capture them in one CUDA graph, return its replay.
+
+    The replay closure keeps ``calls`` (and with them the inputs and weights the graph reads)
+    alive: a captured graph holds raw addresses, not references."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+
+    def replay(calls=calls) -> None:
+        g.replay()
+    return replay

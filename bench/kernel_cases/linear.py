@@ -17,12 +17,11 @@ bytes floor is ``extra['peer_bytes']``), timed the same way.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.kernel_cases import Case
+from bench.kernel_cases import Case, graph_replay
 
 FLASH = dict(hidden=4096, heads=64, hd=512, q_lora=1024, groups=8, o_lora=1024, inter=2048)
 PRO = dict(hidden=7168, heads=128, hd=512, q_lora=1536, groups=16, o_lora=1024, inter=3072)
@@ -51,28 +50,14 @@ def _nbytes(w: object) -> int:
     return w.nbytes if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
 
 
-def _graph(calls: list[Callable[[], object]]) -> Callable[[], None]:
-    """Warm every call up (compile, counters), capture them in one CUDA graph, return its replay.
-
-    The replay closure keeps ``calls`` (and with them the inputs and weights the graph reads)
-    alive: a captured graph holds raw addresses, not references."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-
-    def replay(calls=calls) -> None:
-        g.replay()
-    return replay
+def rotated_copies(fmt: str, n: int, k: int, device) -> tuple[list[object], int]:
+    """A random ``[n, k]`` weight in ``fmt`` and enough clones of it that a graph of one call per
+    copy never finds its weight in L2 (``ROTATE_BYTES``, at most ``MAX_CALLS``); and its bytes."""
+    torch.manual_seed(0)
+    base = _quantize(fmt, torch.randn(n, k, device=device) * 0.02)
+    wbytes = _nbytes(base)
+    copies = max(1, min(MAX_CALLS, math.ceil(ROTATE_BYTES / wbytes)))
+    return [base] + [base._map(torch.clone) for _ in range(copies - 1)], wbytes
 
 
 def _case(env, geo: str, name: str, fmt: str, m: int, cache: dict) -> Case:
@@ -81,13 +66,9 @@ def _case(env, geo: str, name: str, fmt: str, m: int, cache: dict) -> Case:
     n, k = _shapes(g)[name]
     key = (geo, name, fmt)
     if key not in cache:
-        torch.manual_seed(0)
-        base = _quantize(fmt, torch.randn(n, k, device=env.device) * 0.02)
-        wbytes = _nbytes(base)
-        copies = max(1, min(MAX_CALLS, math.ceil(ROTATE_BYTES / wbytes)))
-        ws = [base] + [base._map(torch.clone) for _ in range(copies - 1)]
-        dense = base.dequantize(torch.bfloat16)
-        peer_copies = max(1, min(copies, math.ceil(ROTATE_BYTES / (2 * n * k))))
+        ws, wbytes = rotated_copies(fmt, n, k, env.device)
+        dense = ws[0].dequantize(torch.bfloat16)
+        peer_copies = max(1, min(len(ws), math.ceil(ROTATE_BYTES / (2 * n * k))))
         ds = [dense] + [dense.clone() for _ in range(peer_copies - 1)]
         cache[key] = (ws, ds, wbytes)
     ws, ds, wbytes = cache[key]
@@ -105,9 +86,9 @@ def _case(env, geo: str, name: str, fmt: str, m: int, cache: dict) -> Case:
         ours = [lambda w=w: linear_triton(x, w, True, True) for w in ws]
         peer = [lambda d=d: F.linear(x, d) for d in (ds * math.ceil(calls / len(ds)))[:calls]]
     io = (m * k + m * n) * 2
-    return Case(family="linear", name=f"{geo} {name} {fmt} b={m} x{calls}", fn=_graph(ours),
+    return Case(family="linear", name=f"{geo} {name} {fmt} b={m} x{calls}", fn=graph_replay(ours),
                 bytes=calls * (wbytes + io), flops=calls * 2.0 * m * n * k,
-                peer="cuBLAS bf16" + (" einsum" if grouped else ""), peer_fn=_graph(peer), captured=True,
+                peer="cuBLAS bf16" + (" einsum" if grouped else ""), peer_fn=graph_replay(peer), captured=True,
                 notes=f"{calls} calls in one graph, rotated weights",
                 extra=dict(calls=calls, peer_bytes=calls * (2 * n * k + io)))
 
