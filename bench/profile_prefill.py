@@ -12,6 +12,7 @@ and kernel count from the profiler, and the host-device synchronizations counted
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -27,6 +28,16 @@ from dsv4.config import preset  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.sampler import SamplingParams  # noqa: E402
 from dsv4.model.random_weights import build_random_model  # noqa: E402
+
+
+@contextlib.contextmanager
+def _sync_debug():
+    """Every implicit host-device synchronization inside warns (``torch.cuda`` sync debug mode)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def main() -> None:
@@ -46,17 +57,14 @@ def main() -> None:
     params = SamplingParams(max_tokens=1)
     g = torch.Generator().manual_seed(0)
 
-    def once(n: int, sync_debug: bool = False) -> tuple[float, float]:
+    def once(n: int, around=contextlib.nullcontext) -> tuple[float, float]:
+        """One prefill of ``n`` random tokens, the call alone inside ``around()``: (host, wall) s."""
         ids = torch.randint(2, config.vocab_size, (n,), generator=g).tolist()
         runner.start(0, params, ids)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if sync_debug:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
+        with around():
             runner.prefill(0, ids)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t0
@@ -70,9 +78,10 @@ def main() -> None:
         wall = statistics.median(t[1] for t in times)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            once(n, sync_debug=True)
-        sync_at = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)})
-        syncs = sum("synchronizing" in str(w.message) for w in caught)
+            once(n, around=_sync_debug)
+        synced = [w for w in caught if "synchronizing" in str(w.message)]
+        sync_at = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in synced})
+        syncs = len(synced)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             once(n)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -94,13 +103,7 @@ def main() -> None:
     for n in args.cprofile:
         once(n)
         prof = cProfile.Profile()
-        ids = torch.randint(2, config.vocab_size, (n,), generator=g).tolist()
-        runner.start(0, params, ids)
-        torch.cuda.synchronize()
-        prof.enable()
-        runner.prefill(0, ids)
-        prof.disable()
-        torch.cuda.synchronize()
+        once(n, around=lambda: prof)
         print(f"host profile of one {n}-token prefill (cProfile; its own overhead inflates the totals):")
         pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(18)
         pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
