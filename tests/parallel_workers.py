@@ -8,6 +8,7 @@ import time
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.engine.batch import Row, ScheduledBatch
 from dsv4.engine.distributed import ParallelRunner, follow, greedy
 from dsv4.engine.runner import Runner
 from dsv4.model.init import random_sharded
@@ -24,7 +25,7 @@ def _drive(tp: ParallelGroup, runner: Runner, prompts, steps: int) -> dict:
     with ParallelRunner(runner, tp) as r:
         tokens, logits = greedy(r, prompts, steps)
         try:
-            r.decode([len(prompts) + 5], torch.tensor([3]))
+            r.run(ScheduledBatch((Row(len(prompts) + 5, 0),)))
         except IndexError as e:
             failed = str(e)
         again, _ = greedy(r, prompts, 3)

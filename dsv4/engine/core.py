@@ -2,7 +2,7 @@
 
 :class:`Engine` is what the Python API (:class:`dsv4.LLM`) and the server drive. ``add_request``
 queues a tokenized prompt with its :class:`SamplingParams`; each :meth:`Engine.step` asks the
-scheduler for a plan, runs the prompt chunks and one batched decode step on the runner, and turns
+scheduler for a plan, runs its decode rows and prompt chunks as one runner step, and turns
 the sampled ids into :class:`RequestOutput` deltas: new token ids, new text (incrementally
 detokenized, never half a UTF-8 character, stop strings held back until they resolve), logprobs,
 and the finish reason. A finished, stopped or aborted request frees its slot within the step.
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
+from .batch import NewSequence, Row, ScheduledBatch
 from .runner import Runner
 from .sampler import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
@@ -119,10 +120,12 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer | None, eos_id: int, *,
                  max_num_batched_tokens: int | None = None):
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
-        budget = max_num_batched_tokens or max(512, runner.max_slots + runner.prefill_chunk)
+        # one step's tokens (decode rows + prompt chunks) run as one forward: by default as many as
+        # the runner takes in one forward; one prompt's chunk may fill what decodes leave
+        budget = max_num_batched_tokens or runner.prefill_chunk
         if budget <= runner.max_slots:
             raise ValueError(f"max_num_batched_tokens ({budget}) must exceed max_num_seqs ({runner.max_slots})")
-        self.scheduler = Scheduler(runner.max_slots, runner.max_context, budget, runner.prefill_chunk)
+        self.scheduler = Scheduler(runner.max_slots, runner.max_context, budget, min(budget, runner.prefill_chunk))
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None]] = []
@@ -183,31 +186,31 @@ class Engine:
         return plan
 
     def _launch(self, plan: StepPlan) -> bool:
-        """Run the plan's prompt chunks and decode batch on the runner; queue their sampled ids."""
-        runner = self.runner
-        firsts: list[tuple[int, torch.Tensor, _Track]] = []
+        """Run the plan as one runner step (decode rows first, then prompt chunks in arrival order);
+        queue the sampled ids of the decode rows and of the prompts that completed."""
+        rows, tracks, chunks = [], [], {}
+        for req in plan.decode:
+            rows.append(Row(req.slot, self.runner.lengths[req.slot]))
+            tracks.append(self.tracks[req.request_id])
         for chunk in plan.prefill:
             req = chunk.request
-            if chunk.start == 0:
-                runner.start(req.slot, req.params, req.prompt_ids)
-            if req.params.prompt_logprobs is None:
-                logits = runner.prefill(req.slot, chunk.token_ids)
-            else:
-                every = runner.prefill(req.slot, chunk.token_ids, all_logits=True)   # [n, vocab]
-                _add_prompt_logprobs(self.tracks[req.request_id].out, chunk, every)
-                logits = every[-1]
+            new = NewSequence(req.params, tuple(req.prompt_ids)) if chunk.start == 0 else None
+            want_logits = req.params.prompt_logprobs is not None
+            if want_logits:
+                chunks[len(rows)] = chunk
+            rows.append(Row(req.slot, chunk.start, tuple(chunk.token_ids), sample=chunk.last, logits=want_logits,
+                            new=new))
             if chunk.last:
-                firsts.append((req.slot, logits, self.tracks[req.request_id]))
-        launched = False
-        if firsts:
-            sampled = runner.sample_first([s for s, _, _ in firsts], torch.stack([lg for _, lg, _ in firsts]))
-            self._queue([t for _, _, t in firsts], sampled)
-            launched = True
-        if plan.decode:
-            sampled = runner.decode_step([r.slot for r in plan.decode])
-            self._queue([self.tracks[r.request_id] for r in plan.decode], sampled)
-            launched = True
-        return launched
+                tracks.append(self.tracks[req.request_id])
+        if not rows:
+            return False
+        out = self.runner.run(ScheduledBatch(tuple(rows)))
+        for i, logits in out.logits.items():
+            _add_prompt_logprobs(self.tracks[chunks[i].request.request_id].out, chunks[i], logits)
+        if out.sampled is None:
+            return False
+        self._queue(tracks, out.sampled)
+        return True
 
     def _queue(self, tracks: list[_Track], sampled: SampleOutput) -> None:
         """Start the device -> host copy of a step's sampled ids (into pinned buffers, so it runs

@@ -43,6 +43,7 @@ class RankSpec:
     max_model_len: int
     load_mtp: bool = False
     threads: int | None = None
+    max_num_batched_tokens: int = 8192    # tokens of one step, run as one forward
 
 
 def torchrun_world_size() -> int:
@@ -66,7 +67,8 @@ def build_runner(spec: RankSpec, tp: ParallelGroup, progress: bool) -> tuple[Run
     """Load this rank's shard of ``spec.path`` and build its runner (every rank calls this together)."""
     net, report = load_model(spec.path, tp.device, spec.dtype, load_mtp=spec.load_mtp, progress=progress,
                              parallel=tp)
-    runner = Runner(net, max_slots=spec.max_num_seqs, max_context=spec.max_model_len, qat_sim=spec.qat_sim)
+    runner = Runner(net, max_slots=spec.max_num_seqs, max_context=spec.max_model_len, qat_sim=spec.qat_sim,
+                    prefill_chunk=spec.max_num_batched_tokens)
     return runner, report
 
 

@@ -28,6 +28,9 @@ from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
 from .sampler import SamplingParams
 
+#: tokens of one engine step (decode rows + prompt chunks, one forward) unless told otherwise (vLLM's default)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
 __all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "resolve_qat_sim"]
 
 
@@ -107,8 +110,9 @@ class LLM:
             prompt plus ``max_tokens`` does not fit is refused with a named error.
         enforce_eager: no CUDA graphs (on a GPU the decode step is otherwise captured at start-up,
             one graph per batch bucket, and replayed).
-        max_num_batched_tokens: tokens per engine step (decodes plus prompt chunks); default
-            ``max(512, max_num_seqs + 512)``.
+        max_num_batched_tokens: tokens per engine step (decode rows plus prompt chunks of several
+            requests, run as one forward); default 8192 (vLLM's). One prompt's chunk may take what
+            the running decodes leave of it.
         warm_up: on a GPU, compile at start-up every kernel variant that prompts of any length at any
             position reach (:mod:`dsv4.engine.warmup`), so no request waits for a compile later.
         tensor_parallel_size: split every layer over this many ranks, one process per GPU
@@ -127,6 +131,8 @@ class LLM:
                  tensor_parallel_size: int | None = None, warm_up: bool = True):
         from ..tiny import resolve_model
         check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
+        if max_num_batched_tokens is not None:
+            check_positive("max_num_batched_tokens (--max-num-batched-tokens)", max_num_batched_tokens)
         world = _world_size(tensor_parallel_size)
         dev = resolve_device(device)
         if world > 1 and dev.type == "cuda" and dev.index not in (None, 0):
@@ -151,11 +157,16 @@ class LLM:
         self.qat_sim = resolve_qat_sim(qat_sim, config)
         self.tensor_parallel_size = world
         self._group = None
+        step_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if step_tokens <= max_num_seqs:   # every running sequence decodes a token each step, and a prompt needs room
+            raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens, {step_tokens}) must exceed "
+                             f"max_num_seqs (--max-num-seqs, {max_num_seqs})")
         spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
-                        load_mtp, torch.get_num_threads() if dev.type == "cpu" else None)
+                        load_mtp, torch.get_num_threads() if dev.type == "cpu" else None, step_tokens)
         if world == 1:
             net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
-            runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim)
+            runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim,
+                            prefill_chunk=step_tokens)
         else:
             runner, report = self._start_group(spec, world, progress)
         self.load_report: LoadReport = report
@@ -169,7 +180,7 @@ class LLM:
         if dev.type == "cuda" and warm_up:     # Triton compiles now, not in the middle of serving
             self.runner.warm_up(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,
-                             max_num_batched_tokens=max_num_batched_tokens)
+                             max_num_batched_tokens=step_tokens)
 
     # ------------------------------------------------------------------ tensor parallel
     def _start_group(self, spec: RankSpec, world: int, progress: bool):

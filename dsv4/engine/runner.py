@@ -31,6 +31,7 @@ from .. import ops
 from ..errors import ContextOverflowError
 from ..model.transformer import Transformer
 from ..parallel import SINGLE
+from .batch import Row, ScheduledBatch, StepOutput
 from .h2d import upload, upload_ints
 from .sampler import SampleOutput, SamplingParams
 from .slot_sampling import SampleFlags, SlotSampling
@@ -78,7 +79,7 @@ class Runner:
     """One model + its fixed-shape state for ``max_slots`` sequences of ``max_context`` positions."""
 
     def __init__(self, model: Transformer, max_slots: int = 4, max_context: int = 4096,
-                 qat_sim: bool = False, prefill_chunk: int = 512):
+                 qat_sim: bool = False, prefill_chunk: int = 8192):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.model, self.qat_sim, self.prefill_chunk = model, qat_sim, prefill_chunk
@@ -137,6 +138,81 @@ class Runner:
             raise ContextOverflowError(
                 f"slot {slot}: {start} + {n} tokens exceed max_context={self.max_context}")
         return start
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one engine step: every row's new tokens in one forward, then the sampler on the rows
+        with ``sample`` (their ids stay on the device as the slots' next inputs).
+
+        A step of sampled decode rows only is :meth:`decode_step` (one graph replay when graphs are
+        captured). Any other step is one varlen forward (:meth:`Transformer.forward_varlen`): the
+        rows of one token (decode rows and 1-token chunks) form one group, each longer row its own.
+        Every check (slots, lengths, context) runs before any state changes."""
+        rows = batch.rows
+        if not rows:
+            raise ValueError("run needs at least one row")
+        slots = [r.slot for r in rows]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a step got a slot twice: {slots}")
+        for r in rows:
+            self._check_slot(r.slot)
+            have = 0 if r.new is not None else self.lengths[r.slot]
+            if r.start != have:
+                raise ValueError(f"slot {r.slot}: row starts at {r.start}, the slot holds {have} tokens")
+            if r.token_ids is not None and not r.token_ids:
+                raise ValueError(f"slot {r.slot}: a row needs at least one token")
+            if r.start + r.num_tokens > self.max_context:
+                raise ContextOverflowError(f"slot {r.slot}: {r.start} + {r.num_tokens} tokens exceed "
+                                           f"max_context={self.max_context}")
+        for r in rows:
+            if r.new is not None:
+                self.start(r.slot, r.new.params, r.new.prompt_ids)
+        if batch.decode_only:
+            return StepOutput(self.decode_step(slots), {})
+        return self._run_varlen(rows)
+
+    def _run_varlen(self, rows: Sequence[Row]) -> StepOutput:
+        singles = [r for r in rows if r.num_tokens == 1]
+        order = singles + [r for r in rows if r.num_tokens > 1]          # the flattened token order
+        ids_host, offset, lo = [], {}, 0
+        for r in order:
+            ids_host += [0] if r.token_ids is None else list(r.token_ids)
+            offset[r.slot] = lo
+            lo += r.num_tokens
+        decode = [r.slot for r in singles if r.token_ids is None]
+        sample_slots = [r.slot for r in rows if r.sample]                  # sampled in the caller's row order
+        logit_rows = [offset[s] + next(r for r in rows if r.slot == s).num_tokens - 1 for s in sample_slots]
+        wanted = {}
+        for i, r in enumerate(rows):
+            if r.logits:
+                wanted[i] = (len(logit_rows), r.num_tokens)
+                logit_rows += range(offset[r.slot], offset[r.slot] + r.num_tokens)
+        # one host -> device copy: ids | per row (flattened order) slot, start, end | decode rows' token
+        # index and slot | sampled slots | logit rows
+        T, R, D, N = len(ids_host), len(order), len(decode), len(sample_slots)
+        meta = upload_ints(ids_host + [r.slot for r in order] + [r.start for r in order]
+                           + [r.start + r.num_tokens for r in order] + [offset[s] for s in decode] + decode
+                           + sample_slots + logit_rows, self.device)
+        ids, slot_t, start_t, end_t, dec_at, dec_slot, sample_t, rows_t = meta.split(
+            [T, R, R, R, D, D, N, len(logit_rows)])
+        if D:
+            ids = ids.index_copy(0, dec_at, self.tokens[dec_slot])
+        groups, k = [], len(singles)
+        if k:
+            bound = self.max_context if self.full_bound else max(r.start for r in singles) + 1
+            groups.append((slot_t[:k], start_t[:k], 1, bound))
+        groups += [(slot_t[i:i + 1], start_t[i:i + 1], order[i].num_tokens, order[i].start + order[i].num_tokens)
+                   for i in range(k, R)]
+        logits = self.model.forward_varlen(ids, groups, self.state.layers, rows_t, self.qat_sim)
+        self.state.positions.index_copy_(0, slot_t, end_t)
+        for r in order:
+            self.lengths[r.slot] = r.start + r.num_tokens
+        out = None
+        if N:
+            out = self._agree(self.sampling.sample(logits[:N], sample_t, self.sampling.flags(sample_slots)))
+            self.tokens[sample_t] = out.token_ids
+        return StepOutput(out, {i: logits[a:a + n] for i, (a, n) in wanted.items()})
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()

@@ -12,8 +12,8 @@ run of mixed prompts took 120 s instead of 4 s, time-to-first-token p90 13 s).
 - prefill chunks of every length class up to ``prefill_chunk`` (:func:`length_classes`), in a
   row, so they land at many positions (the window ring wraps, compressed entries appear), the last
   chunk of each length class also with every position's logits (prompt logprobs);
-- eager decode steps for every batch-size class up to ``max_slots`` when the
-  decode step is not a CUDA graph;
+- eager decode steps for every batch-size class up to ``max_slots`` (without CUDA graphs every
+  decode step is eager; with them, the one-token rows of a step that also runs prompt chunks);
 - the indexer's top-k for every power-of-two count of compressed entries up to ``max_context``
   (position-dependent tile sizes a short warm-up never reaches).
 
@@ -55,7 +55,9 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     scratch, model = runner.scratch, runner.model
     config = model.config
     lengths = length_classes(min(runner.prefill_chunk, runner.max_context))
-    batches = length_classes(runner.max_slots) if decode and not runner.use_graphs else []
+    # eager decode batches: without graphs every decode step, with graphs the one-token rows of a
+    # step that also runs prompt chunks
+    batches = length_classes(runner.max_slots) if decode else []
     ratios = sorted({r for r in (config.compress_ratios or []) if r})
     k = getattr(config, "index_topk", 0) or 0
     counts = length_classes(max(1, runner.max_context // min(ratios))) if k and ratios else []

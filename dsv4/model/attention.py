@@ -71,15 +71,23 @@ class Attention(nn.Module):
         kv = fused.kv_prepare(ops.linear(x, self.wkv.w, q8, p2), self.kv_norm.weight, self.kv_norm.eps,
                               rope.cos, rope.sin, cache.ring)                        # [B, S, hd] as stored
 
+        o = ctx.per_group(self._attend, q, kv, x, qr, cache=cache)                  # [B, S, H, hd]
+        o = ops.apply_rope(o, cos_h, sin_h, inverse=True)
+        o = ops.grouped_linear(o.flatten(2).unflatten(-1, (self.groups, -1)), self.wo_a.w, self.groups)
+        return self.tp.all_reduce_sum(ops.linear(o.flatten(2), self.wo_b.w, q8, p2))
+
+    def _attend(self, ctx: ForwardContext, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, qr: torch.Tensor,
+                cache: LayerCache) -> torch.Tensor:
+        """The part of attention that reads and writes a row's own state, for rows of one length:
+        compressor and indexer, sparse attention over window + compressed entries, then the window
+        store. ``q [b, s, H, hd]`` -> ``[b, s, H, hd]``."""
         comp = dict(comp=None)
         if self.kind != "sliding":
             comp = self._compressed(x, qr, ctx, cache)
         o = ops.sparse_attention(q, kv, cache.ring, ctx.slots, ctx.start, self.window, self.attn_sink,
-                                 self.head_dim ** -0.5, **comp)                      # [B, S, H, hd]
+                                 self.head_dim ** -0.5, **comp)
         self._store_window(kv, ctx, cache)
-        o = ops.apply_rope(o, cos_h, sin_h, inverse=True)
-        o = ops.grouped_linear(o.flatten(2).unflatten(-1, (self.groups, -1)), self.wo_a.w, self.groups)
-        return self.tp.all_reduce_sum(ops.linear(o.flatten(2), self.wo_b.w, q8, p2))
+        return o
 
     def _store_window(self, kv: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
         """Store the newest ``min(S, W)`` K=V rows in the ring at row ``pos % W`` (after attention:

@@ -170,6 +170,51 @@ class ForwardContext:
     inv_freq: dict[str, torch.Tensor]
     qat_sim: bool
     context_bound: int
+    #: a varlen forward (:meth:`varlen`): the rows as groups of equal length, each a context of its
+    #: own over a contiguous run of the flattened tokens. ``None``: the whole ``[B, S]`` is one group.
+    groups: tuple["ForwardContext", ...] | None = None
+    #: within a varlen forward: this group's first token in the flattened order
+    offset: int = 0
+
+    @classmethod
+    def varlen(cls, config: ModelConfig, token_ids: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+               inv_freq: dict[str, torch.Tensor], qat_sim: bool) -> "ForwardContext":
+        """One forward over rows of different lengths (DESIGN decision 6): ``token_ids [T]`` are the
+        rows' tokens back to back, in ``groups`` of rows of equal length ``s``: ``(slots [b],
+        start [b], s, context_bound)`` each, ``b * s`` tokens. Token-wise layers see ``[1, T]``;
+        attention, the compressor and the indexer run once per group (:meth:`per_group`)."""
+        parts, lo = [], 0
+        for slots, start, s, bound in groups:
+            b = slots.shape[0]
+            parts.append((lo, b, s, slots, start, bound))
+            lo += b * s
+        if lo != token_ids.numel():
+            raise ValueError(f"varlen groups cover {lo} tokens, token_ids has {token_ids.numel()}")
+        positions = torch.cat([(start.unsqueeze(1) + torch.arange(s, device=token_ids.device)).flatten()
+                               for _, _, s, _, start, _ in parts]).unsqueeze(0)                   # [1, T]
+        rope = {k: RopeTables(*ops.rope_cos_sin(positions, f)) for k, f in inv_freq.items()}
+        flat = token_ids.view(1, -1)
+        subs = []
+        for lo, b, s, slots, start, bound in parts:
+            cut = lambda t: t.flatten(0, 1)[lo:lo + b * s].unflatten(0, (b, s))   # noqa: E731
+            subs.append(cls(config, cut(flat), slots, start, cut(positions),
+                            {k: RopeTables(cut(r.cos), cut(r.sin)) for k, r in rope.items()}, inv_freq, qat_sim,
+                            bound, offset=lo))
+        return cls(config, flat, torch.cat([g.slots for g in subs]), torch.cat([g.start for g in subs]), positions,
+                   rope, inv_freq, qat_sim, max(g.context_bound for g in subs), groups=tuple(subs))
+
+    def per_group(self, fn, *tensors: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``fn(group_ctx, *group_tensors, **kwargs)`` for each group of equal-length rows, on the
+        group's ``[b, s, ...]`` slices of the token-wise ``tensors``; the results joined back in
+        token order. Without groups: ``fn(self, *tensors)``."""
+        if self.groups is None:
+            return fn(self, *tensors, **kwargs)
+        outs = []
+        for g in self.groups:
+            b, s = g.token_ids.shape
+            cut = [t.flatten(0, 1)[g.offset:g.offset + b * s].unflatten(0, (b, s)) for t in tensors]
+            outs.append(fn(g, *cut, **kwargs).flatten(0, 1))
+        return torch.cat(outs).unsqueeze(0)
 
     @property
     def pow2(self) -> bool:

@@ -128,6 +128,19 @@ class Transformer(nn.Module):
         return self.logits(h[:, -1:] if last_only else h), h
 
 
+    def forward_varlen(self, token_ids: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+                       caches: list[LayerCache], logit_rows: torch.Tensor, qat_sim: bool = False) -> torch.Tensor:
+        """One forward over rows of different lengths (DESIGN decision 6): ``token_ids [T]`` back to
+        back in ``groups`` of equal-length rows ``(slots [b], start [b], s, context_bound)`` (see
+        :meth:`ForwardContext.varlen`). Token-wise layers (linears, MoE, mHC, norms) run once over
+        all ``T`` tokens; attention, compressor and indexer once per group. Returns fp32 logits
+        ``[R, vocab]`` of the flattened token indices ``logit_rows [R]`` only."""
+        inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
+        ctx = ForwardContext.varlen(self.config, token_ids, groups, inv, qat_sim)
+        h = self.hidden_streams(ctx, caches)                                      # [1, T, nc, D]
+        return self.logits(h[0].index_select(0, logit_rows))
+
+
 def max_context_of(caches: list[LayerCache], config: ModelConfig) -> int:
     """The longest context the state holds (from its entry stores; the window when none)."""
     for cache in caches:

@@ -1,0 +1,76 @@
+"""What one engine step asks of the runner: a :class:`ScheduledBatch` of rows (DESIGN decision 6).
+
+Each row is one slot's new tokens at its current length: a prompt chunk of any length, or one decode
+token (the slot's last sampled id, which stays on the device). The scheduler fills one token budget
+with such rows; the runner runs them as one forward and samples every row whose prompt is complete.
+Plain host data (ints, tuples, :class:`SamplingParams`): under tensor parallel the whole batch is the
+one plan rank 0 broadcasts per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sampler import SampleOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """A row that starts a sequence: the slot is emptied and takes these sampling parameters (the
+    whole prompt is needed for the repetition penalties)."""
+
+    params: SamplingParams
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One slot's share of a step.
+
+    ``token_ids``: the prompt tokens this step feeds, or ``None`` for a decode row (one token: the
+    slot's last sampled id, on the device). ``start``: the slot's length before this row (the
+    runner checks it against its own count). ``sample``: draw the slot's next token from the row's
+    last position. ``logits``: also return the fp32 logits of every position of the row (prompt
+    logprobs, tests). ``new``: set on the first row of a sequence (``start`` 0).
+    """
+
+    slot: int
+    start: int
+    token_ids: tuple[int, ...] | None = None
+    sample: bool = True
+    logits: bool = False
+    new: NewSequence | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 if self.token_ids is None else len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.token_ids is None
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """The rows of one step, each slot at most once."""
+
+    rows: tuple[Row, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row is a sampled decode row without logits: the step a captured graph replays."""
+        return all(r.is_decode and r.sample and not r.logits and r.new is None for r in self.rows)
+
+
+@dataclass
+class StepOutput:
+    """What :meth:`Runner.run` returns: the sampled ids of the rows with ``sample`` (in row order;
+    device tensors, valid until the next step), and the logits ``[n, vocab]`` of each row with
+    ``logits``, by row index."""
+
+    sampled: SampleOutput | None
+    logits: dict[int, object]
