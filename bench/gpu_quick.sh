@@ -5,7 +5,8 @@
 # steps: warmup (no compile after the start-up warm-up), small (small-op + attention kernels),
 #   graphs (CUDA-graph/engine tests), moe, linear (kernel tests at real shapes; linear_fp4: the FP4
 #   ones), parity (HF parity on CUDA), profile (graph replay: time outside kernels at 2 and 8
-#   layers; prefill: one prompt's host vs device time), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
+#   layers; prefill: one prompt's host vs device time; prefillbench: bench/prefill_bench.py at 512 and
+#   8192 tokens a step), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
 #   32), serve (dsv4 bench serve on a random Flash slice), decode (the decode step vs the floor),
 #   tune (decode GEMV tiling search), perf (per-kernel table; perf_moe: its MoE rows), humming (the
 #   humming-kernels MoE peer vs our fused MoE: W4A16 MXFP4, Flash, 1/8/32 tokens; bench/humming_peer.py);
@@ -29,7 +30,7 @@ tests) for x in warmup small graphs moe linear; do run_step $x; done ;;
 engine) for x in throughput throughput32 serve decode; do run_step $x; done ;;
 warmup) pt 300 warmup.log -s tests/test_gpu_warmup.py tests/test_gpu_no_stall.py ;;
 small) pt 150 small_attn_tests.log tests/test_triton_small.py tests/test_triton_attention.py ;;
-graphs) pt 150 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py ;;
+graphs) pt 200 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py tests/test_gpu_batched_step.py ;;
 moe) pt 150 moe_tests.log tests/test_triton_moe.py ;;
 linear) pt 580 linear_tests.log tests/test_triton_linear.py ;;   # cold Triton cache: ~10 s a test
 linear_fp4) pt 330 linear_fp4_tests.log tests/test_triton_linear.py -k "fp4 or cuda_graph" ;;
@@ -40,6 +41,12 @@ profile)
   done
   ;;
 prefill) t 240 profile_prefill.txt python3 bench/profile_prefill.py --layers 4 --format fp8-mxfp4
+  ;;
+prefillbench)   # one forward per step (8192 tokens) vs the old per-chunk shape (512), transformers as the peer
+  t 200 prefill_bench_512.txt python3 bench/prefill_bench.py --layers 4 --format fp8-mxfp4 --budget 512 \
+    --lengths 512 2048 8192 --no-hf --profile-len 512
+  t 380 prefill_bench.txt python3 bench/prefill_bench.py --layers 4 --format fp8-mxfp4 --budget 8192 \
+    --lengths 512 2048 8192 32768 131072
   ;;
 throughput)
   t 240 throughput.txt python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 64 --max-num-seqs 16 --out "$OUT"

@@ -76,10 +76,10 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
     # which steps ran a prompt chunk: their wall time is the prefill share of the run
     runner, chunks = engine.runner, [0]
 
-    def counted_prefill(*args, **kwargs):
-        chunks[0] += 1
-        return type(runner).prefill(runner, *args, **kwargs)
-    runner.prefill = counted_prefill
+    def counted_run(batch):
+        chunks[0] += any(not row.is_decode for row in batch.rows)
+        return type(runner).run(runner, batch)
+    runner.run = counted_run
     phase = {"prefill": [0, 0.0], "decode": [0, 0.0]}
     try:
         while pending or engine.has_unfinished:
@@ -94,7 +94,7 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
             kind[1] += now - t_step
             _record(outs, now)
     finally:
-        del runner.prefill
+        del runner.run
     total = time.perf_counter() - t0
     ttft = sorted(first.values())
     gaps.sort()

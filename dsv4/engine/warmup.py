@@ -9,9 +9,10 @@ run of mixed prompts took 120 s instead of 4 s, time-to-first-token p90 13 s).
 
 :func:`warm_up` runs, on the runner's scratch slot (whose state nobody reads):
 
-- prefill chunks of every length class up to ``prefill_chunk`` (:func:`length_classes`), in a
-  row, so they land at many positions (the window ring wraps, compressed entries appear), the last
-  chunk of each length class also with every position's logits (prompt logprobs);
+- prefill chunks of every length class up to ``prefill_chunk`` (the tokens of one step,
+  :func:`length_classes`), in a row, so they land at many positions (the window ring wraps,
+  compressed entries appear), the last chunk of each length class also with every position's
+  logits (prompt logprobs); a class longer than ``max_context`` as a step of several rows;
 - eager decode steps for every batch-size class up to ``max_slots`` (without CUDA graphs every
   decode step is eager; with them, the one-token rows of a step that also runs prompt chunks);
 - the indexer's top-k for every power-of-two count of compressed entries up to ``max_context``
@@ -54,7 +55,7 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     before = compiled_variants()
     scratch, model = runner.scratch, runner.model
     config = model.config
-    lengths = length_classes(min(runner.prefill_chunk, runner.max_context))
+    lengths = length_classes(runner.prefill_chunk)
     # eager decode batches: without graphs every decode step, with graphs the one-token rows of a
     # step that also runs prompt chunks
     batches = length_classes(runner.max_slots) if decode else []
@@ -72,8 +73,12 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
             runner.state.reset([scratch])
             pos = 0
         ids = torch.randint(0, vocab, (n,), generator=gen).to(runner.device)
-        runner._prefill_rows(scratch, ids, pos, all_logits=(i % 3 == 2))
-        pos += n
+        if n > runner.max_context:     # a step of several prompts' chunks: rows on the scratch slot in turn
+            _several_rows(runner, ids)
+            pos = runner.max_context
+        else:
+            runner._prefill_rows(scratch, ids, pos, all_logits=(i % 3 == 2))
+            pos += n
         bar.update()
     idx_all = torch.full((max(batches, default=1),), scratch, dtype=torch.int64, device=runner.device)
     for b in batches:
@@ -95,6 +100,16 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
               f"sizes in {seconds:.1f} s" + (f"; {added} kernel variants compiled" if added >= 0 else ""),
               file=sys.stderr)
     return seconds
+
+
+def _several_rows(runner, ids: torch.Tensor) -> None:
+    """One varlen forward of ``ids`` cut into rows of at most ``max_context`` tokens, every row on
+    the scratch slot from position 0 (what a step of several prompts' chunks runs token-wise)."""
+    n, cap = ids.numel(), runner.max_context
+    zero = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    slot = zero + runner.scratch
+    groups = [(slot, zero, min(cap, n - lo), min(cap, n - lo)) for lo in range(0, n, cap)]
+    runner.model.forward_varlen(ids, groups, runner.state.layers, zero + n - 1, runner.qat_sim)
 
 
 def compiled_variants() -> int:
