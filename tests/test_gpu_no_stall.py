@@ -17,28 +17,31 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_admission_prefill_and_first_sample_never_wait_for_the_device():
     from dsv4.config import preset
+    from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampler import SamplingParams
     from dsv4.model.random_weights import build_random_model
 
     model = build_random_model(preset("flash", num_layers=1), "fp8-mxfp4", "cuda")
-    runner = Runner(model, max_slots=2, max_context=1024, qat_sim=True, prefill_chunk=128)
+    runner = Runner(model, max_slots=3, max_context=1024, qat_sim=True, prefill_chunk=512)
+    runner.warm_up(progress=False)             # every variant a step of <= 512 tokens reaches (compiles may synchronize)
     params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1, logprobs=2)
-    ids = list(range(5, 300))                  # three chunks
+    ids = tuple(range(5, 300))
 
-    def admit(slot: int) -> torch.Tensor:
-        runner.start(slot, params, ids)
-        logits = runner.prefill(slot, ids)
-        return runner.sample_first([slot], logits[None]).token_ids
+    def step(slot: int, decoding: tuple[int, ...]) -> torch.Tensor:
+        """One step: a new prompt in ``slot`` (two chunks' worth of rows in one forward) with decode rows."""
+        rows = tuple(Row(s, runner.lengths[s]) for s in decoding)
+        rows += (Row(slot, 0, ids, new=NewSequence(params, ids)),)
+        return runner.run(ScheduledBatch(rows)).sampled.token_ids
 
-    first = admit(0)                           # compiles (a compile may synchronize)
+    first = step(0, ())
+    step(2, (0,))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        again = admit(1)
-        runner.reset([0])
+        again = step(1, (0, 2))                # admission, a mixed varlen step, sampling: no host wait
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    assert again.tolist() == first.tolist()    # same prompt, same seed: the same first token
-    assert runner.state.positions.tolist()[:2] == [0, len(ids)]
+    assert again.tolist()[-1] == first.tolist()[0]    # same prompt, same seed: the same first token
+    assert runner.state.positions.tolist()[:3] == [len(ids) + 2, len(ids), len(ids) + 1]
