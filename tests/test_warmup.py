@@ -78,3 +78,28 @@ def test_no_new_variant_after_warm_up(record_keys, model):
         for n, pos in random_prefills(runner, trial % 2, rng, long_chance=0.7, short_max=40, logits_chance=0.2):
             new = variants.new_since(before)
             assert not new, f"prefill of {n} tokens at position {pos} added kernel variants: {new}"
+
+
+def test_no_new_variant_in_engine_steps_after_warm_up(record_keys):
+    """Steps of the engine (decode rows with several prompts' chunks in one varlen forward, any mix
+    of lengths and positions) reach only what the warm-up compiled."""
+    from dsv4.engine.core import Engine
+    from dsv4.engine.sampler import SamplingParams
+    net, _ = load_model(resolve_model("tiny"), torch.device("cpu"), torch.float16, progress=False)
+    runner = Runner(net, max_slots=4, max_context=700, qat_sim=True, prefill_chunk=300)
+    warm_up(runner, progress=False)
+    before = variants.snapshot()
+    engine = Engine(runner, None, eos_id=-1)
+    rng = random.Random(3)
+    vocab = net.config.vocab_size
+    for i in range(14):
+        n = rng.choice([rng.randint(1, 20), rng.randint(20, 400)])
+        engine.add_request([rng.randrange(vocab) for _ in range(n)],
+                           SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.0 if i % 2 else 0.8, seed=i,
+                                          prompt_logprobs=1 if i % 5 == 0 else None))
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+        new = variants.new_since(before)
+        assert not new, f"engine step {steps} added kernel variants: {new}"

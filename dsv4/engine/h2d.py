@@ -36,3 +36,16 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)
+
+
+def upload_parts(parts: Sequence[Sequence[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """Several int lists in one host -> device copy, returned as int64 tensors that each start
+    16-byte aligned (every list padded to an even length): Triton specializes a kernel on whether a
+    pointer is 16-byte aligned, so index tensors handed to kernels must be aligned the same way
+    every time, or a new alignment compiles a new variant mid-serving."""
+    flat, spans = [], []
+    for p in parts:
+        spans.append((len(flat), len(p)))
+        flat += list(p) + [0] * (len(p) % 2)
+    t = upload_ints(flat, device)
+    return [t[a:a + n] for a, n in spans]

@@ -32,7 +32,7 @@ from ..errors import ContextOverflowError
 from ..model.transformer import Transformer
 from ..parallel import SINGLE
 from .batch import Row, ScheduledBatch, StepOutput
-from .h2d import upload, upload_ints
+from .h2d import upload, upload_ints, upload_parts
 from .sampler import SampleOutput, SamplingParams
 from .slot_sampling import SampleFlags, SlotSampling
 from .state import GenerationState
@@ -188,22 +188,25 @@ class Runner:
             if r.logits:
                 wanted[i] = (len(logit_rows), r.num_tokens)
                 logit_rows += range(offset[r.slot], offset[r.slot] + r.num_tokens)
-        # one host -> device copy: ids | per row (flattened order) slot, start, end | decode rows' token
-        # index and slot | sampled slots | logit rows
-        T, R, D, N = len(ids_host), len(order), len(decode), len(sample_slots)
-        meta = upload_ints(ids_host + [r.slot for r in order] + [r.start for r in order]
-                           + [r.start + r.num_tokens for r in order] + [offset[s] for s in decode] + decode
-                           + sample_slots + logit_rows, self.device)
-        ids, slot_t, start_t, end_t, dec_at, dec_slot, sample_t, rows_t = meta.split(
-            [T, R, R, R, D, D, N, len(logit_rows)])
+        # one host -> device copy of everything, each part 16-byte aligned (upload_parts): ids; the
+        # one-token rows' slots and starts; each longer row's slot and start; every row's end; the
+        # decode rows' token index and slot; the sampled slots; the logit rows
+        D, N, k = len(decode), len(sample_slots), len(singles)
+        longer = order[k:]
+        parts = upload_parts([ids_host, [r.slot for r in singles], [r.start for r in singles]]
+                             + [x for r in longer for x in ([r.slot], [r.start])]
+                             + [[r.slot for r in order], [r.start + r.num_tokens for r in order],
+                                [offset[s] for s in decode], decode, sample_slots, logit_rows], self.device)
+        ids, one_slot, one_start = parts[:3]
+        slot_t, end_t, dec_at, dec_slot, sample_t, rows_t = parts[3 + 2 * len(longer):]
         if D:
             ids = ids.index_copy(0, dec_at, self.tokens[dec_slot])
-        groups, k = [], len(singles)
+        groups = []
         if k:
             bound = self.max_context if self.full_bound else max(r.start for r in singles) + 1
-            groups.append((slot_t[:k], start_t[:k], 1, bound))
-        groups += [(slot_t[i:i + 1], start_t[i:i + 1], order[i].num_tokens, order[i].start + order[i].num_tokens)
-                   for i in range(k, R)]
+            groups.append((one_slot, one_start, 1, bound))
+        groups += [(parts[3 + 2 * j], parts[4 + 2 * j], r.num_tokens, r.start + r.num_tokens)
+                   for j, r in enumerate(longer)]
         logits = self.model.forward_varlen(ids, groups, self.state.layers, rows_t, self.qat_sim)
         self.state.positions.index_copy_(0, slot_t, end_t)
         for r in order:
@@ -233,12 +236,11 @@ class Runner:
         """The forward of :meth:`prefill` for any slot, the scratch one included (warm-up)."""
         n = ids.numel()
         los = range(0, n, self.prefill_chunk)
-        meta = upload_ints([slot] + [start + lo for lo in los], self.device)   # slot, each chunk's start
-        slots = meta[:1]
+        slots, *begins = upload_parts([[slot]] + [[start + lo] for lo in los], self.device)   # aligned (upload_parts)
         outs = []
         for i, lo in enumerate(los):
             chunk = ids[lo:lo + self.prefill_chunk].unsqueeze(0)
-            begin = meta[1 + i:2 + i]
+            begin = begins[i]
             bound = start + lo + chunk.shape[1]   # host-known: the longest context this chunk sees
             logits, _ = self.model(chunk, slots, begin, self.state.layers, self.qat_sim,
                                    last_only=not all_logits, context_bound=bound)

@@ -82,8 +82,11 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
         bar.update()
     idx_all = torch.full((max(batches, default=1),), scratch, dtype=torch.int64, device=runner.device)
     for b in batches:
-        runner.state.reset([scratch])
-        runner._step(idx_all[:b], SampleFlags(), min(runner.max_context, b + 1))
+        # near the start and as deep as the state goes: the attention splits its keys more with more
+        # compressed entries (another variant past FUSED_MAX_SPLITS splits)
+        for bound in sorted({min(runner.max_context, b + 1), runner.max_context}):
+            runner.state.reset([scratch])
+            runner._step(idx_all[:b], SampleFlags(), bound)
         bar.update()
     for n in counts:
         scores = torch.zeros(1, 2, n, dtype=torch.float32, device=runner.device)
