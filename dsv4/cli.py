@@ -16,6 +16,7 @@ import time
 from . import __version__
 from .cli_common import HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
 from .cli_prompt import clean_text, prompt_ids, read_stdin
+from .cpu_threads import apply_threads
 from .errors import Dsv4Error, UsageError
 
 
@@ -104,7 +105,7 @@ def _llm(args: argparse.Namespace, **extra):
     from .engine.llm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               tensor_parallel_size=args.tensor_parallel_size, warm_up=args.warm_up, **extra)
+               tensor_parallel_size=args.tensor_parallel_size, warm_up=args.warm_up, threads=args.threads, **extra)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -186,12 +187,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench(args)
 
 
+_LLM_COMMANDS = ("generate", "chat", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .quant_cli import HANDLERS as QUANT_HANDLERS
     HANDLERS = {**QUANT_HANDLERS, "serve": cmd_serve, "bench": cmd_bench}
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
-    restore = _set_threads(getattr(args, "threads", None))
+    # commands that build an LLM apply --threads through it (LLM(threads=...)); the others here
+    restore = apply_threads(None if args.command in _LLM_COMMANDS else getattr(args, "threads", None))
     try:
         return handlers[args.command](args)
     except Dsv4Error as e:
@@ -205,20 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
     finally:
         restore()
-
-
-def _set_threads(requested: str | int | None):
-    """Set torch's CPU threads for this command (see :mod:`dsv4.cpu_threads`); returns the undo."""
-    if requested is None:  # a command that runs no model
-        return lambda: None
-    import torch
-
-    from .cpu_threads import choose_threads
-    threads, why = choose_threads(requested)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    print(f"cpu: {threads} thread{'s' if threads > 1 else ''} ({why}; --threads N overrides)", file=sys.stderr)
-    return lambda: torch.set_num_threads(previous)
 
 
 def _discard_stdout() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..cpu_threads import apply_threads, check_threads
 from ..devices import resolve_device
 from ..errors import ContextOverflowError, RequestError, UsageError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -116,6 +117,13 @@ class LLM:
             the others; :meth:`close` (or the end of a ``with`` block) stops them. Under ``torchrun``
             the group comes from its environment instead, and on ranks other than 0 the constructor
             follows rank 0 until it closes, then exits the process (see :mod:`dsv4.engine.launch`).
+        load_mtp: also load the multi-token-prediction layers of the checkpoint (for speculative
+            decoding; generation does not use them otherwise).
+        progress: print the state size, a loading progress bar and the load summary on stderr.
+        threads: torch's CPU threads: ``"auto"`` (the physical cores other processes leave free, or
+            ``OMP_NUM_THREADS`` when set; the policy of ``dsv4 --threads auto``, see
+            :mod:`dsv4.cpu_threads`), a number, or ``None`` to leave torch's setting alone. This is a
+            process-wide setting: :meth:`close` puts back the previous one.
 
     Both limits are checked against the config and the free memory before any weight is read.
     """
@@ -124,9 +132,11 @@ class LLM:
                  dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int = 4,
                  max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True,
                  enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
-                 tensor_parallel_size: int | None = None, warm_up: bool = True):
+                 tensor_parallel_size: int | None = None, warm_up: bool = True,
+                 threads: int | str | None = "auto"):
         from ..tiny import resolve_model
         check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
+        check_threads(threads, "threads (--threads)")
         world = _world_size(tensor_parallel_size)
         dev = resolve_device(device)
         if world > 1 and dev.type == "cuda" and dev.index not in (None, 0):
@@ -150,7 +160,19 @@ class LLM:
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
         self.qat_sim = resolve_qat_sim(qat_sim, config)
         self.tensor_parallel_size = world
+        self.device, self.threads = dev, threads
         self._group = None
+        self._restore_threads = apply_threads(threads, announce=progress)  # before the ranks copy it
+        try:
+            self._load(dev, act_dtype, load_mtp, world, progress, enforce_eager, warm_up, max_num_batched_tokens)
+        except BaseException:   # a failed load leaves the process as it found it
+            self._restore_threads()
+            raise
+
+    def _load(self, dev: torch.device, act_dtype: torch.dtype, load_mtp: bool, world: int, progress: bool,
+              enforce_eager: bool, warm_up: bool, max_num_batched_tokens: int | None) -> None:
+        """Load the weights (this rank's, or start the group), capture, warm up, build the engine."""
+        max_num_seqs = self.max_num_seqs
         spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
                         load_mtp, torch.get_num_threads() if dev.type == "cpu" else None)
         if world == 1:
@@ -206,7 +228,11 @@ class LLM:
         return ParallelRunner(runner, tp, health=health), report
 
     def close(self) -> None:
-        """Release the other ranks of a tensor-parallel group (no-op for one rank). Idempotent."""
+        """Release the other ranks of a tensor-parallel group (no-op for one rank) and put back
+        torch's previous thread count. Idempotent."""
+        restore, self._restore_threads = getattr(self, "_restore_threads", None), lambda: None
+        if restore is not None:
+            restore()
         close = getattr(self.runner, "close", None) if hasattr(self, "runner") else None
         broken = getattr(self.runner, "broken", False) if close is not None else False
         try:

@@ -92,12 +92,15 @@ class ServerState:
             self.on_load_error(e)
 
     def _ready(self, llm) -> None:
+        """Start serving ``llm``; on the CPU its ``threads="auto"`` policy is re-evaluated while serving."""
         if self.status not in ("starting",):
             return
         if llm.tokenizer is None:
             raise RuntimeError(f"{llm.path} has no tokenizer.json: the server needs one")
         self.llm = llm
-        engine = AsyncEngine(llm.engine, llm.max_model_len, self.metrics)
+        on_cpu = getattr(getattr(llm, "device", None), "type", None) == "cpu"
+        engine = AsyncEngine(llm.engine, llm.max_model_len, self.metrics,
+                             threads=getattr(llm, "threads", None) if on_cpu else None)
         engine.start()
         self.ctx = ServingContext(engine, llm.tokenizer, self.model_names, llm.max_model_len, str(llm.path),
                                   self.metrics)

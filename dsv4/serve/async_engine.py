@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from ..cpu_threads import ThreadMonitor
 from ..engine.core import Engine, RequestOutput
 from ..engine.sampler import SamplingParams
 from ..errors import ContextOverflowError, RequestError
@@ -113,8 +114,11 @@ class EngineStats:
 class AsyncEngine:
     """Drives an :class:`Engine` from its own thread for an asyncio server."""
 
-    def __init__(self, engine: Engine, max_model_len: int, metrics=None):
+    def __init__(self, engine: Engine, max_model_len: int, metrics=None, threads: int | str | None = None,
+                 threads_interval: float = 5.0):
         self.engine, self.max_model_len, self.metrics = engine, max_model_len, metrics
+        # the CPU-thread policy ("auto" only) is re-evaluated between steps: load comes and goes
+        self.thread_monitor = ThreadMonitor(threads, threads_interval)
         self.vocab_size = engine.runner.model.config.vocab_size
         self.stats = EngineStats(slots_total=engine.runner.max_slots)
         self.state = "ready"
@@ -207,6 +211,9 @@ class AsyncEngine:
                     return
                 commands, self._commands = self._commands, []
             try:
+                changed = self.thread_monitor.poll()   # on this thread: it runs the steps
+                if changed is not None:
+                    log.info("cpu: now %d thread(s) (other processes' load changed)", changed)
                 deltas = self._apply(commands)
                 if self.engine.has_unfinished:
                     deltas += self._step()
