@@ -176,6 +176,26 @@ def test_corrupt_checkpoint_directory(tiny_checkpoint, capsys, tmp_path):
     _assert_clean_error(rc, err, shard.name)
 
 
+def test_truncated_checkpoint_is_one_line_in_every_command(tiny_checkpoint, tmp_path):
+    """Issue 21, item 3: eval-quant gave a safetensors traceback where the others name the shard."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad)
+    (shard,) = bad.glob("*.safetensors")
+    shard.write_bytes(shard.read_bytes()[:1000])
+    commands = [["eval-quant", str(bad), "--formats", "fp8", "--sequences", "1", "--length", "4"],
+                ["quantize", str(bad), str(tmp_path / "q"), "--format", "fp8"],
+                ["generate", PROMPT, "--max-tokens", "2", "--model", str(bad)],
+                ["inspect", str(bad)]]
+    procs = [subprocess.Popen([sys.executable, "-m", "dsv4.cli", *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for argv in commands]
+    for argv, proc in zip(commands, procs):
+        _, err = proc.communicate(timeout=300)
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert proc.returncode == 2, (argv[0], err)
+        assert len(errors) == 1 and errors[0].startswith(f"dsv4 {argv[0]}: error: ") and shard.name in errors[0], err
+        no_traceback(err)
+
+
 def test_checkpoint_without_config(tiny_checkpoint, capsys, tmp_path):
     bad = tmp_path / "noconfig"
     shutil.copytree(tiny_checkpoint, bad)

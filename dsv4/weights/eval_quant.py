@@ -33,7 +33,7 @@ from ..config import ModelConfig
 from ..engine.runner import Runner
 from ..errors import UsageError
 from ..progress import progress_bar
-from .loader import INDEX_FILE, list_shards, load_model
+from .loader import INDEX_FILE, check_checkpoint, list_shards, load_model
 from .quantize import check_args, linear_group, quantize_checkpoint
 
 __all__ = ["eval_quant", "held_out_sequences", "model_logits", "compare_logits", "format_table",
@@ -160,6 +160,7 @@ def eval_quant(src: Path, formats: list[str], policies: list[str], n_seqs: int =
     if n_seqs <= 0 or seq_len <= 1:
         raise UsageError(f"need at least one sequence of >= 2 tokens, got {n_seqs} x {seq_len}")
     config = ModelConfig.from_file(src / "config.json")
+    check_checkpoint(src)  # the loader's header checks: a broken source is one named error, not a traceback
     if seq_len > config.max_position_embeddings:
         raise UsageError(f"sequence length (--length) {seq_len:,} exceeds the model's max_position_embeddings "
                          f"({config.max_position_embeddings:,}, {src / 'config.json'})")
