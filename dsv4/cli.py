@@ -14,7 +14,7 @@ import sys
 import time
 
 from . import __version__
-from .cli_common import HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
+from .cli_common import ArgumentParser, HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
 from .cli_prompt import clean_text, prompt_ids, read_stdin
 from .cpu_threads import apply_threads
 from .errors import Dsv4Error, UsageError
@@ -52,7 +52,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine",
+    parser = ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"dsv4 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -95,8 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed")
+
+
 def _sampling(args: argparse.Namespace):
-    from .engine.sampler import SamplingParams
+    from .engine.sampler import SamplingParams, field_problem
+    for name in _SAMPLING_FLAGS:   # named as the user typed them, not as SamplingParams fields
+        problem = field_problem(name, getattr(args, name))
+        if problem:
+            raise UsageError(f"--{name.replace('_', '-')} {problem}")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
@@ -172,8 +179,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .chat_repl import run_chat
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD, not a traceback
         sys.stdin.reconfigure(errors="replace")
+    params = _sampling(args)
     with _llm(args) as llm:
-        return run_chat(llm, _sampling(args), thinking=args.think, system=args.system)
+        return run_chat(llm, params, thinking=args.think, system=args.system)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -327,6 +327,55 @@ def test_help_shows_every_default(capsys):
     assert "(default: 512)" in " ".join(capsys.readouterr().out.split())
 
 
+# --------------------------------------------------------------------------- issue 21, items 4 and 5
+
+def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsv4.cli", *argv], capture_output=True, text=True, timeout=120, **kw)
+
+
+ARGPARSE_ERRORS = [
+    (["generate", "--foo"], "dsv4: error: generate: unrecognized arguments: --foo (see dsv4 generate --help)"),
+    ([], "dsv4: error: the following arguments are required: COMMAND (see dsv4 --help)"),
+    (["generate", "x", "--top-p", "abc"],
+     "dsv4: error: generate: argument --top-p: invalid float value: 'abc' (see dsv4 generate --help)"),
+    (["bench", "serve", "--bar", "1"], "dsv4: error: bench serve: unrecognized arguments: --bar 1 "
+                                       "(see dsv4 bench serve --help)"),
+    (["nonsense"], "dsv4: error: argument COMMAND: invalid choice: 'nonsense'"),
+]
+
+
+@pytest.mark.parametrize("argv,line", ARGPARSE_ERRORS, ids=[" ".join(a) or "nothing" for a, _ in ARGPARSE_ERRORS])
+def test_argparse_errors_are_one_line(argv, line):
+    r = _cli(*argv)
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line), r.stderr
+
+
+def test_sampling_errors_name_the_flag(cache):
+    r = _cli("generate", PROMPT, "--top-p", "2", env=dict(os.environ, DSV4_CACHE=str(cache.parent)))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == "dsv4 generate: error: --top-p must be a number in (0, 1], got 2.0"
+    assert "SamplingParams" not in r.stderr
+
+
+def test_help_and_version_do_not_import_torch():
+    """`dsv4 --help` took 3-4 s importing torch; the engine loads only in the command that runs."""
+    script = ("import sys, json\n"
+              "from dsv4.cli import main\n"
+              "seen = {}\n"
+              "for argv in (['--help'], ['generate', '--help'], ['--version'], ['serve', '--help'],\n"
+              "             ['bench', 'serve', '--help'], ['quantize', '--help'], ['generate', '--foo']):\n"
+              "    try:\n"
+              "        main(argv)\n"
+              "    except SystemExit:\n"
+              "        pass\n"
+              "    seen[' '.join(argv)] = sorted(m for m in ('torch', 'dsv4.engine', 'dsv4.model') if m in sys.modules)\n"
+              "print(json.dumps(seen), file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    seen = json.loads(r.stderr.strip().splitlines()[-1])
+    assert len(seen) == 7 and all(v == [] for v in seen.values()), seen
+
+
 def test_version(capsys):
     import dsv4
     rc, out, _ = run(capsys, "--version")

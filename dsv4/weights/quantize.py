@@ -55,6 +55,7 @@ from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantWeight, Weig
 from .loader import INDEX_FILE, check_checkpoint, check_values, list_shards
 from .names import is_hf_name
 from .output_dir import OUTPUT_MARKER, check_destination, make_temp_sibling, replace_dir, write_marker
+from .quant_options import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
 from .serialize import COMPANIONS, build_weight, split_name, weight_tensors
 
 __all__ = [
@@ -63,10 +64,6 @@ __all__ = [
     "OUTPUT_MARKER",
 ]
 
-FORMATS = ("nvfp4", "mxfp4", "fp8")
-POLICIES = ("floor", "all")
-DENSE_FORMATS = ("fp8", "same")
-SCALE_FMTS = ("ue8m0", "fp32")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 DEFAULT_SHARD_BYTES = 4 * 2**30
 FP8_BLOCK = 128
