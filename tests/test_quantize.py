@@ -278,7 +278,7 @@ def test_quantized_checkpoint_loads_close_to_source(src: Path, variants, fmt: st
 
 
 def test_eval_quant_rows_and_csv(src: Path, tmp_path: Path) -> None:
-    csv_path = tmp_path / "out" / "eval.csv"
+    csv_path = tmp_path / "eval.csv"
     rows = eval_quant(src, ["nvfp4"], ["floor", "all"], n_seqs=2, seq_len=24, csv_path=csv_path,
                       work_dir=tmp_path / "work", verbose=False)
     groups = {(r["policy"], r["group"]) for r in rows}
@@ -356,3 +356,25 @@ def test_eval_quant_and_quantize_on_the_default_quantized_model(tiny_checkpoint:
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     check_weight(read_all(tmp_path / "nv"), "layers.0.ffn.experts.0.w1", "nvfp4")
+
+
+def test_eval_quant_outputs_need_their_parent_directory(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Issue 21, item 7: --csv and --work-dir under a missing directory are refused up front, naming
+    it, instead of creating the whole path."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, DSV4_CACHE=str(tiny_checkpoint.parent))
+    base = [sys.executable, "-m", "dsv4.cli", "eval-quant", "--formats", "fp8", "--policies", "floor",
+            "--sequences", "1", "--length", "4"]
+    for flag, path in (("--csv", tmp_path / "typo" / "out.csv"), ("--work-dir", tmp_path / "typo" / "work")):
+        r = subprocess.run(base + [flag, str(path)], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == \
+            f"dsv4 eval-quant: error: {flag} {path}: directory {tmp_path / 'typo'} does not exist (create it first)"
+        assert not (tmp_path / "typo").exists()
+    r = subprocess.run(base + ["--csv", str(tmp_path / "out.csv"), "--work-dir", str(tmp_path / "work")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out.csv").read_text().startswith(",".join(CSV_FIELDS))
+    assert (tmp_path / "work").is_dir() and list((tmp_path / "work").iterdir()) == []
