@@ -54,7 +54,7 @@ from ..progress import progress_bar
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantWeight, WeightFormatError
 from .loader import INDEX_FILE, check_checkpoint, check_values, list_shards
 from .names import is_hf_name
-from .output_dir import OUTPUT_MARKER, check_destination, make_temp_sibling, replace_dir, write_marker
+from .output_dir import OUTPUT_MARKER, apply_umask_modes, check_destination, make_temp_sibling, replace_dir, write_marker
 from .quant_options import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
 from .serialize import COMPANIONS, build_weight, split_name, weight_tensors
 
@@ -444,6 +444,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
         write_marker(tmp, tool="dsv4 quantize", source=str(src.resolve()), format=fmt, policy=policy,
                      dense_format=dense_format, scale_fmt=scale_fmt,
                      only_groups=sorted(only_groups) if only_groups is not None else None)
+        apply_umask_modes(tmp)  # a checkpoint others share, not mkdtemp's private 0700
         check_destination(src, dst, overwrite, QuantizeError)  # again: minutes may have passed
         replace_dir(tmp, dst)
     except BaseException:
