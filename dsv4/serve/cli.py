@@ -85,22 +85,25 @@ def add_bench_parser(sub) -> None:
                            formatter_class=HelpFormatter)
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = kinds.add_parser("serve", help="send N requests to a running server; throughput, TTFT/ITL percentiles, PNG",
-                         formatter_class=HelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (its /v1 routes)")
+                         formatter_class=HelpFormatter,
+                         description="Flags also take vLLM's `vllm bench serve` names: --num-prompts, "
+                                     "--max-concurrency, --random-input-len, --random-output-len, --random-range-ratio.")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server (with or without the /v1 of OpenAI clients' base URLs)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--api-key", default=None, help="bearer key (default: $DSV4_API_KEY)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--num-requests", "-n", type=positive_int, default=64, help="requests to send")
-    p.add_argument("--concurrency", type=positive_int, default=None,
+    p.add_argument("--num-requests", "--num-prompts", "-n", type=positive_int, default=64, help="requests to send")
+    p.add_argument("--concurrency", "--max-concurrency", type=positive_int, default=None,
                    help="requests in flight at once (default: all, or unlimited with --request-rate)")
     p.add_argument("--request-rate", type=float, default=None,
-                   help="requests per second, Poisson arrivals (default: send as concurrency allows)")
+                   help="requests per second, Poisson arrivals (default, or inf: send as concurrency allows)")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help="prompts: one JSON object per line with 'prompt' (text) or 'messages', optional "
                         "'max_tokens' (default: synthetic prompts)")
-    p.add_argument("--input-len", type=positive_int, default=256, help="synthetic prompt length in tokens (mean)")
-    p.add_argument("--output-len", type=positive_int, default=128, help="max_tokens of each request (mean)")
-    p.add_argument("--range-ratio", type=float, default=0.5,
+    p.add_argument("--input-len", "--random-input-len", type=positive_int, default=256, help="synthetic prompt length in tokens (mean)")
+    p.add_argument("--output-len", "--random-output-len", type=positive_int, default=128, help="max_tokens of each request (mean)")
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.5,
                    help="synthetic lengths are uniform in [len x (1 - r), len x (1 + r)]")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and arrivals")
     p.add_argument("--temperature", type=float, default=0.0)
