@@ -1,10 +1,10 @@
 """``dsv4 chat``: a multi-turn terminal chat with streaming, dimmed thinking and slash commands.
 
-Input that is not a terminal (``dsv4 chat < questions.txt``) is echoed after the prompt, so the
-output reads as a transcript. Commands: ``/think on|off`` switches thinking mode, ``/max N`` sets the token limit of an answer,
+Commands: ``/think on|off`` switches thinking mode, ``/max N`` sets the token limit of an answer,
 ``/reset`` clears the history, ``/exit`` leaves. Ctrl-C while an answer streams stops that answer
 (what was written so far stays in the history) and returns to the prompt; Ctrl-C or Ctrl-D at the
-prompt ends the session.
+prompt ends the session. Input that is not a terminal (``dsv4 chat < questions.txt``) is echoed
+after the prompt, so the output reads as a transcript. A fixed seed gives answer n seed + n.
 
 Nothing generated is ever invisible. The chat parser holds back markup until it can decide what
 it is (a tool-call block is held until it closes); when it has held more than

@@ -14,7 +14,8 @@ import sys
 import time
 
 from . import __version__
-from .cli_common import ArgumentParser, HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
+from .cli_common import (ArgumentParser, HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model,
+                         positive_int)
 from .cli_prompt import clean_text, prompt_ids, read_stdin
 from .cpu_threads import apply_threads
 from .errors import Dsv4Error, UsageError
@@ -52,8 +53,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine",
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine", formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"dsv4 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

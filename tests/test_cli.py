@@ -369,7 +369,8 @@ def test_help_and_version_do_not_import_torch():
               "        main(argv)\n"
               "    except SystemExit:\n"
               "        pass\n"
-              "    seen[' '.join(argv)] = sorted(m for m in ('torch', 'dsv4.engine', 'dsv4.model') if m in sys.modules)\n"
+              "    heavy = ('torch', 'dsv4.engine', 'dsv4.model')\n"
+              "    seen[' '.join(argv)] = sorted(m for m in heavy if m in sys.modules)\n"
               "print(json.dumps(seen), file=sys.stderr)\n")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     seen = json.loads(r.stderr.strip().splitlines()[-1])

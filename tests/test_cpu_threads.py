@@ -145,7 +145,7 @@ def test_server_engine_reevaluates_on_cpu_only(tiny_checkpoint, monkeypatch):
     engine = SimpleNamespace(runner=SimpleNamespace(max_slots=1, model=SimpleNamespace(
         config=SimpleNamespace(vocab_size=8))))
     for device in ("cpu", "cuda"):
-        llm = SimpleNamespace(engine=engine, max_model_len=16, tokenizer=Tokenizer.from_dir(tiny_checkpoint), path=tiny_checkpoint,
-                              max_num_seqs=1, device=torch.device(device), threads="auto")
+        llm = SimpleNamespace(engine=engine, max_model_len=16, tokenizer=Tokenizer.from_dir(tiny_checkpoint),
+                              path=tiny_checkpoint, max_num_seqs=1, device=torch.device(device), threads="auto")
         app.ServerState(None, ["m"])._ready(llm)
     assert [e.thread_monitor.active for e in made] == [True, False]

@@ -117,8 +117,8 @@ class LLM:
             the others; :meth:`close` (or the end of a ``with`` block) stops them. Under ``torchrun``
             the group comes from its environment instead, and on ranks other than 0 the constructor
             follows rank 0 until it closes, then exits the process (see :mod:`dsv4.engine.launch`).
-        load_mtp: also load the multi-token-prediction layers of the checkpoint (for speculative
-            decoding; generation does not use them otherwise).
+        load_mtp: also load the checkpoint's multi-token-prediction layers (``model.mtp``); generation
+            does not use them (there is no speculative decoding yet).
         progress: print the state size, a loading progress bar and the load summary on stderr.
         threads: torch's CPU threads: ``"auto"`` (the physical cores other processes leave free, or
             ``OMP_NUM_THREADS`` when set; the policy of ``dsv4 --threads auto``, see

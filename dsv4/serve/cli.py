@@ -87,7 +87,8 @@ def add_bench_parser(sub) -> None:
     p = kinds.add_parser("serve", help="send N requests to a running server; throughput, TTFT/ITL percentiles, PNG",
                          formatter_class=HelpFormatter,
                          description="Flags also take vLLM's `vllm bench serve` names: --num-prompts, "
-                                     "--max-concurrency, --random-input-len, --random-output-len, --random-range-ratio.")
+                                     "--max-concurrency, --random-input-len, --random-output-len, "
+                                     "--random-range-ratio.")
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="the server (with or without the /v1 of OpenAI clients' base URLs)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
@@ -101,8 +102,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help="prompts: one JSON object per line with 'prompt' (text) or 'messages', optional "
                         "'max_tokens' (default: synthetic prompts)")
-    p.add_argument("--input-len", "--random-input-len", type=positive_int, default=256, help="synthetic prompt length in tokens (mean)")
-    p.add_argument("--output-len", "--random-output-len", type=positive_int, default=128, help="max_tokens of each request (mean)")
+    p.add_argument("--input-len", "--random-input-len", type=positive_int, default=256,
+                   help="synthetic prompt length in tokens (mean)")
+    p.add_argument("--output-len", "--random-output-len", type=positive_int, default=128,
+                   help="max_tokens of each request (mean)")
     p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.5,
                    help="synthetic lengths are uniform in [len x (1 - r), len x (1 + r)]")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and arrivals")

@@ -54,7 +54,8 @@ from ..progress import progress_bar
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantWeight, WeightFormatError
 from .loader import INDEX_FILE, check_checkpoint, check_values, list_shards
 from .names import is_hf_name
-from .output_dir import OUTPUT_MARKER, apply_umask_modes, check_destination, make_temp_sibling, replace_dir, write_marker
+from .output_dir import (OUTPUT_MARKER, apply_umask_modes, check_destination, make_temp_sibling, replace_dir,
+                         write_marker)
 from .quant_options import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
 from .serialize import COMPANIONS, build_weight, split_name, weight_tensors
 
