@@ -135,8 +135,9 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     params = _sampling(args)
-    # a text prompt needs the tokenizer: say so before minutes of reading weights, not after
-    with _llm(args, require_tokenizer=isinstance(prompt, str)) as llm:      # closing releases a tensor-parallel group's other ranks
+    # a text prompt needs the tokenizer: say so before minutes of reading weights, not after;
+    # closing releases a tensor-parallel group's other ranks
+    with _llm(args, require_tokenizer=isinstance(prompt, str)) as llm:
         return _generate(args, llm, prompt, params)
 
 
