@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.cli import add_bench_parser, add_serve_parser
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
                          formatter_class=HelpFormatter)
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model, as with --model (`dsv4 serve MODEL`, as `vllm serve MODEL`)")
     _add_engine_args(srv)
-    srv.set_defaults(max_num_seqs=8)
     add_serve_parser(srv)
     add_bench_parser(sub)
 
@@ -108,11 +109,16 @@ def _sampling(args: argparse.Namespace):
                           top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
+def _engine_args(args: argparse.Namespace, **extra) -> dict:
+    """The arguments of :func:`~dsv4.engine.llm.plan_engine` (and of ``LLM``) the flags give."""
+    return dict(model=args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                tensor_parallel_size=args.tensor_parallel_size, **extra)
+
+
 def _llm(args: argparse.Namespace, **extra):
     from .engine.llm import LLM
-    return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               tensor_parallel_size=args.tensor_parallel_size, warm_up=args.warm_up, threads=args.threads, **extra)
+    return LLM(**_engine_args(args, **extra), warm_up=args.warm_up, threads=args.threads)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -137,7 +143,9 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     params = _sampling(args)
-    with _llm(args) as llm:      # closing releases a tensor-parallel group's other ranks
+    # a text prompt needs the tokenizer: say so before minutes of reading weights, not after;
+    # closing releases a tensor-parallel group's other ranks
+    with _llm(args, require_tokenizer=isinstance(prompt, str)) as llm:
         return _generate(args, llm, prompt, params)
 
 
@@ -180,14 +188,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD, not a traceback
         sys.stdin.reconfigure(errors="replace")
     params = _sampling(args)
-    with _llm(args) as llm:
+    with _llm(args, require_tokenizer=True) as llm:
         return run_chat(llm, params, thinking=args.think, system=args.system)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve.cli import serve
-    return serve(args, lambda: _llm(args, enforce_eager=args.enforce_eager,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UsageError(f"give the model once: as MODEL ({args.model_tag}) or as --model ({args.model}), "
+                             "or the same in both")
+        args.model = args.model_tag
+    extra = dict(max_num_batched_tokens=args.max_num_batched_tokens,
+                 gpu_memory_utilization=args.gpu_memory_utilization, require_tokenizer=True)
+    return serve(args, _engine_args(args, **extra), lambda: _llm(args, enforce_eager=args.enforce_eager, **extra))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

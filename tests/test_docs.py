@@ -20,10 +20,10 @@ def test_readme_links_stay_inside_the_repository():
     assert "docs/ARCHITECTURE.md" in readme and (ROOT / "docs" / "ARCHITECTURE.md").is_file()
 
 
-def test_every_generate_and_chat_flag_is_in_the_readme():
+def test_every_generate_chat_and_serve_flag_is_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    for command in ("generate", "chat"):
+    for command in ("generate", "chat", "serve"):
         for action in sub.choices[command]._actions:
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":

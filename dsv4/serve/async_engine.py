@@ -68,6 +68,7 @@ class _Live:
     first: float | None = None
     last: float | None = None
     tokens: int = 0
+    reason: str | None = None     # the finish reason the client was given, when the handler ended it
 
 
 class Submission:
@@ -93,6 +94,12 @@ class Submission:
         for i in ([index] if index is not None else list(self.unfinished)):
             if i in self.unfinished:
                 self.engine.abort(self.request_ids[i])
+
+    def finish(self, index: int, reason: str) -> None:
+        """End request ``index`` early because the handler has its answer (the chat parser cut it
+        short): aborted in the engine, counted in the metrics with the ``reason`` the client got."""
+        if index in self.unfinished:
+            self.engine.finish_as(self.request_ids[index], reason)
 
     @property
     def done(self) -> bool:
@@ -195,6 +202,13 @@ class AsyncEngine:
             self._cond.notify()
         return sub
 
+    def finish_as(self, request_id: str, reason: str) -> None:
+        """Abort a request whose client was told ``reason`` (loop thread); the metrics count that."""
+        live = self._live.get(request_id)
+        if live is not None:
+            live.reason = reason
+        self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (any thread); applied before the engine's next step."""
         with self._cond:
@@ -284,7 +298,8 @@ class AsyncEngine:
             if delta.finished:
                 del self._live[rid]
                 if self.metrics is not None:
-                    self.metrics.request_done(live.prompt_tokens, live.tokens, now - live.arrival, delta.finish_reason)
+                    self.metrics.request_done(live.prompt_tokens, live.tokens, now - live.arrival,
+                                              live.reason or delta.finish_reason)
             live.submission.completion_tokens[live.index] = live.tokens
             live.submission.queue.put_nowait((live.index, delta))
 
