@@ -7,7 +7,7 @@
 #   ones), parity (HF parity on CUDA), profile (graph replay: time outside kernels at 2 and 8
 #   layers; prefill: one prompt's host vs device time; prefillbench: bench/prefill_bench.py at 512 and
 #   8192 tokens a step), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
-#   32), serve (dsv4 bench serve on a random Flash slice), decode (the decode step vs the floor),
+#   32), serve (dsv4 bench serve on a random Flash slice; serve8k: 8000-token prompts, concurrency 16), decode (the decode step vs the floor),
 #   tune (decode GEMV tiling search), perf (per-kernel table; perf_moe: its MoE rows), humming (the
 #   humming-kernels MoE peer vs our fused MoE: W4A16 MXFP4, Flash, 1/8/32 tokens; bench/humming_peer.py);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
@@ -61,6 +61,14 @@ serve)
   t 120 bench_serve.txt python3 -m dsv4.cli bench serve -n 128 --concurrency 32 --input-len 512 --output-len 128 \
     --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"
   t 60 bench_serve_c1.txt python3 -m dsv4.cli bench serve -n 8 --concurrency 1 --input-len 512 --output-len 128
+  kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
+  ;;
+serve8k)   # the agents' workload: 8000-token prompts, 16 at a time (TTFT is what they wait for)
+  start_random_server 16 200 8320
+  echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
+  t 150 bench_serve_8k.txt python3 -m dsv4.cli bench serve -n 32 --concurrency 16 --input-len 8000 --output-len 128 \
+    --json "$OUT/bench_serve_8k.json"
+  t 60 bench_serve_8k_c1.txt python3 -m dsv4.cli bench serve -n 4 --concurrency 1 --input-len 8000 --output-len 128
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 decode)
