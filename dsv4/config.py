@@ -490,7 +490,8 @@ def preset(name: str, num_layers: int | None = None) -> ModelConfig:
     The tiny geometry is sized so that its FP8-block tensors (128x128 blocks) split over 2
     tensor-parallel ranks: per rank, ``wq_b`` holds 4 heads x 32 = 128 rows, ``wo_a`` 2 groups x 64
     = 128 rows, ``wo_b`` 128 columns, and the shared expert 128 intermediate channels. A BF16 copy
-    also splits over 4 (8 heads, 4 groups, 8 experts, 512 vocab entries all divide by 4).
+    also splits over 4 (8 heads, 4 groups, 8 experts, 256 shared-expert channels and 512 vocab
+    entries all divide by 4).
     """
     if name == "tiny":
         n = num_layers or 4

@@ -207,7 +207,9 @@ def test_expert_parallel_ranks_sum_to_the_whole(monkeypatch, fmt, T):
 
 
 def test_ragged_tiny_model_shapes():
-    """hidden 64, inter 32 (the tiny checkpoint's experts): partial K blocks and N tiles."""
+    """hidden 64, inter 256 (the tiny checkpoint's experts), and inter 32: partial K blocks and N tiles."""
+    _run("mxfp4", 3, 2, 8, 64, 256, True)
+    _run("nvfp4", 1, 2, 8, 64, 256, True)
     _run("mxfp4", 3, 2, 8, 64, 32, True)
     _run("nvfp4", 1, 2, 8, 64, 32, True)
 
