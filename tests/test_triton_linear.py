@@ -28,6 +28,7 @@ from dsv4 import ops  # noqa: E402
 from dsv4.ops import numerics  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
 from dsv4.ops.triton import linear as lin  # noqa: E402
+from dsv4.ops.triton import runtime  # noqa: E402
 from dsv4.weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,9 +38,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @pytest.fixture(autouse=True)
 def _poison():
-    lin.POISON = True
-    yield
-    lin.POISON = False
+    with runtime.poisoned():
+        yield
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -112,7 +112,7 @@ def test_linear_decode_fp32_exact(fmt, aq):
     _check(y, ref.linear(x, w, act_quant, pow2, torch.float32), 2e-6)
     y2 = lin.linear_triton(x, w, act_quant, pow2, torch.float32, _path="skinny", _config=cfg)
     assert torch.equal(y, y2), "split-K result is not deterministic"
-    assert int(lin._COUNTERS[str(torch.device(DEV))].abs().sum()) == 0, "split counters not reset"
+    assert int(runtime.counters_if_allocated(torch.device(DEV), "linear").abs().sum()) == 0, "split counters not reset"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
