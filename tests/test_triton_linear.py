@@ -181,6 +181,32 @@ def test_act_quant_bit_identical(pow2):
     assert torch.equal(v.cpu().view(4, 3, 128), want)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8_ue8m0"])
+@pytest.mark.parametrize("path", ["skinny", "gemm"])
+def test_nan_e8m0_scale_gives_nan_like_the_reference(fmt, path):
+    """An e8m0 scale byte of 255 is NaN (``numerics.e8m0_to_float``), so the rows it scales come
+    out NaN as in the reference; the kernel used to decode it as +inf (positive weights times
+    positive inputs: +inf). The formats refuse 255 at load; here it is written after construction."""
+    n, k = 256, 128
+    if fmt == "mxfp4":
+        w = Mxfp4Weight(torch.full((n, k // 2), 0x22, dtype=torch.uint8), torch.full((n, k // 32), 127, dtype=torch.uint8))
+        w.scale[1, 0] = 255
+        nan_rows = torch.arange(n) == 1
+    else:
+        w = Fp8BlockWeight(torch.full((n, k), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                           torch.full((2, 1), 127, dtype=torch.uint8))
+        w.scale[1, 0] = 255
+        nan_rows = torch.arange(n) >= 128
+    w = w.to(DEV)
+    x = (torch.rand(3 if path == "skinny" else 40, k, generator=_gen(9)) + 0.5).to(DEV)
+    y = lin.linear_triton(x, w, False, True, torch.float32, _path=path,
+                          _config=dict(BN=64, MP=16, KSTEPS=1, SPLIT=1) if path == "skinny" else dict(BM=32, BN=32))
+    want = ref.linear(x, w, False, True, torch.float32)
+    assert torch.isnan(want[:, nan_rows]).all() and torch.isfinite(want[:, ~nan_rows]).all()
+    assert torch.equal(torch.isnan(y), torch.isnan(want))
+    torch.testing.assert_close(y[:, ~nan_rows], want[:, ~nan_rows])
+
+
 def test_dispatch_and_validation():
     """Registered for the three packed formats only; plain tensors stay on the reference; bad
     inputs raise a named error."""

@@ -215,6 +215,28 @@ def test_fp32_scale_rounding_and_no_limit():
     _run("fp8", 3, 2, 4, 128, 128, True, pow2=False, dtype=torch.float32, limit=0.0)
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_nan_e8m0_scale_gives_nan_like_the_reference(T):
+    """An MXFP4 scale byte of 255 is NaN (``numerics.e8m0_to_float``): the tokens routed to that
+    expert come out NaN, as in the reference (the kernel used to build ``2^(s-127) * 2^14`` from the
+    bits, which overflowed into the sign bit: a finite, wrong value). The formats refuse 255 at
+    load; here it is written after construction."""
+    E, D, I = 3, 64, 32
+    w1, w3 = (_weights("mxfp4", E, I, D, s) for s in (1, 3))
+    w2 = _weights("mxfp4", E, D, I, 2)
+    w1.scale[0, 0, 0] = 255
+    x = torch.randn(T, D, generator=_gen(4)).half().to(DEV)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [1, 2]][:T], device=DEV)
+    rw = torch.full((T, 2), 0.5, device=DEV)
+    got = M.moe_triton(x, ids, rw, w1, w3, w2, 0.0).float().cpu()
+    exp = ref.moe(x, ids, rw, w1, w3, w2, 0.0).float().cpu()
+    hit = (ids.cpu() == 0).any(1)
+    assert torch.isnan(exp[hit]).all() and torch.isfinite(exp[~hit]).all()
+    assert torch.equal(torch.isnan(got), torch.isnan(exp))
+    if (~hit).any():
+        torch.testing.assert_close(got[~hit], exp[~hit], rtol=2e-3, atol=2e-3)
+
+
 def test_dispatch_registers_the_kernel():
     """``register_all`` makes ``dsv4.ops.moe`` pick the kernel for the three packed formats only."""
     import dsv4.ops as ops
