@@ -67,8 +67,8 @@ def e8m0_to_f32(e):
     """e8m0 bytes (any integer type, values 0..255) -> fp32 ``2^(e-127)``: ``e = 0`` is the
     subnormal ``2^-127``, ``e = 255`` is NaN (``numerics.e8m0_to_float``)."""
     e = e.to(tl.int32)
-    bits = tl.where(e == 0, 0x00400000, e << 23)
-    return tl.where(e == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+    f = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)     # e = 255: +inf
+    return tl.fma(f, 0.0, f)                  # inf * 0 + inf = NaN; exactly f for every finite f
 
 
 @triton.jit

@@ -6,7 +6,7 @@
 - ``store_rows``: encode rows into a ``RowStore`` (plain cast; FP8 e4m3 bytes + e8m0/fp32 scale
   per 64 + rope dims in the activation dtype; FP4 codes two a byte, low nibble first, + e8m0 per
   32) at device-side ``(slot, row)`` indices: one launch instead of quantize + three scatters.
-  The bytes are assembled from integer bit operations (``small_util``).
+  The bytes are assembled from integer bit operations (``numerics``).
 - ``hadamard``: ``x @ H_n / sqrt(n)`` with the +-1 Sylvester matrix generated in registers
   (``H[i, j] = (-1)^popcount(i & j)``): a ``[BM, n] x [n, n]`` ``tl.dot`` (fp16/bf16 operands on
   the tensor cores, products exact; fp32 in IEEE mode), then one multiply by ``n^-1/2``.
