@@ -189,7 +189,8 @@ def test_nan_e8m0_scale_gives_nan_like_the_reference(fmt, path):
     positive inputs: +inf). The formats refuse 255 at load; here it is written after construction."""
     n, k = 256, 128
     if fmt == "mxfp4":
-        w = Mxfp4Weight(torch.full((n, k // 2), 0x22, dtype=torch.uint8), torch.full((n, k // 32), 127, dtype=torch.uint8))
+        w = Mxfp4Weight(torch.full((n, k // 2), 0x22, dtype=torch.uint8),
+                        torch.full((n, k // 32), 127, dtype=torch.uint8))
         w.scale[1, 0] = 255
         nan_rows = torch.arange(n) == 1
     else:

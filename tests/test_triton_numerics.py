@@ -23,7 +23,8 @@ import triton.language as tl  # noqa: E402
 
 from dsv4.ops import numerics as ref  # noqa: E402
 from dsv4.ops.triton.numerics import (  # noqa: E402
-    e2m1_code, e2m1_to_f32, e2m1x8_to_f16, e4m3_bits, e4m3_decode, e8m0_to_f32, exp2_biased, fp4_scale, fp8_round_trip, fp8_scale, neg, pow2_ceil, pow2_inv, pow2_to_e8m0, quantize_e4m3)
+    e2m1_code, e2m1_to_f32, e2m1x8_to_f16, e4m3_bits, e4m3_decode, e8m0_to_f32, exp2_biased, fp4_scale, fp8_round_trip,
+    fp8_scale, neg, pow2_ceil, pow2_inv, pow2_to_e8m0, quantize_e4m3)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 128
@@ -101,7 +102,8 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(torch.isnan(got), nan), f"NaN at {torch.nonzero(torch.isnan(got) != nan).flatten()[:8]}"
     ib = {2: torch.int16, 4: torch.int32}[got.element_size()]
     bad = (got.view(ib) != want.view(ib)) & ~nan
-    assert not bad.any(), f"inputs {torch.nonzero(bad).flatten()[:8].tolist()}: got {got[bad][:8]}, want {want[bad][:8]}"
+    where = torch.nonzero(bad).flatten()[:8].tolist()
+    assert not bad.any(), f"inputs {where}: got {got[bad][:8]}, want {want[bad][:8]}"
 
 
 def _around(points: torch.Tensor) -> torch.Tensor:

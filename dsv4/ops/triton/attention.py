@@ -343,6 +343,8 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     count). Split results are merged by the last program of a query when there are at most
     :data:`FUSED_MAX_SPLITS` splits, else by the combine kernel; ``_merge`` ("fused" or
     "combine") forces one of the two for any split count (tests reach both at small shapes)."""
+    if _merge not in (None, "fused", "combine"):
+        raise ValueError(f"_merge must be None, 'fused' or 'combine', got {_merge!r}")
     if q.dim() != 4:
         raise AttentionKernelError(f"q must be [B, S, H, hd], got {tuple(q.shape)}")
     B, S, H, hd = q.shape
@@ -394,15 +396,13 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     bh, bn, warps, stages = _attn_config(H, hd, B * S)
     n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
     splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh), _target_programs or runtime.sm_count(dev))
-    if _merge not in (None, "fused", "combine"):
-        raise ValueError(f"_merge must be None, 'fused' or 'combine', got {_merge!r}")
     fused = splits > 1 and (splits <= FUSED_MAX_SPLITS if _merge is None else _merge == "fused")
+    cnt = _counters(dev) if fused else out      # may refuse (first use inside a graph capture)
     if splits > 1:
         pacc = runtime.empty((B * S, H, splits, hd), torch.float32, dev)
         pml = runtime.empty((B * S, H, splits, 2), torch.float32, dev)
     else:
         pacc = pml = out
-    cnt = _counters(dev) if fused else out
     (rd, rs, rr, r_layout, _, r_nsc, r_e8m0), (cd, cs, cr, c_layout, _, c_nsc, c_e8m0) = ring_p, comp_p
     _attn_kernel[(B * S, triton.cdiv(H, bh), splits)](
         q, kv_new, out, pacc, pml, cnt, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,

@@ -1,7 +1,8 @@
 """The device code both MoE paths share (:mod:`dsv4.ops.triton.moe`): the activation
 quantization kernel, an expert's weight tiles decoded in registers (FP8 block, MXFP4, NVFP4, by the
-``FMT`` constexpr, a :class:`dsv4.weights.formats.FormatCode`), the GEMM over them and the
-gate/up half with its SwiGLU epilogue.
+``FMT`` constexpr, a :class:`dsv4.weights.formats.FormatCode`: FP8_F32 0 and FP8_UE8M0 1, so
+``FMT < 2`` is FP8; MXFP4 2; NVFP4 3), the GEMM over them and the gate/up half with its SwiGLU
+epilogue.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def _accumulate(acc, a, w, scale, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.co
 @triton.jit
 def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, rows, rmask,
           K: tl.constexpr, N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr, TWO: tl.constexpr, QDOT: tl.constexpr, PIPE: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr, TWO: tl.constexpr, QDOT: tl.constexpr,
+          PIPE: tl.constexpr):
     """``A[a_rows] @ Wa[rows]^T`` (and ``@ Wb[rows]^T`` with ``TWO``, sharing the A tiles) over all
     of ``K``: fp32 ``[BM, BN]`` each. ``A`` is the matmul input (``x̂``) ``[*, K]``. With ``QDOT``
     (act-quant, ``BM >= 16``) it is the e4m3 values ``q`` and their per-128 scales instead, and the
