@@ -3,7 +3,8 @@
 Commands: ``/think on|off`` switches thinking mode, ``/max N`` sets the token limit of an answer,
 ``/reset`` clears the history, ``/exit`` leaves. Ctrl-C while an answer streams stops that answer
 (what was written so far stays in the history) and returns to the prompt; Ctrl-C or Ctrl-D at the
-prompt ends the session.
+prompt ends the session. Input that is not a terminal (``dsv4 chat < questions.txt``) is echoed
+after the prompt, so the output reads as a transcript. A fixed seed gives answer n seed + n.
 
 Nothing generated is ever invisible. The chat parser holds back markup until it can decide what
 it is (a tool-call block is held until it closes); when it has held more than
@@ -87,6 +88,15 @@ class ChatSession:
     def _dim(self, text: str) -> str:
         return f"{DIM}{text}{RESET}" if self.color else text
 
+    def turn_params(self) -> SamplingParams:
+        """The sampling params of the answer to the last user message. A fixed ``--seed`` is the
+        seed of the first answer; answer n gets seed + n, so answers differ from turn to turn and a
+        session replays exactly (a turn that failed or /reset does not advance the count)."""
+        if self.params.seed is None:
+            return self.params
+        turn = sum(m["role"] == "user" for m in self.history) - 1
+        return dataclasses.replace(self.params, seed=self.params.seed + turn)
+
     def _generate(self) -> Iterator[tuple[str, list, str | None]]:
         """``(raw text, parser events, finish reason)`` per generated token of the next answer."""
         prompt = encode_messages(self.messages(), thinking=self.thinking)
@@ -96,7 +106,7 @@ class ChatSession:
         ids = tokenizer.encode(prompt)
         parser = StreamingParser(thinking=self.thinking)
         detok = IncrementalDetokenizer(tokenizer, ids)  # special tokens kept: the parser reads them
-        for event in self.llm.stream(ids, self.params):
+        for event in self.llm.stream(ids, self.turn_params()):
             text = detok.push(event.token_id)
             events = parser.feed(text)
             if event.finished:
@@ -225,6 +235,7 @@ def run_chat(llm: LLM, params: SamplingParams, thinking: bool = False, system: s
              stdin: TextIO | None = None) -> int:
     stdin = stdin or sys.stdin
     session = ChatSession(llm, params, thinking, system)
+    echo = not stdin.isatty()
     session._say(f"dsv4 chat on {llm.path} -- {help_line(params.max_tokens)}")
     while True:
         try:
@@ -237,6 +248,8 @@ def run_chat(llm: LLM, params: SamplingParams, thinking: bool = False, system: s
         if not line:  # Ctrl-D / end of input
             session._say("")
             return 0
+        if echo:  # piped input: show the user's turn, so that the output reads as a transcript
+            session._say(line.rstrip("\n"))
         line = line.strip()
         if not line:
             continue

@@ -14,8 +14,10 @@ import sys
 import time
 
 from . import __version__
-from .cli_common import HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
+from .cli_common import (ArgumentParser, HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model,
+                         positive_int)
 from .cli_prompt import clean_text, prompt_ids, read_stdin
+from .cpu_threads import apply_threads
 from .errors import Dsv4Error, UsageError
 
 
@@ -51,8 +53,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine",
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine", formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"dsv4 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -84,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.cli import add_bench_parser, add_serve_parser
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
                          formatter_class=HelpFormatter)
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model, as with --model (`dsv4 serve MODEL`, as `vllm serve MODEL`)")
     _add_engine_args(srv)
-    srv.set_defaults(max_num_seqs=8)
     add_serve_parser(srv)
     add_bench_parser(sub)
 
@@ -94,17 +96,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed")
+
+
 def _sampling(args: argparse.Namespace):
-    from .engine.sampler import SamplingParams
+    from .engine.sampler import SamplingParams, field_problem
+    for name in _SAMPLING_FLAGS:   # named as the user typed them, not as SamplingParams fields
+        problem = field_problem(name, getattr(args, name))
+        if problem:
+            raise UsageError(f"--{name.replace('_', '-')} {problem}")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
+def _engine_args(args: argparse.Namespace, **extra) -> dict:
+    """The arguments of :func:`~dsv4.engine.llm.plan_engine` (and of ``LLM``) the flags give."""
+    return dict(model=args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                tensor_parallel_size=args.tensor_parallel_size, **extra)
+
+
 def _llm(args: argparse.Namespace, **extra):
     from .engine.llm import LLM
-    return LLM(args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               tensor_parallel_size=args.tensor_parallel_size, warm_up=args.warm_up, **extra)
+    return LLM(**_engine_args(args, **extra), warm_up=args.warm_up, threads=args.threads)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -129,7 +143,9 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     params = _sampling(args)
-    with _llm(args) as llm:      # closing releases a tensor-parallel group's other ranks
+    # a text prompt needs the tokenizer: say so before minutes of reading weights, not after;
+    # closing releases a tensor-parallel group's other ranks
+    with _llm(args, require_tokenizer=isinstance(prompt, str)) as llm:
         return _generate(args, llm, prompt, params)
 
 
@@ -171,14 +187,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .chat_repl import run_chat
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD, not a traceback
         sys.stdin.reconfigure(errors="replace")
-    with _llm(args) as llm:
-        return run_chat(llm, _sampling(args), thinking=args.think, system=args.system)
+    params = _sampling(args)
+    with _llm(args, require_tokenizer=True) as llm:
+        return run_chat(llm, params, thinking=args.think, system=args.system)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve.cli import serve
-    return serve(args, lambda: _llm(args, enforce_eager=args.enforce_eager,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UsageError(f"give the model once: as MODEL ({args.model_tag}) or as --model ({args.model}), "
+                             "or the same in both")
+        args.model = args.model_tag
+    extra = dict(max_num_batched_tokens=args.max_num_batched_tokens,
+                 gpu_memory_utilization=args.gpu_memory_utilization, require_tokenizer=True)
+    return serve(args, _engine_args(args, **extra), lambda: _llm(args, enforce_eager=args.enforce_eager, **extra))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -186,12 +209,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench(args)
 
 
+_LLM_COMMANDS = ("generate", "chat", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .quant_cli import HANDLERS as QUANT_HANDLERS
     HANDLERS = {**QUANT_HANDLERS, "serve": cmd_serve, "bench": cmd_bench}
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "chat": cmd_chat, **HANDLERS}
-    restore = _set_threads(getattr(args, "threads", None))
+    # commands that build an LLM apply --threads through it (LLM(threads=...)); the others here
+    restore = apply_threads(None if args.command in _LLM_COMMANDS else getattr(args, "threads", None))
     try:
         return handlers[args.command](args)
     except Dsv4Error as e:
@@ -205,20 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
     finally:
         restore()
-
-
-def _set_threads(requested: str | int | None):
-    """Set torch's CPU threads for this command (see :mod:`dsv4.cpu_threads`); returns the undo."""
-    if requested is None:  # a command that runs no model
-        return lambda: None
-    import torch
-
-    from .cpu_threads import choose_threads
-    threads, why = choose_threads(requested)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    print(f"cpu: {threads} thread{'s' if threads > 1 else ''} ({why}; --threads N overrides)", file=sys.stderr)
-    return lambda: torch.set_num_threads(previous)
 
 
 def _discard_stdout() -> None:

@@ -16,6 +16,33 @@ MODEL_HELP = ("checkpoint directory, or tiny[:mxfp4|nvfp4|bf16] for the embedded
               "i.e. tiny:mxfp4, stored like DeepSeek's FP8+MXFP4 release)")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors, exit status 2: ``dsv4: error: generate:
+    unrecognized arguments: --foo (see dsv4 generate --help)`` (no usage block before it).
+    Sub-command parsers inherit the class (``add_subparsers`` makes them with ``type(self)``)."""
+
+    def error(self, message: str):
+        root, _, command = self.prog.partition(" ")
+        self.exit(2, f"{root}: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but unknown arguments are reported by the sub-command that was given them."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._innermost(namespace).error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
+    def _innermost(self, namespace: argparse.Namespace) -> argparse.ArgumentParser:
+        """The deepest sub-command parser that ``namespace`` went through (``dsv4 bench serve``)."""
+        parser = self
+        while True:
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            chosen = getattr(namespace, sub.dest, None) if sub is not None else None
+            if chosen not in getattr(sub, "choices", {}):
+                return parser
+            parser = sub.choices[chosen]
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows every flag's default; ``None`` defaults (computed later) are left out."""
 

@@ -7,11 +7,18 @@ each barrier: measured on the 2-core CI machine with the tiny model, one busy co
 8-9 tok/s. So the default is the physical cores this process may run on, minus the cores other
 processes are keeping busy right now (sampled from ``/proc/stat`` for a fifth of a second), and at
 least 1. ``--threads N`` sets it outright; ``OMP_NUM_THREADS`` is respected when set.
+
+The CLI (``--threads``) and the Python API (``LLM(threads=...)``) both go through
+:func:`apply_threads`. A server runs for hours while other work comes and goes, so
+:class:`ThreadMonitor` re-evaluates the count between engine steps: it compares two ``/proc/stat``
+readings a few seconds apart (no sleep: the interval is the time between calls) and subtracts the
+CPU time this process itself used in it, which leaves what other processes took.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +71,11 @@ def busy_cpus(cpus: set[int] | None = None, seconds: float = SAMPLE_SECONDS,
         after = read_stat()
     except (OSError, ValueError):
         return 0.0
+    return _busy_between(before, after, cpus)
+
+
+def _busy_between(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], cpus: set[int]) -> float:
+    """Busy logical CPUs among ``cpus`` between two ``/proc/stat`` readings (each CPU's busy fraction, summed)."""
     busy = 0.0
     for cpu in cpus:
         if cpu in before and cpu in after:
@@ -72,16 +84,102 @@ def busy_cpus(cpus: set[int] | None = None, seconds: float = SAMPLE_SECONDS,
     return busy
 
 
+def _free_cores(cpus: set[int], busy_logical: float) -> tuple[int, int, float]:
+    """``(threads, cores, busy cores)``: the physical cores among ``cpus`` minus those that
+    ``busy_logical`` busy logical CPUs take, at least 1."""
+    cores, logical = physical_cores(cpus), len(cpus)
+    busy = busy_logical * cores / max(1, logical)  # busy logical CPUs -> busy cores
+    return max(1, cores - round(busy)), cores, busy
+
+
 def choose_threads(requested: int | str | None = "auto") -> tuple[int, str]:
     """``(threads, why)``: ``requested`` when it is a number, else ``OMP_NUM_THREADS`` when set, else
     the physical cores minus the busy ones (at least 1)."""
     if requested not in (None, "auto"):
         return int(requested), "--threads"
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env), "OMP_NUM_THREADS"
+    if _omp_env():
+        return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     cpus = _allowed_cpus()
-    cores, logical = physical_cores(cpus), len(cpus)
-    busy = busy_cpus(cpus) * cores / max(1, logical)  # busy logical CPUs -> busy cores
-    threads = max(1, cores - round(busy))
+    threads, cores, busy = _free_cores(cpus, busy_cpus(cpus))
     return threads, f"{cores} core(s), {busy:.1f} busy with other work"
+
+
+def check_threads(requested: object, what: str = "threads") -> None:
+    """Raise :class:`~dsv4.errors.UsageError` unless ``requested`` is ``"auto"``, a positive int or None."""
+    from .errors import UsageError
+    if requested is None or requested == "auto":
+        return
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise UsageError(f"{what} must be 'auto', a positive int or None, got {requested!r}")
+
+
+def apply_threads(requested: int | str | None, announce: bool = True) -> Callable[[], None]:
+    """Set torch's CPU threads by the policy above (``requested``: ``"auto"``, a number, or None to
+    leave torch alone); prints the choice on stderr when ``announce``. Returns the undo."""
+    check_threads(requested)
+    if requested is None:
+        return lambda: None
+    import torch
+
+    threads, why = choose_threads(requested)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if announce:
+        print(f"cpu: {threads} thread{'s' if threads > 1 else ''} ({why}; --threads N overrides)", file=sys.stderr)
+    return lambda: torch.set_num_threads(previous)
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class ThreadMonitor:
+    """Re-applies the ``auto`` policy every ``interval`` seconds while a process serves.
+
+    Call :meth:`poll` often (between engine steps, on the thread that runs them); it costs two
+    clock reads except once per ``interval``, when it reads ``/proc/stat`` and may change torch's
+    thread count. Inactive (``poll`` does nothing) unless ``requested`` is ``"auto"`` and
+    ``OMP_NUM_THREADS`` is unset.
+    """
+
+    def __init__(self, requested: int | str | None, interval: float = 5.0,
+                 read_stat: Callable[[], dict[int, tuple[int, int]]] = _read_stat,
+                 own_cpu_seconds: Callable[[], float] = _own_cpu_seconds,
+                 clock: Callable[[], float] = time.monotonic):
+        self.active = requested == "auto" and not _omp_env()
+        self.interval, self.read_stat, self.own, self.clock = interval, read_stat, own_cpu_seconds, clock
+        self.cpus = _allowed_cpus()
+        self.changes: list[tuple[int, int]] = []   # (from, to) of every change, for logs and tests
+        self._last = self._sample() if self.active else None
+
+    def _sample(self):
+        try:
+            return self.clock(), self.read_stat(), self.own()
+        except (OSError, ValueError):
+            return None
+
+    def poll(self) -> int | None:
+        """Re-evaluate when ``interval`` has passed; returns the new thread count when it changed."""
+        if not self.active or self._last is None or self.clock() - self._last[0] < self.interval:
+            return None
+        now = self._sample()
+        if now is None:
+            self.active = False
+            return None
+        (t0, before, own0), (t1, after, own1) = self._last, now
+        self._last = now
+        own = (own1 - own0) / max(t1 - t0, 1e-9)   # logical CPUs this process kept busy
+        threads, _, _ = _free_cores(self.cpus, max(0.0, _busy_between(before, after, self.cpus) - own))
+        import torch
+        previous = torch.get_num_threads()
+        if threads == previous:
+            return None
+        torch.set_num_threads(threads)
+        self.changes.append((previous, threads))
+        return threads
+
+
+def _omp_env() -> bool:
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return env.isdigit() and int(env) > 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .cli_common import HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model, positive_int
 from .errors import UsageError
-from .weights.quantize import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
+from .weights.quant_options import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
 
 __all__ = ["add_parsers", "cmd_quantize", "cmd_eval_quant", "HANDLERS"]
 

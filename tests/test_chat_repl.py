@@ -90,3 +90,40 @@ def test_help_line_shows_the_limit(tokenizer, capsys):
     run_chat(ScriptedLLM(tokenizer, "hi"), SamplingParams(max_tokens=77), stdin=io.StringIO("/help\n"))
     printed = capsys.readouterr().out
     assert "/max N" in printed and "now 77" in printed
+
+
+# --------------------------------------------------------------------------- issue 21, item 6
+
+class RecordingLLM(ScriptedLLM):
+    def __init__(self, tokenizer: Tokenizer, completion: str):
+        super().__init__(tokenizer, completion)
+        self.seeds = []
+
+    def stream(self, prompt_ids, params):
+        self.seeds.append(params.seed)
+        return super().stream(prompt_ids, params)
+
+
+def test_a_fixed_seed_gives_each_turn_its_own_seed(tokenizer):
+    llm = RecordingLLM(tokenizer, "ok" + EOS)
+    stdin = io.StringIO("first\nsecond\nthird\n/reset\nagain\n")
+    run_chat(llm, SamplingParams(max_tokens=8, seed=7), stdin=stdin)
+    assert llm.seeds == [7, 8, 9, 7]            # base seed + turn number; /reset starts over
+    llm = RecordingLLM(tokenizer, "ok" + EOS)
+    run_chat(llm, SamplingParams(max_tokens=8), stdin=io.StringIO("a\nb\n"))
+    assert llm.seeds == [None, None]            # no --seed: every answer draws its own
+
+
+def test_piped_turns_are_echoed(tiny_checkpoint):
+    """`dsv4 chat < file` prints each user turn after the prompt, so the output reads as a transcript."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, DSV4_CACHE=str(tiny_checkpoint.parent))
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "chat", "--max-tokens", "3", "--seed", "1"],
+                       input="Hello there\n/think on\nAnd now?\n", env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "> Hello there" in lines and "> /think on" in lines and "> And now?" in lines, r.stdout
+    assert lines.index("> Hello there") < lines.index("> /think on") < lines.index("> And now?")

@@ -176,6 +176,26 @@ def test_corrupt_checkpoint_directory(tiny_checkpoint, capsys, tmp_path):
     _assert_clean_error(rc, err, shard.name)
 
 
+def test_truncated_checkpoint_is_one_line_in_every_command(tiny_checkpoint, tmp_path):
+    """Issue 21, item 3: eval-quant gave a safetensors traceback where the others name the shard."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad)
+    (shard,) = bad.glob("*.safetensors")
+    shard.write_bytes(shard.read_bytes()[:1000])
+    commands = [["eval-quant", str(bad), "--formats", "fp8", "--sequences", "1", "--length", "4"],
+                ["quantize", str(bad), str(tmp_path / "q"), "--format", "fp8"],
+                ["generate", PROMPT, "--max-tokens", "2", "--model", str(bad)],
+                ["inspect", str(bad)]]
+    procs = [subprocess.Popen([sys.executable, "-m", "dsv4.cli", *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for argv in commands]
+    for argv, proc in zip(commands, procs):
+        _, err = proc.communicate(timeout=300)
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert proc.returncode == 2, (argv[0], err)
+        assert len(errors) == 1 and errors[0].startswith(f"dsv4 {argv[0]}: error: ") and shard.name in errors[0], err
+        no_traceback(err)
+
+
 def test_checkpoint_without_config(tiny_checkpoint, capsys, tmp_path):
     bad = tmp_path / "noconfig"
     shutil.copytree(tiny_checkpoint, bad)
@@ -305,6 +325,56 @@ def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--help"])
     assert "(default: 512)" in " ".join(capsys.readouterr().out.split())
+
+
+# --------------------------------------------------------------------------- issue 21, items 4 and 5
+
+def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsv4.cli", *argv], capture_output=True, text=True, timeout=120, **kw)
+
+
+ARGPARSE_ERRORS = [
+    (["generate", "--foo"], "dsv4: error: generate: unrecognized arguments: --foo (see dsv4 generate --help)"),
+    ([], "dsv4: error: the following arguments are required: COMMAND (see dsv4 --help)"),
+    (["generate", "x", "--top-p", "abc"],
+     "dsv4: error: generate: argument --top-p: invalid float value: 'abc' (see dsv4 generate --help)"),
+    (["bench", "serve", "--bar", "1"], "dsv4: error: bench serve: unrecognized arguments: --bar 1 "
+                                       "(see dsv4 bench serve --help)"),
+    (["nonsense"], "dsv4: error: argument COMMAND: invalid choice: 'nonsense'"),
+]
+
+
+@pytest.mark.parametrize("argv,line", ARGPARSE_ERRORS, ids=[" ".join(a) or "nothing" for a, _ in ARGPARSE_ERRORS])
+def test_argparse_errors_are_one_line(argv, line):
+    r = _cli(*argv)
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line), r.stderr
+
+
+def test_sampling_errors_name_the_flag(cache):
+    r = _cli("generate", PROMPT, "--top-p", "2", env=dict(os.environ, DSV4_CACHE=str(cache.parent)))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == "dsv4 generate: error: --top-p must be a number in (0, 1], got 2.0"
+    assert "SamplingParams" not in r.stderr
+
+
+def test_help_and_version_do_not_import_torch():
+    """`dsv4 --help` took 3-4 s importing torch; the engine loads only in the command that runs."""
+    script = ("import sys, json\n"
+              "from dsv4.cli import main\n"
+              "seen = {}\n"
+              "for argv in (['--help'], ['generate', '--help'], ['--version'], ['serve', '--help'],\n"
+              "             ['bench', 'serve', '--help'], ['quantize', '--help'], ['generate', '--foo']):\n"
+              "    try:\n"
+              "        main(argv)\n"
+              "    except SystemExit:\n"
+              "        pass\n"
+              "    heavy = ('torch', 'dsv4.engine', 'dsv4.model')\n"
+              "    seen[' '.join(argv)] = sorted(m for m in heavy if m in sys.modules)\n"
+              "print(json.dumps(seen), file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    seen = json.loads(r.stderr.strip().splitlines()[-1])
+    assert len(seen) == 7 and all(v == [] for v in seen.values()), seen
 
 
 def test_version(capsys):

@@ -278,7 +278,7 @@ def test_quantized_checkpoint_loads_close_to_source(src: Path, variants, fmt: st
 
 
 def test_eval_quant_rows_and_csv(src: Path, tmp_path: Path) -> None:
-    csv_path = tmp_path / "out" / "eval.csv"
+    csv_path = tmp_path / "eval.csv"
     rows = eval_quant(src, ["nvfp4"], ["floor", "all"], n_seqs=2, seq_len=24, csv_path=csv_path,
                       work_dir=tmp_path / "work", verbose=False)
     groups = {(r["policy"], r["group"]) for r in rows}
@@ -321,3 +321,60 @@ def test_eval_quant_bounds_and_progress(src: Path, tmp_path: Path, capsys) -> No
     # source + 4 variants (total, attention, routed experts, shared expert), 600 tokens each
     assert "3.00k/3.00k" in err.replace("\r", "\n"), err[-500:]
     assert len(rows) == 4
+
+
+# --------------------------------------------------------------------------- issue 21, item 2
+
+def test_quantized_source_requantizes_and_keeps_what_it_leaves_out(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The tiny model is FP8 + MXFP4: quantizing it dequantizes and re-quantizes what the policy
+    quantizes, keeps the rest as stored, and config.json says what was written."""
+    only = tmp_path / "fp8-attention"
+    quantize_checkpoint(tiny_checkpoint, only, "fp8", "all", only_groups={"attention"}, progress=False)
+    assert json.loads((only / "config.json").read_text())["expert_dtype"] == "fp4"   # experts kept MXFP4
+    tensors = read_all(only)
+    check_weight(tensors, "layers.0.ffn.experts.0.w1", "mxfp4")
+    load_model(only, dtype=torch.float32, progress=False)
+    full = tmp_path / "fp8-floor"
+    quantize_checkpoint(tiny_checkpoint, full, "fp8", "floor", progress=False)
+    assert json.loads((full / "config.json").read_text())["expert_dtype"] == "fp8"
+    check_weight(read_all(full), "layers.0.ffn.experts.0.w1", "fp8")
+    load_model(full, dtype=torch.float32, progress=False)
+
+
+def test_eval_quant_and_quantize_on_the_default_quantized_model(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`dsv4 eval-quant` with no source measures the tiny (already quantized) model, `dsv4 quantize`
+    converts it (both in a real process)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, DSV4_CACHE=str(tiny_checkpoint.parent))
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "eval-quant", "--formats", "fp8", "--sequences", "1",
+                        "--length", "4"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"^fp8 +all +attention ", r.stdout, re.M), r.stdout
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "quantize", str(tmp_path / "nv"), "--format", "nvfp4"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    check_weight(read_all(tmp_path / "nv"), "layers.0.ffn.experts.0.w1", "nvfp4")
+
+
+def test_eval_quant_outputs_need_their_parent_directory(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Issue 21, item 7: --csv and --work-dir under a missing directory are refused up front, naming
+    it, instead of creating the whole path."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, DSV4_CACHE=str(tiny_checkpoint.parent))
+    base = [sys.executable, "-m", "dsv4.cli", "eval-quant", "--formats", "fp8", "--policies", "floor",
+            "--sequences", "1", "--length", "4"]
+    for flag, path in (("--csv", tmp_path / "typo" / "out.csv"), ("--work-dir", tmp_path / "typo" / "work")):
+        r = subprocess.run(base + [flag, str(path)], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == \
+            f"dsv4 eval-quant: error: {flag} {path}: directory {tmp_path / 'typo'} does not exist (create it first)"
+        assert not (tmp_path / "typo").exists()
+    r = subprocess.run(base + ["--csv", str(tmp_path / "out.csv"), "--work-dir", str(tmp_path / "work")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out.csv").read_text().startswith(",".join(CSV_FIELDS))
+    assert (tmp_path / "work").is_dir() and list((tmp_path / "work").iterdir()) == []

@@ -120,3 +120,19 @@ def test_replacement_is_by_rename_and_survives_a_failed_swap(src: Path, tmp_path
     assert snapshot(dst) == before  # the old output is back where it was
     assert all(dst.resolve() != p.resolve() for p in removed if p.exists())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_output_modes_follow_the_umask(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Issue 21, item 8: the output was mkdtemp's private 0700 (files 0600); a shared checkpoint
+    gets the modes the umask gives any new file."""
+    import stat
+    import subprocess
+    import sys
+    dst = tmp_path / "shared"
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "quantize", str(tiny_checkpoint), str(dst), "--format",
+                        "fp8"], capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o002))
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o775
+    files = list(dst.iterdir())
+    assert any(p.suffix == ".safetensors" for p in files) and (dst / OUTPUT_MARKER) in files
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: oct(0o664) for p in files}

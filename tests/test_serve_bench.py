@@ -34,3 +34,44 @@ def test_bench_serve_jsonl_chat_at_a_rate(served, tmp_path):
                "--plot", "")
     assert r.returncode == 0, r.stderr
     assert "4/4 completed" in r.stdout and "(" in r.stdout and "10 output tokens" in r.stdout
+
+
+# --------------------------------------------------------------------------- issue 21, item 10
+
+def test_vllm_flag_names_and_a_v1_base_url(served, tmp_path):
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--base-url", served.url + "/v1/",
+                        "--num-prompts", "3", "--max-concurrency", "2", "--random-input-len", "8",
+                        "--random-output-len", "2", "--random-range-ratio", "0", "--request-rate", "inf",
+                        "--plot", "", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "3/3 completed" in r.stdout
+    saved = json.loads(out.read_text())
+    args = saved["args"]
+    assert (args["num_requests"], args["concurrency"], args["input_len"], args["output_len"]) == (3, 2, 8, 2)
+    assert args["base_url"] == served.url and args["request_rate"] is None
+    assert saved["summary"]["output_tokens"] == 6
+
+
+def test_unauthorized_says_pass_api_key(tiny_checkpoint):
+    import os
+
+    from dsv4.engine.llm import LLM
+    from serve_util import InProcessServer
+
+    llm = LLM(tiny_checkpoint, max_num_seqs=1, max_model_len=64, progress=False)
+    server = InProcessServer(llm, api_key="sekret")
+    env = {k: v for k, v in os.environ.items() if k != "DSV4_API_KEY"}
+    try:
+        r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--base-url", server.url, "-n", "1",
+                            "--plot", ""], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 2
+        assert r.stderr.strip().splitlines()[-1] == (f"dsv4 bench: error: the server at {server.url} answered 401 "
+                                                     "unauthorized (pass --api-key, or set DSV4_API_KEY)")
+        r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--base-url", server.url, "-n", "1",
+                            "--output-len", "2", "--input-len", "4", "--api-key", "sekret", "--plot", ""],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0 and "1/1 completed" in r.stdout, r.stderr
+    finally:
+        server.stop()
+        llm.close()

@@ -191,6 +191,25 @@ def test_http_errors_shape(served):
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
 
 
+def test_bodies_that_are_not_utf8_json_get_a_400_saying_so(served):
+    url, body = served.url, '{"model": "tiny", "prompt": "café", "max_tokens": 1}'
+    json_header = {"content-type": "application/json"}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        for content, headers, words in (
+                (body.encode("latin-1"), json_header, ["not valid UTF-8", "0xe9"]),
+                (body.encode("utf-16"), json_header, ["not valid UTF-8"]),
+                (body.encode(), {}, ["no Content-Type", "application/json"]),
+                (body.encode(), {"content-type": "text/plain"}, ["application/json", "text/plain"]),
+                (b"", json_header, ["empty body"])):
+            r = httpx.post(url + path, content=content, headers=headers)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["type"] == "invalid_request_error", (path, r.text)
+            assert all(w in error["message"] for w in words), (path, error)
+    r = httpx.post(url + "/v1/completions", content=body.encode(), headers={"content-type": "application/json; "
+                                                                                           "charset=utf-8"})
+    assert r.status_code == 200
+
+
 def test_tokenizer_routes(served):
     url = served.url
     t = httpx.post(url + "/tokenize", json={"prompt": "Hello there", "add_special_tokens": False}).json()

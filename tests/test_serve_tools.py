@@ -35,6 +35,8 @@ SCRIPTS = {
     "malformed": (f'Sure.\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="x" string="false">{{bad'
                   f'</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>' + EOS),
     "lookalike": "Use <b>bold</b> and a | bar; </think" + EOS,
+    "stray_think": "Fine.</think>and more" + EOS,
+    "specials": "Hello<｜User｜> there<｜latest_reminder｜>!" + EOS,
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {
@@ -212,3 +214,42 @@ def test_a_failing_request_fails_alone(server):
     assert all(r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want for r in fine)
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["slots_used"] == 0
+
+
+def _finished(server, reason: str) -> float:
+    page = httpx.get(server.url + "/metrics").text
+    m = re.search(rf'^dsv4_requests_finished_total{{[^}}]*finish_reason="{reason}"[^}}]*}} (\S+)$', page, re.M)
+    return 0.0 if m is None else float(m.group(1))
+
+
+def test_a_choice_the_parser_cuts_short_is_stop_in_the_metric_too(server, client):
+    records = _Records()
+    logging.getLogger("dsv4.serve").addHandler(records)
+    before = {r: _finished(server, r) for r in ("stop", "abort")}
+    try:
+        cut = client.chat.completions.create(**_ask("malformed", tools=TOOLS)).choices[0]
+        stray = client.chat.completions.create(**_ask("stray_think")).choices[0]
+    finally:
+        logging.getLogger("dsv4.serve").removeHandler(records)
+    assert cut.finish_reason == "stop" and stray.finish_reason == "stop"
+    assert stray.message.content == "Fine.</think>"
+    assert _finished(server, "stop") == before["stop"] + 2 and _finished(server, "abort") == before["abort"]
+    warned = [m for m in records.messages if "generation stopped" in m]
+    assert len(warned) == 2 and "malformed tool-call markup" in warned[0]
+    assert "unexpected </think> in content" in warned[1] and "tool-call" not in warned[1], warned
+
+
+def test_special_tokens_are_skipped_unless_asked_for(client):
+    kept = "Hello<｜User｜> there<｜latest_reminder｜>!"
+    chat = client.chat.completions.create(**_ask("specials"))
+    assert chat.choices[0].message.content == "Hello there!" and chat.choices[0].finish_reason == "stop"
+    _, streamed, _, _ = _deltas(_stream(client, **_ask("specials")))
+    assert streamed == "Hello there!"
+    raw = client.chat.completions.create(**_ask("specials"), extra_body={"skip_special_tokens": False})
+    assert raw.choices[0].message.content == kept
+    _, streamed, _, _ = _deltas(_stream(client, **_ask("specials"), extra_body={"skip_special_tokens": False}))
+    assert streamed == kept
+    prompt = {"model": "tiny", "prompt": "[[script:specials]]", "max_tokens": 40}
+    assert client.completions.create(**prompt).choices[0].text == "Hello there!"
+    raw = client.completions.create(**prompt, extra_body={"skip_special_tokens": False}).choices[0].text
+    assert raw.startswith(kept), raw

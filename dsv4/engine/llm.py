@@ -17,18 +17,21 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..cpu_threads import apply_threads, check_threads
 from ..devices import resolve_device
 from ..errors import ContextOverflowError, RequestError, UsageError
-from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
-from ..weights.loader import CheckpointError, LoadReport, load_model
+from ..text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerNotFoundError
+from ..weights.loader import CheckpointError, LoadReport, load_model, weight_bytes
 from .inputs import check_text, params_list, prompt_list, single_prompt
-from .limits import check_positive, check_state_fits, format_bytes, resolve_max_model_len
+from .limits import (DEFAULT_GPU_MEMORY_UTILIZATION, check_positive, format_bytes, resolve_max_model_len,
+                     size_state)
 from .runner import Runner
 from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
 from .sampler import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "resolve_qat_sim"]
+__all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "EnginePlan", "plan_engine",
+           "resolve_qat_sim"]
 
 
 @dataclass
@@ -91,6 +94,63 @@ def _world_size(requested: int | None) -> int:
     return requested
 
 
+@dataclass(frozen=True)
+class EnginePlan:
+    """An engine's arguments resolved and checked (see :func:`plan_engine`); nothing is loaded yet."""
+
+    path: Path
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    qat_sim: bool
+    world_size: int
+    max_num_seqs: int
+    max_model_len: int
+    state_bytes: int
+    has_tokenizer: bool
+
+
+def plan_engine(model: str | Path | None = None, *, device: str | torch.device = "auto",
+                dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int | None = 4,
+                max_model_len: int | None = None, tensor_parallel_size: int | None = None,
+                max_num_batched_tokens: int | None = None,
+                gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
+                load_mtp: bool = False) -> EnginePlan:
+    """Check every engine argument against the machine and the checkpoint's config, tokenizer and
+    headers, reading no weight: the device, dtype, path, limits and the state's size (see
+    :mod:`dsv4.engine.limits`). :class:`LLM` starts with it; ``dsv4 serve`` calls it before it
+    binds its port. Raises a :class:`~dsv4.errors.Dsv4Error` naming the argument at fault."""
+    from ..tiny import resolve_model
+    if max_num_seqs is not None:
+        check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
+    world = _world_size(tensor_parallel_size)
+    dev = resolve_device(device)
+    if world > 1 and dev.type == "cuda" and dev.index not in (None, 0):
+        raise UsageError(f"with tensor_parallel_size {world} the ranks use cuda:0..{world - 1}; choose the "
+                         f"GPUs with CUDA_VISIBLE_DEVICES, not device={device!r}")
+    if world > 1 and dev.type == "cuda":
+        dev = torch.device("cuda", 0)
+    act_dtype = resolve_dtype(dtype, dev)
+    path = resolve_model(model)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    has_tokenizer = (path / "tokenizer.json").is_file()
+    if require_tokenizer and not has_tokenizer:
+        raise TokenizerNotFoundError(f"{path} has no tokenizer.json, so text cannot be encoded (without one only "
+                                     "token-id prompts work: dsv4 generate --prompt-ids, LLM.generate([[0, 15]]))")
+    config = ModelConfig.from_file(path / "config.json")
+    context = resolve_max_model_len(max_model_len, config)
+    sim = resolve_qat_sim(qat_sim, config)
+    slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization,
+                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world))
+    if max_num_batched_tokens is not None:
+        check_positive("max_num_batched_tokens (--max-num-batched-tokens)", max_num_batched_tokens)
+        if max_num_batched_tokens <= slots:
+            raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {max_num_batched_tokens} must "
+                             f"exceed max_num_seqs (--max-num-seqs) {slots}")
+    return EnginePlan(path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer)
+
+
 class LLM:
     """A loaded model ready to generate.
 
@@ -101,7 +161,8 @@ class LLM:
         dtype: activations and unquantized weights: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16``,
             ``fp16``, ``fp32``.
         qat_sim: simulate the FP8 KV cache / FP4 indexer of quantized releases (``auto``: on for them).
-        max_num_seqs: sequences generated together (the state holds this many).
+        max_num_seqs: sequences generated together (the state holds this many). ``None``: on a CUDA
+            device as many as fit in ``gpu_memory_utilization`` (at most 256), elsewhere 8.
         max_model_len: positions per sequence, prompt included (default: 4096, or the model's
             ``max_position_embeddings`` if smaller; more than that is refused). A request whose
             prompt plus ``max_tokens`` does not fit is refused with a named error.
@@ -116,41 +177,56 @@ class LLM:
             the others; :meth:`close` (or the end of a ``with`` block) stops them. Under ``torchrun``
             the group comes from its environment instead, and on ranks other than 0 the constructor
             follows rank 0 until it closes, then exits the process (see :mod:`dsv4.engine.launch`).
+        gpu_memory_utilization: on a CUDA device, the fraction of the GPU's total memory the engine
+            may use (weights, state and a working margin); vLLM's name and default (0.9). Ignored on
+            the CPU, where the state is checked against the free RAM.
+        require_tokenizer: refuse a checkpoint without ``tokenizer.json`` (before reading weights).
+        load_mtp: also load the checkpoint's multi-token-prediction layers (``model.mtp``); generation
+            does not use them (there is no speculative decoding yet).
+        progress: print the state size, a loading progress bar and the load summary on stderr.
+        threads: torch's CPU threads: ``"auto"`` (the physical cores other processes leave free, or
+            ``OMP_NUM_THREADS`` when set; the policy of ``dsv4 --threads auto``, see
+            :mod:`dsv4.cpu_threads`), a number, or ``None`` to leave torch's setting alone. This is a
+            process-wide setting: :meth:`close` puts back the previous one.
 
-    Both limits are checked against the config and the free memory before any weight is read.
+    Every argument is checked (:func:`plan_engine`: limits against the config and the free memory)
+    before any weight is read.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str | torch.device = "auto",
-                 dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int = 4,
+                 dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int | None = 4,
                  max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True,
                  enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
-                 tensor_parallel_size: int | None = None, warm_up: bool = True):
-        from ..tiny import resolve_model
-        check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
-        world = _world_size(tensor_parallel_size)
-        dev = resolve_device(device)
-        if world > 1 and dev.type == "cuda" and dev.index not in (None, 0):
-            raise UsageError(f"with tensor_parallel_size {world} the ranks use cuda:0..{world - 1}; choose the "
-                             f"GPUs with CUDA_VISIBLE_DEVICES, not device={device!r}")
-        if world > 1 and dev.type == "cuda":
-            dev = torch.device("cuda", 0)
-        self.path = resolve_model(model)
-        if not self.path.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
-        config = ModelConfig.from_file(self.path / "config.json")
-        self.max_model_len = resolve_max_model_len(max_model_len, config)
-        self.max_num_seqs = max_num_seqs
-        act_dtype = resolve_dtype(dtype, dev)
-        state_size = check_state_fits(config, max_num_seqs, self.max_model_len, act_dtype, dev,
-                                      resolve_qat_sim(qat_sim, config))
+                 tensor_parallel_size: int | None = None, warm_up: bool = True,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
+                 threads: int | str | None = "auto"):
+        check_threads(threads, "threads (--threads)")
+        plan = plan_engine(model, device=device, dtype=dtype, qat_sim=qat_sim, max_num_seqs=max_num_seqs,
+                           max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           gpu_memory_utilization=gpu_memory_utilization, require_tokenizer=require_tokenizer,
+                           load_mtp=load_mtp)
+        self.path, self.max_model_len, self.max_num_seqs = plan.path, plan.max_model_len, plan.max_num_seqs
+        dev, act_dtype, world, max_num_seqs = plan.device, plan.dtype, plan.world_size, plan.max_num_seqs
         if progress:
-            print(f"state: {max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(state_size)} on {dev}",
-                  file=sys.stderr)
-        has_tokenizer = (self.path / "tokenizer.json").is_file()
-        self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if has_tokenizer else None
-        self.qat_sim = resolve_qat_sim(qat_sim, config)
+            print(f"state: {max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(plan.state_bytes)} "
+                  f"on {dev}", file=sys.stderr)
+        self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if plan.has_tokenizer else None
+        self.qat_sim = plan.qat_sim
         self.tensor_parallel_size = world
+        self.device, self.threads = dev, threads
         self._group = None
+        self._restore_threads = apply_threads(threads, announce=progress)  # before the ranks copy it
+        try:
+            self._load(dev, act_dtype, load_mtp, world, progress, enforce_eager, warm_up, max_num_batched_tokens)
+        except BaseException:   # a failed load leaves the process as it found it
+            self._restore_threads()
+            raise
+
+    def _load(self, dev: torch.device, act_dtype: torch.dtype, load_mtp: bool, world: int, progress: bool,
+              enforce_eager: bool, warm_up: bool, max_num_batched_tokens: int | None) -> None:
+        """Load the weights (this rank's, or start the group), capture, warm up, build the engine."""
+        max_num_seqs = self.max_num_seqs
         spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
                         load_mtp, torch.get_num_threads() if dev.type == "cpu" else None)
         if world == 1:
@@ -206,7 +282,11 @@ class LLM:
         return ParallelRunner(runner, tp, health=health), report
 
     def close(self) -> None:
-        """Release the other ranks of a tensor-parallel group (no-op for one rank). Idempotent."""
+        """Release the other ranks of a tensor-parallel group (no-op for one rank) and put back
+        torch's previous thread count. Idempotent."""
+        restore, self._restore_threads = getattr(self, "_restore_threads", None), lambda: None
+        if restore is not None:
+            restore()
         close = getattr(self.runner, "close", None) if hasattr(self, "runner") else None
         broken = getattr(self.runner, "broken", False) if close is not None else False
         try:

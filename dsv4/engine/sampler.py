@@ -87,10 +87,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string
             self.stop = [self.stop]
-        for name, (ok, want) in _RULES.items():
-            value = getattr(self, name)
-            if not ok(value):
-                raise RequestError(f"SamplingParams.{name} must be {want}, got {value!r}")
+        for name in _RULES:
+            problem = field_problem(name, getattr(self, name))
+            if problem:
+                raise RequestError(f"SamplingParams.{name} {problem}")
         self.stop_token_ids, self.stop = list(self.stop_token_ids), list(self.stop)
 
     @property
@@ -109,6 +109,13 @@ def _is_real(v: object) -> bool:
 
 def _is_list_of(v: object, ok: Callable[[object], bool]) -> bool:
     return isinstance(v, (list, tuple)) and all(ok(x) for x in v)
+
+
+def field_problem(name: str, value: object) -> str | None:
+    """What is wrong with ``value`` for the field ``name`` (``"must be ..., got ..."``), or None.
+    Callers name the field their own way (``SamplingParams.top_p``, the CLI's ``--top-p``)."""
+    ok, want = _RULES[name]
+    return None if ok(value) else f"must be {want}, got {value!r}"
 
 
 # field -> (check, what it must be); a failed check raises a RequestError naming both.

@@ -3,7 +3,9 @@
 ``create_app(load, model_names=..., api_key=...)`` returns an app whose lifespan starts loading the
 model (``load`` returns an :class:`~dsv4.engine.llm.LLM`, or is one) on a thread: until it is
 ready every API route answers 503 (``/health`` says ``starting``), so a load balancer or a test
-can wait on ``/health``. :meth:`ServerState.drain` (SIGTERM) turns new requests away with 503
+can wait on ``/health``. Whatever fails on the way to ``ready`` (the load, or starting the engine
+on what it returned) sets ``failed`` and calls ``on_load_error``: ``dsv4 serve`` then exits with
+the error instead of answering 503 forever. :meth:`ServerState.drain` (SIGTERM) turns new requests away with 503
 while the running ones finish.
 
 Routes: ``GET /health``, ``GET /metrics``, ``GET /version``, ``GET /v1/models[/{id}]``,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import threading
 from collections.abc import Callable
@@ -27,7 +30,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..errors import RequestError
+from ..errors import Dsv4Error, RequestError
+from ..text.tokenizer import TokenizerNotFoundError
 from .async_engine import AsyncEngine
 from .errors import APIError, validation_message
 from .metrics import Metrics
@@ -55,8 +59,8 @@ class ServerState:
     """What the app serves and its lifecycle: ``starting`` -> ``ready`` -> ``draining`` -> ``stopped``
     (``failed`` when the model could not be loaded)."""
 
-    def __init__(self, load, model_names: list[str], api_key: str | None = None):
-        self.load, self.model_names, self.api_key = load, model_names, api_key
+    def __init__(self, load, model_names: list[str], api_key: str | None = None, default_seed: int | None = None):
+        self.load, self.model_names, self.api_key, self.default_seed = load, model_names, api_key, default_seed
         self.status = "starting"
         self.metrics = Metrics(model_names[0])
         self.ctx: ServingContext | None = None
@@ -78,7 +82,6 @@ class ServerState:
             try:
                 llm = self.load()
             except BaseException as e:  # noqa: BLE001  (reported by the server, which then exits)
-                self.load_error, self.status = e, "failed"
                 loop.call_soon_threadsafe(self._failed, e)
                 return
             loop.call_soon_threadsafe(self._ready, llm)
@@ -86,21 +89,33 @@ class ServerState:
         threading.Thread(target=work, name="dsv4-load", daemon=True).start()
 
     def _failed(self, e: BaseException) -> None:
-        log.error("the model could not be loaded: %s", e)
-        self.ready_event.set()
-        if self.on_load_error is not None:
+        self.load_error, self.status = e, "failed"
+        if self.on_load_error is not None:   # the server stops and its caller reports the error, once
             self.on_load_error(e)
+        else:
+            log.error("the model could not be loaded: %s", e, exc_info=not isinstance(e, Dsv4Error))
+        self.ready_event.set()
 
     def _ready(self, llm) -> None:
+        """Start serving ``llm``; on the CPU its ``threads="auto"`` policy is re-evaluated while serving."""
         if self.status not in ("starting",):
             return
+        try:
+            self._start_serving(llm)
+        except Exception as e:  # noqa: BLE001  (never left "starting" with a traceback in a callback)
+            self._failed(e)
+
+    def _start_serving(self, llm) -> None:
         if llm.tokenizer is None:
-            raise RuntimeError(f"{llm.path} has no tokenizer.json: the server needs one")
+            raise TokenizerNotFoundError(f"{llm.path} has no tokenizer.json: the server needs one")
         self.llm = llm
-        engine = AsyncEngine(llm.engine, llm.max_model_len, self.metrics)
+        on_cpu = getattr(getattr(llm, "device", None), "type", None) == "cpu"
+        engine = AsyncEngine(llm.engine, llm.max_model_len, self.metrics,
+                             threads=getattr(llm, "threads", None) if on_cpu else None)
         engine.start()
+        seeds = None if self.default_seed is None else random.Random(self.default_seed)
         self.ctx = ServingContext(engine, llm.tokenizer, self.model_names, llm.max_model_len, str(llm.path),
-                                  self.metrics)
+                                  self.metrics, seeds)
         self.completions, self.chat = CompletionServing(self.ctx), ChatServing(self.ctx)
         self.status = "ready"
         self.ready_event.set()
@@ -145,6 +160,8 @@ class _Gate:
 
         try:
             refusal = self._refusal(scope, path)
+            if refusal is None and scope.get("method") == "POST" and path in self.routes:
+                receive, refusal = await _checked_body(scope, receive, path)
             if refusal is not None:
                 return await refusal(scope, receive, counted_send)
             await self.app(scope, receive, counted_send)
@@ -172,9 +189,49 @@ class _Gate:
         return None
 
 
-def create_app(load: Callable[[], Any] | Any, *, model_names: list[str], api_key: str | None = None) -> FastAPI:
-    """The server app for ``load`` (an ``LLM``, or a function that builds one on a thread)."""
-    state = ServerState(load, model_names, api_key)
+async def _checked_body(scope, receive, path: str):
+    """Read a POST body ahead of the route: 400 in OpenAI's shape for a body that is not declared
+    as JSON or is not UTF-8 (what the JSON routes take), else a ``receive`` that replays it."""
+    messages, chunks = [], []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":         # the client left: the route sees that as usual
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+
+    headers = dict(scope.get("headers") or [])
+    ctype = headers.get(b"content-type")
+    media = ctype.decode("latin-1").split(";")[0].strip().lower() if ctype is not None else None
+    body = b"".join(chunks)
+    if media is None:
+        error = APIError(400, f"POST {path} has no Content-Type header: send the body as JSON with "
+                              "'Content-Type: application/json'", code="missing_content_type")
+    elif media != "application/json":
+        error = APIError(400, f"POST {path} takes a JSON body ('Content-Type: application/json'), got Content-Type "
+                              f"{media!r}", code="unsupported_content_type")
+    elif not body.strip():
+        error = APIError(400, f"POST {path} has an empty body: send a JSON object", code="empty_body")
+    else:
+        try:
+            body.decode("utf-8")
+            return replay, None
+        except UnicodeDecodeError as e:
+            error = APIError(400, f"the body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}); "
+                                  "send JSON encoded as UTF-8", code="invalid_encoding")
+    return replay, error.response()
+
+
+def create_app(load: Callable[[], Any] | Any, *, model_names: list[str], api_key: str | None = None,
+               default_seed: int | None = None) -> FastAPI:
+    """The server app for ``load`` (an ``LLM``, or a function that builds one on a thread).
+    ``default_seed``: requests without a ``seed`` draw theirs from a stream seeded with it (``--seed``)."""
+    state = ServerState(load, model_names, api_key, default_seed)
 
     async def lifespan(app: FastAPI):
         await state.start()

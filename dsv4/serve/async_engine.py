@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from ..cpu_threads import ThreadMonitor
 from ..engine.core import Engine, RequestOutput
 from ..engine.sampler import SamplingParams
 from ..errors import ContextOverflowError, RequestError
@@ -67,6 +68,7 @@ class _Live:
     first: float | None = None
     last: float | None = None
     tokens: int = 0
+    reason: str | None = None     # the finish reason the client was given, when the handler ended it
 
 
 class Submission:
@@ -93,6 +95,12 @@ class Submission:
             if i in self.unfinished:
                 self.engine.abort(self.request_ids[i])
 
+    def finish(self, index: int, reason: str) -> None:
+        """End request ``index`` early because the handler has its answer (the chat parser cut it
+        short): aborted in the engine, counted in the metrics with the ``reason`` the client got."""
+        if index in self.unfinished:
+            self.engine.finish_as(self.request_ids[index], reason)
+
     @property
     def done(self) -> bool:
         return not self.unfinished
@@ -113,8 +121,11 @@ class EngineStats:
 class AsyncEngine:
     """Drives an :class:`Engine` from its own thread for an asyncio server."""
 
-    def __init__(self, engine: Engine, max_model_len: int, metrics=None):
+    def __init__(self, engine: Engine, max_model_len: int, metrics=None, threads: int | str | None = None,
+                 threads_interval: float = 5.0):
         self.engine, self.max_model_len, self.metrics = engine, max_model_len, metrics
+        # the CPU-thread policy ("auto" only) is re-evaluated between steps: load comes and goes
+        self.thread_monitor = ThreadMonitor(threads, threads_interval)
         self.vocab_size = engine.runner.model.config.vocab_size
         self.stats = EngineStats(slots_total=engine.runner.max_slots)
         self.state = "ready"
@@ -191,6 +202,13 @@ class AsyncEngine:
             self._cond.notify()
         return sub
 
+    def finish_as(self, request_id: str, reason: str) -> None:
+        """Abort a request whose client was told ``reason`` (loop thread); the metrics count that."""
+        live = self._live.get(request_id)
+        if live is not None:
+            live.reason = reason
+        self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (any thread); applied before the engine's next step."""
         with self._cond:
@@ -207,6 +225,9 @@ class AsyncEngine:
                     return
                 commands, self._commands = self._commands, []
             try:
+                changed = self.thread_monitor.poll()   # on this thread: it runs the steps
+                if changed is not None:
+                    log.info("cpu: now %d thread(s) (other processes' load changed)", changed)
                 deltas = self._apply(commands)
                 if self.engine.has_unfinished:
                     deltas += self._step()
@@ -277,7 +298,8 @@ class AsyncEngine:
             if delta.finished:
                 del self._live[rid]
                 if self.metrics is not None:
-                    self.metrics.request_done(live.prompt_tokens, live.tokens, now - live.arrival, delta.finish_reason)
+                    self.metrics.request_done(live.prompt_tokens, live.tokens, now - live.arrival,
+                                              live.reason or delta.finish_reason)
             live.submission.completion_tokens[live.index] = live.tokens
             live.submission.queue.put_nowait((live.index, delta))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -104,6 +105,13 @@ def build_requests(args, vocab_size: int, model: str) -> list[tuple[str, dict]]:
     return out
 
 
+def server_root(url: str) -> str:
+    """The server's address without a trailing ``/`` or ``/v1`` (OpenAI clients' base URLs end in
+    ``/v1``; the routes here add it themselves)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 # ------------------------------------------------------------------ sending
 async def _one(http: httpx.AsyncClient, path: str, body: dict, t0: float) -> Result:
     res = Result(sent=time.perf_counter() - t0)
@@ -155,7 +163,7 @@ async def _run(args, requests: list[tuple[str, dict]], headers: dict) -> tuple[l
     limit = args.concurrency or (len(requests) if not args.request_rate else 100_000)
     sem = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=min(limit, 4096), max_keepalive_connections=min(limit, 4096))
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers, limits=limits,
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(args.timeout, connect=60)) as http:
         t0 = time.perf_counter()
 
@@ -251,15 +259,25 @@ def run_bench(args) -> int:
         raise UsageError("--request-rate must be > 0")
     key = args.api_key or os.environ.get("DSV4_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    base = args.base_url.rstrip("/")
+    if args.request_rate == math.inf:   # vLLM's spelling of "no rate limit"
+        args.request_rate = None
+    base = args.base_url = server_root(args.base_url)
     try:
         models = httpx.get(base + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise UsageError(f"cannot reach the server at {base} (--base-url): {e}") from None
+    if models.status_code == 401:
+        raise UsageError(f"the server at {base} answered 401 unauthorized (pass --api-key, or set DSV4_API_KEY)"
+                         if not key else f"the server at {base} answered 401 unauthorized: it refused the key "
+                         "(--api-key or DSV4_API_KEY)")
+    try:
         models.raise_for_status()
+        model = args.model or models.json()["data"][0]["id"]
         info = httpx.get(base + "/tokenizer_info", headers=headers, timeout=30)
         vocab = info.json().get("vocab_size", 32_000) if info.status_code == 200 else 32_000
-    except (httpx.HTTPError, ValueError) as e:
-        raise UsageError(f"cannot reach the server at {base} (--base-url): {e}") from None
-    model = args.model or models.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise UsageError(f"the server at {base} (--base-url) did not answer /v1/models as an OpenAI-compatible "
+                         f"server: {e}") from None
     requests = build_requests(args, vocab, model)
     mode = (f"rate {args.request_rate}/s" if args.request_rate else "all at once") + \
         (f", concurrency {args.concurrency}" if args.concurrency else "")

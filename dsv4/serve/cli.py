@@ -31,8 +31,31 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def add_serve_parser(p: argparse.ArgumentParser) -> None:
     """The server's own flags (the engine flags are added by :mod:`dsv4.cli`)."""
+    # with no --max-num-seqs the state is sized from the GPU's memory (8 sequences on the CPU)
+    p.set_defaults(max_num_seqs=None)
+    for action in p._actions:
+        if action.dest == "max_num_seqs":
+            action.help = ("sequences generated together (default: on a CUDA device as many as fit in "
+                           "--gpu-memory-utilization, at most 256; 8 on the CPU)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
+                   help="on a CUDA device, the fraction of the GPU's total memory the engine may use (weights, "
+                        "generation state, working margin); without --max-num-seqs the state takes what the "
+                        "weights leave of it. Ignored on the CPU")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the seed of requests that give none (choice k uses seed + k), so the same request "
+                        "gives the same answer; default: each unseeded request draws a random seed")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -63,13 +86,12 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(args: argparse.Namespace, load) -> int:
-    """``dsv4 serve``: bind, then load the model while answering 503, then serve until a signal."""
-    from ..tiny import resolve_model
-    from ..weights.loader import CheckpointError
-    path = resolve_model(args.model)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist (--model)")
+def serve(args: argparse.Namespace, engine_args: dict, load) -> int:
+    """``dsv4 serve``: check the engine arguments (:func:`~dsv4.engine.llm.plan_engine`: device,
+    dtype, limits, checkpoint, tokenizer), bind, then load the model while answering 503, then serve
+    until a signal. A failed load ends the process (re-raised for the CLI to print once)."""
+    from ..engine.llm import plan_engine
+    plan_engine(**engine_args)          # an unusable argument fails here, before the port is taken
     from .server import run_server
     names = args.served_model_name or [args.model or "tiny"]
     sock = _listen(args.host, args.port)
@@ -77,7 +99,7 @@ def serve(args: argparse.Namespace, load) -> int:
     api_key = args.api_key or os.environ.get("DSV4_API_KEY") or None
     return run_server(load, model_names=names, host=host, port=port, api_key=api_key,
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, access_log=args.access_log,
-                      sock=sock)
+                      sock=sock, default_seed=args.seed)
 
 
 def add_bench_parser(sub) -> None:
@@ -85,22 +107,28 @@ def add_bench_parser(sub) -> None:
                            formatter_class=HelpFormatter)
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = kinds.add_parser("serve", help="send N requests to a running server; throughput, TTFT/ITL percentiles, PNG",
-                         formatter_class=HelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (its /v1 routes)")
+                         formatter_class=HelpFormatter,
+                         description="Flags also take vLLM's `vllm bench serve` names: --num-prompts, "
+                                     "--max-concurrency, --random-input-len, --random-output-len, "
+                                     "--random-range-ratio.")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server (with or without the /v1 of OpenAI clients' base URLs)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--api-key", default=None, help="bearer key (default: $DSV4_API_KEY)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--num-requests", "-n", type=positive_int, default=64, help="requests to send")
-    p.add_argument("--concurrency", type=positive_int, default=None,
+    p.add_argument("--num-requests", "--num-prompts", "-n", type=positive_int, default=64, help="requests to send")
+    p.add_argument("--concurrency", "--max-concurrency", type=positive_int, default=None,
                    help="requests in flight at once (default: all, or unlimited with --request-rate)")
     p.add_argument("--request-rate", type=float, default=None,
-                   help="requests per second, Poisson arrivals (default: send as concurrency allows)")
+                   help="requests per second, Poisson arrivals (default, or inf: send as concurrency allows)")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help="prompts: one JSON object per line with 'prompt' (text) or 'messages', optional "
                         "'max_tokens' (default: synthetic prompts)")
-    p.add_argument("--input-len", type=positive_int, default=256, help="synthetic prompt length in tokens (mean)")
-    p.add_argument("--output-len", type=positive_int, default=128, help="max_tokens of each request (mean)")
-    p.add_argument("--range-ratio", type=float, default=0.5,
+    p.add_argument("--input-len", "--random-input-len", type=positive_int, default=256,
+                   help="synthetic prompt length in tokens (mean)")
+    p.add_argument("--output-len", "--random-output-len", type=positive_int, default=128,
+                   help="max_tokens of each request (mean)")
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.5,
                    help="synthetic lengths are uniform in [len x (1 - r), len x (1 + r)]")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and arrivals")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -75,6 +75,8 @@ class _Sampling(_Request):
     stop: str | list[str] | None = Field(None, description="up to 16 strings that end generation")
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(True, description="leave special tokens (<｜User｜>, EOS, ...) out of the "
+                                                        "returned text (vLLM's default)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")

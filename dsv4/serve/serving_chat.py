@@ -5,8 +5,11 @@ with special tokens kept, and one :class:`~dsv4.text.chat.StreamingParser` per c
 reasoning goes to ``reasoning_content``, content to ``content``, each complete DSML tool call to
 ``tool_calls`` (streamed as a delta with the id and name, then one with the arguments). The parser
 holds back anything that may still become markup, so markup never reaches ``content`` whatever
-the chunking. A malformed tool block ends the choice: its raw text goes to ``content``, a warning
-is logged, and the engine request is aborted (never a half-parsed call).
+the chunking. Markup that does not parse (a malformed tool block, a stray ``</think>``) ends the
+choice with ``finish_reason: "stop"``: its raw text goes to ``content``, the log says what was
+wrong, and the engine request ends (never a half-parsed call). Special tokens the parser does not
+read (``<｜User｜>``, ...) are left out of ``content`` and ``reasoning_content`` unless the request
+says ``skip_special_tokens: false`` (vLLM's field and default).
 
 Thinking mode: ``chat_template_kwargs: {"thinking": true}`` (or ``enable_thinking``), DeepSeek's
 ``thinking: {"type": "enabled"}``, or a ``reasoning_effort`` (``high`` | ``max``), which turns it on
@@ -28,7 +31,7 @@ from fastapi.responses import StreamingResponse
 
 from ..text.chat import (ChatFormatError, ContentDelta, ParseError, ReasoningDelta, StreamingParser, ToolCallEvent,
                          encode_messages)
-from ..text.markup import THINK_END
+from ..text.markup import DSML, THINK_END, THINK_START, SpecialTextFilter
 from .async_engine import Delta, EngineRequest, Submission
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, ChatMessage
@@ -58,6 +61,8 @@ class _Choice:
     finish_reason: str | None = None
     malformed: bool = False
     error: str | None = None
+    strip_reasoning: SpecialTextFilter | None = None      # skip_special_tokens, one filter per channel
+    strip_content: SpecialTextFilter | None = None
 
     @property
     def done(self) -> bool:
@@ -69,6 +74,9 @@ class ChatServing:
         self.ctx = ctx
         tok = ctx.tokenizer
         self.think_end_id = tok.hf.token_to_id(THINK_END)
+        # what skip_special_tokens leaves out of the client's text: every special token but the markup
+        # the parser reads (a stray one of those is a parse error, reported as such)
+        self.specials = SpecialTextFilter(t for t in tok.special_tokens() if t not in (THINK_START, THINK_END, DSML))
 
     # ------------------------------------------------------------------ request -> prompt
     def _thinking(self, req: ChatCompletionRequest) -> tuple[bool, str | None]:
@@ -129,12 +137,16 @@ class ChatServing:
         eos = self.ctx.tokenizer.eos_id
         stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
         reqs, choices = [], []
+        seed = self.ctx.request_seed(req.seed)
         for k in range(req.n):
-            params = sampling_params(req, max_tokens, logprobs=logprobs, choice=k)
+            params = sampling_params(req, max_tokens, logprobs=logprobs, choice=k, seed=seed)
             check_request(self.ctx, ids, params, "messages")
             reqs.append(EngineRequest(ids, params, skip_special_tokens=False))
             parser = StreamingParser(thinking, call_id_prefix=f"call_{secrets.token_hex(8)}_")
-            choices.append(_Choice(k, parser, thinking, stop_ids, tools_allowed, in_reasoning=thinking))
+            choice = _Choice(k, parser, thinking, stop_ids, tools_allowed, in_reasoning=thinking)
+            if req.skip_special_tokens:
+                choice.strip_reasoning, choice.strip_content = self.specials.fresh(), self.specials.fresh()
+            choices.append(choice)
         return ids, reqs, choices
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
@@ -186,25 +198,35 @@ class ChatServing:
         out: list[dict] = []
         for ev in events:
             if isinstance(ev, ReasoningDelta):
-                c.reasoning.append(ev.text)
-                out.append({"reasoning_content": ev.text})
+                out += self._text(c, "reasoning", ev.text)
             elif isinstance(ev, ContentDelta):
-                c.content.append(ev.text)
-                out.append({"content": ev.text})
+                out += self._text(c, "content", ev.text)
             elif isinstance(ev, ToolCallEvent):
                 out += self._tool_call(c, ev)
             elif isinstance(ev, ParseError):
-                log.warning("%s choice %d: malformed tool-call markup (%s); returned as content, generation stopped",
-                            sub.request_ids[c.index].rsplit("-", 1)[0], c.index, ev.message)
-                c.content.append(ev.raw)
-                out.append({"content": ev.raw})
+                what = "malformed tool-call markup" if "DSML" in ev.message or DSML in ev.raw else "stray markup"
+                log.warning("%s choice %d: %s (%s); its raw text returned as content, generation stopped",
+                            sub.request_ids[c.index].rsplit("-", 1)[0], c.index, what, ev.message)
+                out += self._text(c, "content", ev.raw)
                 c.malformed, c.finish_reason = True, "stop"
-                sub.abort(c.index)
+                sub.finish(c.index, "stop")      # the metric counts what the client is told, not an abort
                 break
         if d.finished and not c.done:
             reason = d.finish_reason
             c.finish_reason = "tool_calls" if reason == "stop" and c.calls else reason
+        if c.done:       # text a special-token filter held back is text after all
+            out += self._text(c, "reasoning", "", end=True) + self._text(c, "content", "", end=True)
         return out
+
+    def _text(self, c: _Choice, channel: str, text: str, end: bool = False) -> list[dict]:
+        """Reasoning or content text for the client (special tokens left out unless asked for)."""
+        strip = c.strip_reasoning if channel == "reasoning" else c.strip_content
+        if strip is not None:
+            text = strip.flush() if end else strip.feed(text)
+        if not text:
+            return []
+        (c.reasoning if channel == "reasoning" else c.content).append(text)
+        return [{"reasoning_content" if channel == "reasoning" else "content": text}]
 
     def _count(self, c: _Choice, d: Delta) -> None:
         c.tokens += len(d.token_ids)

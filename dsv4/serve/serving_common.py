@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,15 @@ class ServingContext:
     max_model_len: int
     root: str = ""
     metrics: Any = None
+    seeds: random.Random | None = None      # --seed: where requests without a seed take theirs
     _bytes: dict[int, bytes] = field(default_factory=dict)
+
+    def request_seed(self, seed: int | None) -> int | None:
+        """A request's seed: its own, else the next of the server's ``--seed`` stream, else None
+        (a random one). With ``--seed`` a fresh server answers the same requests the same way."""
+        if seed is not None or self.seeds is None:
+            return seed
+        return self.seeds.getrandbits(63)
 
     def check_model(self, name: str | None) -> str:
         """The served name a request asked for (404 for an unknown one); the first when omitted."""
@@ -97,8 +106,9 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None,
-                    choice: int = 0) -> SamplingParams:
-    """The engine's parameters for choice ``choice`` of a request (seeded choices differ by index)."""
+                    choice: int = 0, seed: int | None = None) -> SamplingParams:
+    """The engine's parameters for choice ``choice`` of a request (seeded choices differ by index);
+    ``seed`` is the request's (:meth:`ServingContext.request_seed`)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     try:
@@ -108,7 +118,7 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, pr
             top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
             min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            seed=None if req.seed is None else req.seed + choice, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            seed=None if seed is None else seed + choice, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
     except RequestError as e:   # the ranges are checked by the protocol; this names any that slipped by
         raise bad_request(str(e).replace("SamplingParams.", "")) from None

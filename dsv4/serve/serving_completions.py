@@ -86,12 +86,13 @@ class CompletionServing:
         eos = self.ctx.tokenizer.eos_id
         stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
         reqs, choices = [], []
+        seed = self.ctx.request_seed(req.seed)
         for p, (text, ids) in enumerate(prompts):
             for k in range(req.n):
                 params = sampling_params(req, max(max_tokens, 1), logprobs=req.logprobs, prompt_logprobs=prompt_lp,
-                                         choice=k)
+                                         choice=k, seed=seed)
                 check_request(self.ctx, ids, params, f"prompt[{p}]" if len(prompts) > 1 else "prompt")
-                reqs.append(EngineRequest(ids, params))
+                reqs.append(EngineRequest(ids, params, skip_special_tokens=req.skip_special_tokens))
                 choices.append(_Choice(len(choices), text, ids, req.echo, max_tokens > 0, stop_ids))
         return reqs, choices
 

@@ -8,6 +8,8 @@ text around the special piece `｜DSML｜`. Bars are full-width (U+FF5C), `▁` 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from typing import Any
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -31,3 +33,39 @@ PARAM_CLOSE = f"</{DSML}parameter>"
 def to_json(value: Any) -> str:
     """JSON the way the format writes it everywhere: `json.dumps` defaults, non-ASCII kept."""
     return json.dumps(value, ensure_ascii=False)
+
+
+class SpecialTextFilter:
+    """Leaves whole special-token strings out of streamed text: ``skip_special_tokens`` for text that
+    was decoded with them kept (the chat parser needs ``</think>`` and DSML to read the answer; the
+    client should not see a stray ``<｜User｜>``). A tail that may be the start of one is held back
+    until the next piece shows what it is; :meth:`flush` releases it at the end."""
+
+    def __init__(self, strings: Iterable[str]):
+        strings = sorted({s for s in strings if s}, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
+        self._prefixes = {s[:i] for s in strings for i in range(1, len(s))}
+        self._longest = len(strings[0]) if strings else 0
+        self._held = ""
+
+    def fresh(self) -> "SpecialTextFilter":
+        """A filter for another stream, sharing the compiled strings."""
+        other = object.__new__(SpecialTextFilter)
+        other._pattern, other._prefixes, other._longest, other._held = (self._pattern, self._prefixes,
+                                                                         self._longest, "")
+        return other
+
+    def feed(self, text: str) -> str:
+        text, self._held = self._held + text, ""
+        if self._pattern is None:
+            return text
+        text = self._pattern.sub("", text)
+        for n in range(min(len(text), self._longest - 1), 0, -1):
+            if text[-n:] in self._prefixes:
+                text, self._held = text[:-n], text[-n:]
+                break
+        return text
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held

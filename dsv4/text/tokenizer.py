@@ -114,6 +114,11 @@ class Tokenizer:
         """Number of ids, added/special tokens included."""
         return self.hf.get_vocab_size(with_added_tokens=True)
 
+    def special_tokens(self) -> list[str]:
+        """The strings of the tokens marked special (what ``skip_special_tokens`` leaves out)."""
+        added = self.hf.get_added_tokens_decoder()
+        return [t.content for t in added.values() if t.special]
+
     def special_id(self, token: str) -> int:
         """Id of a special token looked up by its string; KeyError naming the token if absent."""
         token_id = self.hf.token_to_id(token)

@@ -33,7 +33,7 @@ from ..config import ModelConfig
 from ..engine.runner import Runner
 from ..errors import UsageError
 from ..progress import progress_bar
-from .loader import INDEX_FILE, list_shards, load_model
+from .loader import INDEX_FILE, check_checkpoint, list_shards, load_model
 from .quantize import check_args, linear_group, quantize_checkpoint
 
 __all__ = ["eval_quant", "held_out_sequences", "model_logits", "compare_logits", "format_table",
@@ -150,8 +150,9 @@ def eval_quant(src: Path, formats: list[str], policies: list[str], n_seqs: int =
 
     Returns one row per (format, policy, group) with the keys of :data:`CSV_FIELDS`; group
     ``total`` is the variant itself. Prints the table to stdout when ``verbose`` and writes the
-    rows to ``csv_path`` if given. Variants are written under ``work_dir`` (default: a temporary
-    directory), one at a time, and removed after measuring.
+    rows to ``csv_path`` if given (its directory must exist). Variants are written under ``work_dir``
+    (default: the system's temporary directory; created if missing, but not its parents), one at a
+    time, and removed after measuring.
     """
     src = Path(src)
     for fmt in formats:
@@ -160,13 +161,15 @@ def eval_quant(src: Path, formats: list[str], policies: list[str], n_seqs: int =
     if n_seqs <= 0 or seq_len <= 1:
         raise UsageError(f"need at least one sequence of >= 2 tokens, got {n_seqs} x {seq_len}")
     config = ModelConfig.from_file(src / "config.json")
+    check_checkpoint(src)  # the loader's header checks: a broken source is one named error, not a traceback
     if seq_len > config.max_position_embeddings:
         raise UsageError(f"sequence length (--length) {seq_len:,} exceeds the model's max_position_embeddings "
                          f"({config.max_position_embeddings:,}, {src / 'config.json'})")
+    _check_outputs(csv_path, work_dir)
     seqs = held_out_sequences(src, config.vocab_size, n_seqs, seq_len, seed)
     plan = _plan(formats, policies, _source_groups(src))
     if work_dir is not None:
-        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        Path(work_dir).mkdir(exist_ok=True)
     runs = 1 + len({key for _, _, key in plan})  # the source, then every distinct variant
     with tempfile.TemporaryDirectory(prefix="dsv4-eval-quant-", dir=work_dir) as work, \
             progress_bar(verbose, total=runs * n_seqs * seq_len, unit="tok", unit_scale=True) as bar:
@@ -184,6 +187,23 @@ def eval_quant(src: Path, formats: list[str], policies: list[str], n_seqs: int =
     if csv_path is not None:
         write_csv(rows, Path(csv_path))
     return rows
+
+
+def _check_outputs(csv_path: Path | None, work_dir: Path | None) -> None:
+    """Refuse, before anything runs, a ``--csv`` file or ``--work-dir`` whose parent directory is
+    missing (a typo in a path should not create a tree of directories). ``--work-dir`` itself is
+    created when missing, like ``mkdir`` does."""
+    for flag, path in (("--csv", csv_path), ("--work-dir", work_dir)):
+        if path is None:
+            continue
+        path = Path(path)
+        if flag == "--csv" and path.is_dir():
+            raise UsageError(f"--csv {path} is a directory; give the CSV file's path")
+        if flag == "--work-dir" and path.exists() and not path.is_dir():
+            raise UsageError(f"--work-dir {path} exists and is not a directory")
+        parent = path.absolute().parent
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {path}: directory {parent} does not exist (create it first)")
 
 
 def _plan(formats: list[str], policies: list[str], present: set[str]) -> list[tuple[str, str, tuple]]:
@@ -219,7 +239,6 @@ def format_table(rows: Sequence[dict], source_bytes: int | None = None, n_seqs: 
 
 def write_csv(rows: Sequence[dict], path: Path) -> None:
     """Write ``rows`` with the columns of :data:`CSV_FIELDS` (a header line first)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()

@@ -457,6 +457,14 @@ def check_checkpoint(path: str | Path, *, read_data: bool = False, load_mtp: boo
     return _walk(path, "meta", torch.float32, load_mtp, read_data, progress, scan_fp8=read_data).report
 
 
+def weight_bytes(path: str | Path, dtype: torch.dtype, *, load_mtp: bool = False, rank: int = 0,
+                 world_size: int = 1) -> int:
+    """Bytes the weights of ``path`` will take in memory on rank ``rank`` of ``world_size`` (from the
+    headers, which are checked as :func:`load_model` checks them; no tensor data is read)."""
+    tp = ParallelGroup.layout(rank, world_size) if world_size > 1 else SINGLE
+    return _walk(path, "meta", dtype, load_mtp, read_data=False, progress=False, tp=tp).report.bytes
+
+
 def load_model(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
                load_mtp: bool = True, progress: bool = True, parallel: ParallelGroup | None = None
                ) -> tuple[Transformer, LoadReport]:

@@ -8,6 +8,9 @@ source and unrelated files included. The rules here make that impossible:
 - An existing ``DST`` is replaced only if it is empty (nothing to lose) or a previous dsv4 output:
   every output carries the :data:`OUTPUT_MARKER` file, written before the output is renamed into
   place. Anything else is refused, ``--overwrite`` or not.
+- The output gets the modes any new file gets (directories ``0777 & ~umask``, files
+  ``0666 & ~umask``), not the private 0700 of the temporary directory it was built in: a shared
+  checkpoint must be readable by whoever the umask lets read it.
 - The new output is built in a temporary sibling of ``DST`` and swapped in by renames: the old
   ``DST`` is renamed away, the new one renamed in, and only then is the old one removed. If the
   swap fails the old ``DST`` is renamed back. Nothing is ever deleted first.
@@ -63,6 +66,29 @@ def make_temp_sibling(dst: Path) -> Path:
     """A new empty directory next to ``dst`` (same file system, so renames are atomic)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+
+
+def current_umask() -> int:
+    """The process's umask (read from /proc where possible: setting it to read it is not thread-safe)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask_modes(directory: Path) -> None:
+    """Give ``directory`` and everything in it the modes of newly created files under the umask
+    (``mkdtemp`` made it 0700)."""
+    mask = current_umask()
+    for root, dirs, files in os.walk(directory):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
 def replace_dir(new: Path, dst: Path) -> None:

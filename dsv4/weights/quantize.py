@@ -14,6 +14,11 @@ policy      quantized linear weights
             embedding, 1-D tensors, ``hc_*`` mixing matrices or integer tables.
 ==========  ======================================================================================
 
+A source that is already quantized (DeepSeek's FP8 + MXFP4 release, the embedded tiny model) is
+fine: a weight the policy quantizes is dequantized and re-quantized to its target format (kept
+bit for bit when it is already in exactly that format), and a weight the policy keeps stays in the
+source's format, quantized or not. ``config.json`` then describes what was written.
+
 Layout: routed experts in ``fmt`` (``nvfp4``, ``mxfp4`` or ``fp8``); the other quantized
 linears in FP8 block (``dense_format="fp8"``: DeepSeek's FP8 + MXFP4 release, NVIDIA's
 MIXED_PRECISION FP8 + NVFP4 export) or in ``fmt`` too (``dense_format="same"``). FP8-block scales
@@ -49,7 +54,9 @@ from ..progress import progress_bar
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantWeight, WeightFormatError
 from .loader import INDEX_FILE, check_checkpoint, check_values, list_shards
 from .names import is_hf_name
-from .output_dir import OUTPUT_MARKER, check_destination, make_temp_sibling, replace_dir, write_marker
+from .output_dir import (OUTPUT_MARKER, apply_umask_modes, check_destination, make_temp_sibling, replace_dir,
+                         write_marker)
+from .quant_options import DENSE_FORMATS, FORMATS, POLICIES, SCALE_FMTS
 from .serialize import COMPANIONS, build_weight, split_name, weight_tensors
 
 __all__ = [
@@ -58,10 +65,6 @@ __all__ = [
     "OUTPUT_MARKER",
 ]
 
-FORMATS = ("nvfp4", "mxfp4", "fp8")
-POLICIES = ("floor", "all")
-DENSE_FORMATS = ("fp8", "same")
-SCALE_FMTS = ("ue8m0", "fp32")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 DEFAULT_SHARD_BYTES = 4 * 2**30
 FP8_BLOCK = 128
@@ -253,12 +256,16 @@ def _exclude_patterns(layout: dict[str, str]) -> list[str]:
     return sorted(out)
 
 
+_EXPERT_DTYPE = {"bf16": "bf16", "fp8": "fp8", "mxfp4": "fp4", "nvfp4": "fp4"}  # layout_of -> expert_dtype
+
+
 def quant_config_for(fmt: str, policy: str = "floor", dense_format: str = "fp8", scale_fmt: str = "ue8m0",
                      layout: dict[str, str] | None = None) -> tuple[dict, dict | None]:
     """``(config.json updates, hf_quant_config.json content or None)`` for a quantized checkpoint.
 
-    The updates are ``quantization_config`` and ``expert_dtype`` (``"fp4"`` / ``"fp8"``; ``"bf16"``
-    when the routed experts were left unquantized). FP8 and MXFP4 routed experts give DeepSeek's
+    The updates are ``quantization_config`` and ``expert_dtype`` (``"fp4"`` / ``"fp8"`` / ``"bf16"``:
+    the format the routed experts were written in, which is the source's when ``only_groups``
+    leaves them out). FP8 and MXFP4 routed experts give DeepSeek's
     block-FP8 description; NVFP4 gives ModelOpt's: ``quant_algo`` ``NVFP4`` when every quantized
     linear is NVFP4 (``dense_format="same"``), else ``MIXED_PRECISION`` with ``moe_quant_algo:
     NVFP4`` and the FP8 block fields. ``layout`` (:func:`layout_of` of the written tensors) makes
@@ -266,9 +273,10 @@ def quant_config_for(fmt: str, policy: str = "floor", dense_format: str = "fp8",
     """
     check_args(fmt, policy, dense_format, scale_fmt)
     expert_dtype = "fp8" if fmt == "fp8" else "fp4"
-    if layout is not None and not any(f != "bf16" for b, f in layout.items()
-                                      if linear_group(b) == "routed_experts"):
-        expert_dtype = "bf16"
+    if layout is not None:  # what was written: experts left out (only_groups) keep the source's format
+        written = {_EXPERT_DTYPE[f] for b, f in layout.items() if linear_group(b) == "routed_experts"}
+        if written:
+            expert_dtype = written.pop() if len(written) == 1 else None   # mixed: claim nothing
     fp8_desc = {"fmt": "e4m3", "scale_fmt": scale_fmt, "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
                 "activation_scheme": "dynamic"}
     if fmt != "nvfp4":
@@ -437,6 +445,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, policy: str = "floor", d
         write_marker(tmp, tool="dsv4 quantize", source=str(src.resolve()), format=fmt, policy=policy,
                      dense_format=dense_format, scale_fmt=scale_fmt,
                      only_groups=sorted(only_groups) if only_groups is not None else None)
+        apply_umask_modes(tmp)  # a checkpoint others share, not mkdtemp's private 0700
         check_destination(src, dst, overwrite, QuantizeError)  # again: minutes may have passed
         replace_dir(tmp, dst)
     except BaseException:
