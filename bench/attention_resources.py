@@ -4,7 +4,7 @@ ptxas gives each launch config: registers, spill (stack) bytes, shared memory, t
     python bench/attention_resources.py [--arch 90]
 
 No kernel runs: Triton's driver is replaced by a stand-in that names the target, every launch in
-``dsv4.ops.triton.attention`` is turned into a compile (``warmup``), and the cubin is read with the
+``dsv4.ops.triton.attention`` and ``.indexer`` is turned into a compile (``warmup``), and the cubin is read with the
 ``cuobjdump`` bundled with Triton. The inputs are CPU tensors of the real DeepSeek-V4 shapes (the
 same configs the GPU picks for them, with an H100's 132 SMs). A developer tool: it leans on Triton
 internals (3.6) and is not part of the test suite.
@@ -83,6 +83,7 @@ def _calls():
     """(label, thunk) for every config the benchmark shapes launch."""
     from dsv4.model.cache import RowStore
     from dsv4.ops.triton import attention as ka
+    from dsv4.ops.triton import indexer as ki
     dt = torch.bfloat16
 
     def store(layout, slots, rows, dim=512, rope=64):
@@ -99,10 +100,10 @@ def _calls():
                 q, kv, ring, slots, start, 128, sink, 0.04, comp, None, torch.zeros(B, S, dtype=torch.long), 64))
     for B, S, bound in ((1, 1, 2048), (32, 1, 16384), (1, 4096, 1024)):
         keys = store("fp4", B + 1, bound + 1, 128, 0)
-        yield (f"indexer B={B} S={S} bound={bound}", lambda: ka.indexer_scores_triton(
+        yield (f"indexer B={B} S={S} bound={bound}", lambda: ki.indexer_scores_triton(
             torch.zeros(B, S, 64, 128, dtype=dt), keys, torch.arange(B), torch.zeros(B, S, 64), bound))
     for n, k in ((2048, 512), (16384, 512), (4096, 1024)):
-        yield (f"topk n={n} k={k}", lambda: ka.topk_indices_triton(torch.zeros(1, 1, n), k))
+        yield (f"topk n={n} k={k}", lambda: ki.topk_indices_triton(torch.zeros(1, 1, n), k))
 
 
 def main() -> None:
@@ -111,8 +112,8 @@ def main() -> None:
     args = ap.parse_args()
     driver.set_active(_Driver(args.arch))
     _compile_instead_of_launch()
-    from dsv4.ops.triton import attention as ka
-    ka._target_programs = lambda device: 132
+    from dsv4.ops.triton import runtime
+    runtime.sm_count = lambda device: 132
     seen = set()
     for label, call in _calls():
         COMPILED.clear()

@@ -46,10 +46,9 @@ class _Sm90Driver:
 
 
 def _install() -> None:
-    from dsv4.ops.triton import small_mhc, small_rows
+    from dsv4.ops.triton import runtime
     importlib.import_module("triton.runtime.driver").driver.set_active(_Sm90Driver())
-    for module in (small_mhc, small_rows):            # the H100's grid heuristics, not the interpreter's
-        module.sm_count = lambda device: 132
+    runtime.sm_count = lambda device: 132             # the H100's grid heuristics, not the interpreter's
     run = jit.JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):

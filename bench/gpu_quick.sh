@@ -2,7 +2,7 @@
 # The GPU checks of bench/gpu_check.sh cut to fit 10-minute device calls, each step under its own
 # time limit so a slow step returns its partial log instead of eating the call; logs land in $OUT.
 #   bash bench/gpu_quick.sh STEP [STEP ...]   (several steps fit one call; default: tests)
-# steps: warmup (no compile after the start-up warm-up), small (small-op + attention kernels),
+# steps: warmup (no compile after the start-up warm-up), small (numerics, small-op + attention kernels),
 #   graphs (CUDA-graph/engine tests), moe, linear (kernel tests at real shapes; linear_fp4: the FP4
 #   ones), parity (HF parity on CUDA), profile (graph replay: time outside kernels at 2 and 8
 #   layers; prefill: one prompt's host vs device time; prefillbench: bench/prefill_bench.py at 512 and
@@ -29,7 +29,8 @@ case $1 in
 tests) for x in warmup small graphs moe linear; do run_step $x; done ;;
 engine) for x in throughput throughput32 serve decode; do run_step $x; done ;;
 warmup) pt 300 warmup.log -s tests/test_gpu_warmup.py tests/test_gpu_no_stall.py ;;
-small) pt 150 small_attn_tests.log tests/test_triton_small.py tests/test_triton_attention.py ;;
+small) pt 150 small_attn_tests.log tests/test_triton_numerics.py tests/test_triton_small.py \
+  tests/test_triton_attention.py ;;
 graphs) pt 200 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py tests/test_gpu_batched_step.py ;;
 moe) pt 150 moe_tests.log tests/test_triton_moe.py ;;
 linear) pt 580 linear_tests.log tests/test_triton_linear.py ;;   # cold Triton cache: ~10 s a test

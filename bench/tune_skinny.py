@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["fp8", "mxfp4", "nvfp4"])
     args = ap.parse_args()
     import triton.testing as tt
-    from dsv4.ops.triton.linear import _sm_count, _skinny_config, grouped_linear_triton, linear_triton
+    from dsv4.ops.triton.linear import _skinny_config, grouped_linear_triton, linear_triton
+    from dsv4.ops.triton.runtime import sm_count
 
     def bench(fn) -> float:
         return tt.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e-3
@@ -56,7 +57,7 @@ def main() -> None:
     gbs = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e9
     src = dst = None
     print(f"{torch.cuda.get_device_name()}: copy {gbs:.0f} GB/s; {args.geo} decode linears at batch {args.batch}")
-    n_sm = _sm_count(torch.device("cuda"))
+    n_sm = sm_count(torch.device("cuda"))
     for fmt in args.formats:
         names = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w13", "w2") if fmt == "fp8" else ("wq_b", "w13")
         for name in names:

@@ -486,15 +486,21 @@ def preset(name: str, num_layers: int | None = None) -> ModelConfig:
     """Named geometries: ``tiny`` (CPU, every layer kind), ``flash`` and ``pro`` (real shapes).
 
     ``num_layers`` overrides the layer count (benchmarks with random weights).
+
+    The tiny geometry is sized so that its FP8-block tensors (128x128 blocks) split over 2
+    tensor-parallel ranks: per rank, ``wq_b`` holds 4 heads x 32 = 128 rows, ``wo_a`` 2 groups x 64
+    = 128 rows, ``wo_b`` 128 columns, and the shared expert 128 intermediate channels. A BF16 copy
+    also splits over 4 (8 heads, 4 groups, 8 experts, 256 shared-expert channels and 512 vocab
+    entries all divide by 4).
     """
     if name == "tiny":
         n = num_layers or 4
         kinds = (["sliding", "csa", "hca", "csa"] * n)[:n]
         ratio = {"sliding": 0, "csa": 4, "hca": 16}
         return ModelConfig(
-            vocab_size=512, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, head_dim=32,
-            qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
-            num_experts_per_tok=2, moe_intermediate_size=32, layer_kinds=kinds,
+            vocab_size=512, hidden_size=64, num_hidden_layers=n, num_attention_heads=8, head_dim=32,
+            qk_rope_head_dim=16, q_lora_rank=32, o_groups=4, o_lora_rank=64, n_routed_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=256, layer_kinds=kinds,
             compress_ratios=[ratio[k] for k in kinds], hash_layers=[i < 1 for i in range(n)],
             sliding_window=8, index_n_heads=4, index_head_dim=16, index_topk=4, hc_mult=4,
             hc_sinkhorn_iters=20, routed_scaling_factor=1.5, compress_rope_theta=160000.0,

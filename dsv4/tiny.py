@@ -7,11 +7,13 @@ MIXED_PRECISION layout with NVFP4 experts, ``tiny:bf16`` a plain BF16 checkpoint
 precision-floor tensors. It is written under ``$DSV4_CACHE`` (default ``~/.cache/dsv4``) as
 ``config.json`` + ``model.safetensors`` + a byte-level ``tokenizer.json``, then loaded through the
 same loader as any checkpoint. The directory is written to a temporary name and renamed when complete, so an
-interrupted build never leaves a half-written model behind.
+interrupted build never leaves a half-written model behind; its name carries a digest of the geometry
+(:func:`tiny_name`), so a changed preset builds a new one instead of loading a stale one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,9 +29,17 @@ from .errors import UsageError
 from .model.init import init_random
 from .model.transformer import Transformer
 
-TINY_NAME = "tiny-v2"
+#: bump when the build changes in a way the config does not show (initialisation, quantizer, tokenizer)
+TINY_RECIPE = 3
 TINY_SEED = 1234
 TINY_VARIANTS = ("mxfp4", "nvfp4", "bf16")
+
+
+def tiny_name() -> str:
+    """The cache directory stem of the tiny checkpoint: ``tiny-v<recipe>-<digest>``, the digest taken
+    over the preset's geometry and the seed, so a cache built from another geometry is never served."""
+    recipe = json.dumps({"config": preset("tiny").to_dict(), "seed": TINY_SEED}, sort_keys=True)
+    return f"tiny-v{TINY_RECIPE}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
 
 
 def cache_dir() -> Path:
@@ -81,12 +91,13 @@ def ensure_tiny(root: Path | None = None, variant: str = "mxfp4") -> Path:
     if variant not in TINY_VARIANTS:
         raise UsageError(f"unknown tiny model variant {variant!r}; known: {', '.join(TINY_VARIANTS)}")
     root = root or cache_dir()
-    target = root / f"{TINY_NAME}-{variant}"
+    name = tiny_name()
+    target = root / f"{name}-{variant}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     _make_cache_dir(root)
     print(f"building the embedded tiny model in {target} (once)", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         build_tiny(tmp, variant)
         if target.exists():  # a concurrent build finished first

@@ -33,7 +33,7 @@ def parity_config(**overrides) -> ModelConfig:
 def tp_config(**overrides) -> ModelConfig:
     """A tiny geometry that shards over 2 ranks on FP8 blocks of 128: per rank, ``wq_b`` holds 128 rows
     (2 heads of 64), ``wo_a`` 128 rows (1 group of 128), ``wo_b`` and the shared expert's ``w2`` 128
-    columns. (The tiny preset's FP8 tensors are a single 128-block each, so they cannot be split.)"""
+    columns. (The tiny preset splits over 2 as well, with other sizes: 4 heads of 32, 2 groups of 64.)"""
     kinds = ["sliding", "csa", "hca", "csa"]
     ratio = {"sliding": 0, "csa": 4, "hca": 16}
     base = dict(vocab_size=512, hidden_size=64, num_hidden_layers=len(kinds), num_attention_heads=4, head_dim=64,

@@ -433,3 +433,21 @@ def test_reference_linear_shape_mismatch_names_the_weight() -> None:
     assert "(4, 32)" in msg and "(6, 64)" in msg and NAME in msg
     with pytest.raises(ValueError, match=r"\(6, 8\)"):
         reference.linear(torch.randn(4, 7), torch.randn(6, 8))
+
+
+def test_kernel_operands_name_the_format_and_its_stored_tensors() -> None:
+    """What a kernel reads of each format: its FormatCode and the stored tensors themselves (no copy)."""
+    from dsv4.weights.formats import Bf16Weight, FormatCode
+    w = torch.randn(130, 256, generator=torch.Generator().manual_seed(0))
+    fp8, fp8e = Fp8BlockWeight.quantize(w), Fp8BlockWeight.quantize(w, ue8m0=True)
+    mx, nv, bf = Mxfp4Weight.quantize(w), Nvfp4Weight.quantize(w), Bf16Weight.quantize(w)
+    want = {fp8: (FormatCode.FP8_F32, fp8.weight, fp8.scale, None),
+            fp8e: (FormatCode.FP8_UE8M0, fp8e.weight, fp8e.scale, None),
+            mx: (FormatCode.MXFP4, mx.packed, mx.scale, None),
+            nv: (FormatCode.NVFP4, nv.packed, nv.block_scale, nv.global_scale),
+            bf: (FormatCode.BF16, bf.weight, None, None)}
+    for weight, (code, *tensors) in want.items():
+        got = weight.kernel_operands()
+        assert got[0] is code, type(weight).__name__
+        assert all(a is b for a, b in zip(got[1:], tensors, strict=True)), type(weight).__name__
+    assert fp8e.scale.dtype == torch.uint8 and fp8.scale.dtype == torch.float32

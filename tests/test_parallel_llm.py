@@ -1,13 +1,16 @@
 """``LLM(..., tensor_parallel_size=N)`` and ``--tensor-parallel-size``: the engine (scheduler, chunked
 prefill, sampler, prompt logprobs) over a group this process starts, against the same engine on one
-process. On CPU: 2 ranks over gloo, the tiny BF16 model. A dead rank and a model that cannot split
+process. On CPU: 2 ranks over gloo, the tiny BF16 model (through the CLI also the default and NVFP4 tiny
+models, against a one-process CLI run). A dead rank and a model that cannot split
 are one-line errors, never a hang. The GPU variant (2 GPUs, NCCL, CUDA graphs) runs in
 ``bench/tp_check.sh``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,21 +79,30 @@ def test_bad_sizes_are_usage_errors(monkeypatch):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "-m", "dsv4.cli", "generate", "--device", "cpu", "--max-tokens", "6",
-                           "--temperature", "0", "--json", *args, "Hello"],
+    return subprocess.run([sys.executable, "-m", "dsv4.cli", "generate", "--device", "cpu", "--max-tokens", "8",
+                           "--temperature", "0", "--ignore-eos", "--json", *args, "Hello"],
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_cli_flag_matches_one_rank_and_names_a_bad_split():
-    one = _cli("--model", "tiny:bf16")
-    two = _cli("--model", "tiny:bf16", "--tensor-parallel-size", "2")
-    assert one.returncode == 0 and two.returncode == 0, two.stderr
-    import json
-    assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
-    # the default tiny model keeps its 32-row FP8 projections in one 128-row block: no 2-way split
-    bad = _cli("--tensor-parallel-size", "2")
+@pytest.mark.parametrize("model", [[], ["--model", "tiny:nvfp4"]], ids=["default", "nvfp4"])
+def test_cli_flag_matches_one_rank(model):
+    """The default tiny model (FP8 block + MXFP4, QAT simulation on) and NVIDIA's layout split in two
+    (the README's table) and give the greedy ids of one process."""
+    one = _cli(*model)
+    two = _cli(*model, "--tensor-parallel-size", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "tensor parallel: starting 1 more rank(s) on the CPU (gloo)" in two.stderr
+    ids = json.loads(one.stdout)["token_ids"]
+    assert len(ids) == 8 and json.loads(two.stdout)["token_ids"] == ids
+
+
+def test_cli_names_a_bad_split():
+    # the default tiny model's FP8 projections are two 128-row blocks: no 4-way split
+    bad = _cli("--tensor-parallel-size", "4")
     assert bad.returncode == 2
-    assert "error: cannot shard `layers.0.attn.wo_a.weight`" in bad.stderr and "Traceback" not in bad.stderr
+    assert re.search(r"error: cannot shard `layers\.0\.attn\.(wq_b|wo_a)\.weight` \(FP8 block.*multiple of 128",
+                     bad.stderr), bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,11 +139,40 @@ def test_sizes_that_do_not_divide_are_named(overrides, world, words):
         assert w in str(info.value), (w, str(info.value))
 
 
-def test_fp8_blocks_of_the_tiny_model_do_not_split(tiny_checkpoint):
-    """The tiny model's FP8 tensors are single 128x128 blocks: two ranks cannot share them."""
+def readme_tiny_tp_sizes() -> dict[str, list[int]]:
+    """The README's table of the tensor-parallel sizes each tiny variant supports: variant -> sizes."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    claims = {}
+    for models, sizes in re.findall(r"^\| ((?:`tiny[^`]*`[^|]*)+)\| ([\d, ]+) \|$", readme, re.M):
+        for model in re.findall(r"`(tiny[^`]*)`", models):
+            claims[model.partition(":")[2] or "mxfp4"] = [int(n) for n in sizes.split(",")]
+    return claims
+
+
+def test_readme_tiny_tensor_parallel_sizes_are_what_loads():
+    """Every size the README claims for a tiny variant loads on each rank; every other size up to
+    twice the largest claim is a ShardError naming the tensor (the next size up cuts a block or a
+    count that does not divide)."""
+    from dsv4.tiny import TINY_VARIANTS, resolve_model
+
+    claims = readme_tiny_tp_sizes()
+    assert sorted(claims) == sorted(TINY_VARIANTS)
+    for variant, sizes in claims.items():
+        path = resolve_model(f"tiny:{variant}")
+        for world in range(1, 2 * max(sizes) + 1):
+            if world in sizes:
+                for rank in range(world):
+                    model, _ = load_model(path, progress=False, parallel=ParallelGroup.layout(rank, world))
+                    assert model.layers[0].attn.n_heads * world == model.config.num_attention_heads
+            else:
+                with pytest.raises(ShardError, match=rf"cannot shard `[\w.]+` .*across {world} ranks"):
+                    load_model(path, progress=False, parallel=ParallelGroup.layout(0, world))
+    # FP8 blocks are what limit the quantized variants: at the size after their largest, the message
+    # says which block would be cut
+    path = resolve_model("tiny:mxfp4")
     with pytest.raises(ShardError) as info:
-        load_model(tiny_checkpoint, progress=False, parallel=ParallelGroup.layout(1, 2))
-    assert re.search(r"`layers\.\d+\.attn\.(wq_b|wo_a|wo_b)\.weight` \(FP8 block.*128", str(info.value)), info.value
+        load_model(path, progress=False, parallel=ParallelGroup.layout(0, 2 * max(claims["mxfp4"])))
+    assert re.search(r"`layers\.\d+\.attn\.(wq_b|wo_a|wo_b)\.weight` \(FP8 block.*multiple of 128", str(info.value))
 
 
 def test_fp4_column_split_must_fall_on_activation_blocks(tmp_path):
@@ -160,9 +190,11 @@ def test_random_sharded_applies_the_same_rule():
     from dsv4.config import preset
     from dsv4.model.init import random_sharded
 
+    # the tiny geometry's FP8 projections are two 128-blocks: they split in 2, not in 4
+    random_sharded(preset("tiny"), parallel=ParallelGroup.layout(1, 2))
     with pytest.raises(ShardError, match=r"attn\.wq_b\.weight.*fp8"):
-        random_sharded(preset("tiny"), parallel=ParallelGroup.layout(0, 2))
-    random_sharded(preset("tiny"), parallel=ParallelGroup.layout(0, 2), dense="bf16")   # BF16 splits anywhere
+        random_sharded(preset("tiny"), parallel=ParallelGroup.layout(0, 4))
+    random_sharded(preset("tiny"), parallel=ParallelGroup.layout(0, 4), dense="bf16")   # BF16 splits anywhere
 
 
 def test_world_size_one_has_no_collectives():

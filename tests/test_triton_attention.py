@@ -1,4 +1,4 @@
-"""Triton sparse attention and indexer scores against their references (dsv4.ops.reference).
+"""Triton sparse attention, indexer scores and top-k against their references (dsv4.ops.reference).
 
 CPU: Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported) at small ragged
 shapes, every store layout (plain, fp8 with e8m0 or fp32 scales; fp4 / plain indexer keys), fp32
@@ -23,6 +23,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from dsv4.model.cache import RowStore  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
 from dsv4.ops.triton import attention as ka  # noqa: E402
+from dsv4.ops.triton import indexer as ki  # noqa: E402
+from dsv4.ops.triton import runtime  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -39,12 +41,10 @@ def _gen(seed: int) -> torch.Generator:
 
 
 @pytest.fixture
-def poison(monkeypatch):
-    """Kernel outputs and workspaces start as NaN: an element the kernel does not write shows."""
-    def empty(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
-        return torch.full(shape, fill, dtype=dtype, device=device)
-    monkeypatch.setattr(ka, "_empty", empty)
+def poison():
+    """Kernel outputs and workspaces start as NaN (-1 integers): an element the kernel does not write shows."""
+    with runtime.poisoned():
+        yield
 
 
 def _store(layout: str, vals: torch.Tensor, rope: int, dtype: torch.dtype) -> RowStore:
@@ -90,8 +90,8 @@ def _attn_case(kind, layout, dtype, B, S, H, hd, rope, W, n_ent, k, starts, seed
     return args, comp
 
 
-def _check_attention(args, comp, dtype):
-    out = ka.sparse_attention_triton(*args, **comp)
+def _check_attention(args, comp, dtype, **split):
+    out = ka.sparse_attention_triton(*args, **comp, **split)
     exp = ref.sparse_attention(*args, **comp)
     assert out.shape == exp.shape and out.dtype == exp.dtype
     assert not out.isnan().any(), "unwritten (NaN-poisoned) output elements"
@@ -105,29 +105,26 @@ def _check_attention(args, comp, dtype):
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("layout,dtype", [("plain", torch.float32), ("fp8", torch.float16),
                                           ("fp8-f32", torch.float32)])
-def test_attention_decode(kind, layout, dtype, poison, monkeypatch):
+def test_attention_decode(kind, layout, dtype, poison):
     """S = 1, slots at different positions: a fresh ring (start 0), a partly filled one, wrapped ones.
     Ragged head dim (nope 52: a short last scale block), 5 heads, key ranges split (flash decoding),
-    the splits merged by the last program of each query (FUSED_COMBINE)."""
-    monkeypatch.setattr(ka, "FUSED_MAX_SPLITS", 64)
+    the splits merged by the last program of each query."""
     args, comp = _attn_case(kind, layout, dtype, B=4, S=1, H=5, hd=60, rope=8, W=8, n_ent=12, k=6,
                             starts=[0, 5, 19, 40], seed=1)
-    _check_attention(args, comp, dtype)
+    _check_attention(args, comp, dtype, _merge="fused")
 
 
 @cpu_only
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("layout,dtype,target", [("fp8", torch.float32, 1), ("plain", torch.float16, 64)],
                          ids=["fp8-fp32-unsplit", "plain-fp16-split"])
-def test_attention_prefill(kind, layout, dtype, target, poison, monkeypatch):
+def test_attention_prefill(kind, layout, dtype, target, poison):
     """S > W (the chunk's own rows slide out of the window), a chunk after a wrapped ring and one
     from position 0; unsplit (one program per query and head block, softmax finished in-kernel)
     and split key ranges merged by the separate combine kernel."""
-    monkeypatch.setattr(ka, "TARGET_PROGRAMS", target)
-    monkeypatch.setattr(ka, "FUSED_COMBINE", False)
     args, comp = _attn_case(kind, layout, dtype, B=2, S=9, H=3, hd=40, rope=8, W=4, n_ent=12, k=5,
                             starts=[13, 0], seed=2)
-    _check_attention(args, comp, dtype)
+    _check_attention(args, comp, dtype, _target_programs=target, _merge="combine")
 
 
 @cpu_only
@@ -152,17 +149,15 @@ def test_attention_mixed_layouts(poison):
 
 @cpu_only
 @pytest.mark.parametrize("target,fused", [(1, True), (64, True), (64, False)])
-def test_attention_sink_takes_the_weight(target, fused, poison, monkeypatch):
+def test_attention_sink_takes_the_weight(target, fused, poison):
     """A dominant sink logit (zero value) drives the output to zero: unsplit, split and merged by
     the last program, split and merged by the combine kernel."""
-    monkeypatch.setattr(ka, "TARGET_PROGRAMS", target)
-    monkeypatch.setattr(ka, "FUSED_COMBINE", fused)
-    monkeypatch.setattr(ka, "FUSED_MAX_SPLITS", 64)
+    split = dict(_target_programs=target, _merge="fused" if fused else "combine")
     args, comp = _attn_case("hca", "plain", torch.float32, B=2, S=1, H=4, hd=32, rope=8, W=4, n_ent=8, k=4,
                             starts=[0, 3], seed=3)
     args = list(args)
     args[6] = torch.full((4,), 80.0)
-    out = ka.sparse_attention_triton(*args, **comp)
+    out = ka.sparse_attention_triton(*args, **comp, **split)
     assert out.abs().max() < 1e-20
     torch.testing.assert_close(out, ref.sparse_attention(*args, **comp))
 
@@ -203,7 +198,7 @@ def test_indexer_scores(layout, dtype, S, poison):
     query blocks with a ragged tail."""
     q, keys, slots, w = _indexer_case(layout, dtype, B=2, S=S, NI=5, d=64, rows=40, seed=10 + S)
     bound = 37
-    out = ka.indexer_scores_triton(q, keys, slots, w, bound)
+    out = ki.indexer_scores_triton(q, keys, slots, w, bound)
     exp = ref.indexer_scores(q, keys, slots, w, bound)
     assert out.shape == exp.shape == (2, S, bound) and out.dtype == torch.float32
     assert not out.isnan().any()
@@ -215,11 +210,11 @@ def test_indexer_scores(layout, dtype, S, poison):
 def test_indexer_bad_inputs_raise():
     q, keys, slots, w = _indexer_case("fp4", torch.float32, B=1, S=1, NI=4, d=32, rows=8, seed=20)
     with pytest.raises(ka.AttentionKernelError, match="bound"):
-        ka.indexer_scores_triton(q, keys, slots, w, 9)
+        ki.indexer_scores_triton(q, keys, slots, w, 9)
     with pytest.raises(ka.AttentionKernelError, match="weights"):
-        ka.indexer_scores_triton(q, keys, slots, w[..., :2], 4)
+        ki.indexer_scores_triton(q, keys, slots, w[..., :2], 4)
     with pytest.raises(ka.AttentionKernelError, match="keys"):
-        ka.indexer_scores_triton(q.half(), keys, slots, w, 4)
+        ki.indexer_scores_triton(q.half(), keys, slots, w, 4)
 
 
 def _scores_with_ties(shape, seed, device="cpu"):
@@ -236,15 +231,15 @@ def test_topk_indices_single_chunk(poison):
     """Exactly the reference's indices, in its order: ties to the lowest index, -0 ties +0, -inf last."""
     x = _scores_with_ties((2, 3, 37), 30)
     for k in (5, 37):
-        assert torch.equal(ka.topk_indices_triton(x, k), ref.topk_indices(x, k))
+        assert torch.equal(ki.topk_indices_triton(x, k), ref.topk_indices(x, k))
 
 
 @cpu_only
 def test_topk_indices_levels(poison, monkeypatch):
     """Rows longer than one chunk: chunk-wise top-k, then top-k of the candidates (three levels)."""
-    monkeypatch.setattr(ka, "TOPK_CHUNK", 16)
+    monkeypatch.setattr(ki, "TOPK_CHUNK", 16)
     x = _scores_with_ties((1, 2, 70), 31)
-    assert torch.equal(ka.topk_indices_triton(x, 4), ref.topk_indices(x, 4))
+    assert torch.equal(ki.topk_indices_triton(x, 4), ref.topk_indices(x, 4))
 
 
 # ----------------------------------------------------------------------------- GPU (real shapes)
@@ -280,8 +275,8 @@ def _real_attention(kind, geo, layout, B, S, ctx, seed=0):
     return (q, kv_new, ring, slots, start, W, sink, hd ** -0.5), comp
 
 
-def _check_gpu(args, comp):
-    out = ka.sparse_attention_triton(*args, **comp)
+def _check_gpu(args, comp, **split):
+    out = ka.sparse_attention_triton(*args, **comp, **split)
     exp = ref.sparse_attention(*args, **comp)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert _rel(out, exp) < 1e-2, _rel(out, exp)
@@ -330,15 +325,14 @@ def test_gpu_attention_cuda_graph_replay_equals_eager(kind, B, S):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("fused", [True, False])
-def test_gpu_attention_split_merge_is_deterministic(fused, monkeypatch):
+def test_gpu_attention_split_merge_is_deterministic(fused):
     """Split keys merged by the last program (atomic counter) or by the combine kernel: right,
     and bitwise the same on every run whichever program finishes last (a race would show)."""
-    monkeypatch.setattr(ka, "FUSED_COMBINE", fused)
-    monkeypatch.setattr(ka, "FUSED_MAX_SPLITS", 64)
+    split = dict(_merge="fused" if fused else "combine")
     args, comp = _real_attention("csa", PRO, "fp8", 4, 1, 8192, seed=3)
-    first = _check_gpu(args, comp)
+    first = _check_gpu(args, comp, **split)
     for _ in range(20):
-        assert torch.equal(ka.sparse_attention_triton(*args, **comp), first)
+        assert torch.equal(ka.sparse_attention_triton(*args, **comp, **split), first)
 
 
 def _real_indexer(layout, B, S, bound, dev="cuda", seed=0):
@@ -359,7 +353,7 @@ def _real_indexer(layout, B, S, bound, dev="cuda", seed=0):
 @pytest.mark.parametrize("B,S,bound", [(1, 1, 2048), (8, 1, 16384), (32, 1, 500), (1, 700, 1024)])
 def test_gpu_indexer_scores(layout, B, S, bound, poison):
     q, keys, slots, w = _real_indexer(layout, B, S, bound)
-    out = ka.indexer_scores_triton(q, keys, slots, w, bound)
+    out = ki.indexer_scores_triton(q, keys, slots, w, bound)
     exp = ref.indexer_scores(q, keys, slots, w, bound)
     assert not out.isnan().any()
     assert _rel(out, exp) < 1e-4, _rel(out, exp)     # exact products, fp32 sums in another order
@@ -369,14 +363,14 @@ def test_gpu_indexer_scores(layout, B, S, bound, poison):
 @cuda
 def test_gpu_indexer_cuda_graph_replay_equals_eager():
     q, keys, slots, w = _real_indexer("fp4", 8, 1, 4096)
-    ka.indexer_scores_triton(q, keys, slots, w, 4096)
+    ki.indexer_scores_triton(q, keys, slots, w, 4096)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = ka.indexer_scores_triton(q, keys, slots, w, 4096)
+        static = ki.indexer_scores_triton(q, keys, slots, w, 4096)
     q.copy_(ref.fp4_sim(torch.randn_like(q.float())).bfloat16())
     graph.replay()
-    torch.testing.assert_close(static, ka.indexer_scores_triton(q, keys, slots, w, 4096), rtol=0, atol=0)
+    torch.testing.assert_close(static, ki.indexer_scores_triton(q, keys, slots, w, 4096), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -385,7 +379,7 @@ def test_gpu_indexer_cuda_graph_replay_equals_eager():
                                      ((1, 700, 1024), 512), ((1, 1, 65536), 1024)])
 def test_gpu_topk_indices(shape, k, poison):
     x = _scores_with_ties(shape, 32, "cuda")
-    assert torch.equal(ka.topk_indices_triton(x, k), ref.topk_indices(x, k))
+    assert torch.equal(ki.topk_indices_triton(x, k), ref.topk_indices(x, k))
 
 
 @pytest.mark.gpu
@@ -394,5 +388,5 @@ def test_gpu_ops_dispatch_uses_the_kernels():
     """``dsv4.ops`` hands CUDA attention / indexer calls to these kernels."""
     from dsv4 import ops
     assert ops.implementation("sparse_attention", torch.device("cuda")) is ka.sparse_attention_triton
-    assert ops.implementation("indexer_scores", torch.device("cuda")) is ka.indexer_scores_triton
-    assert ops.implementation("topk_indices", torch.device("cuda")) is ka.topk_indices_triton
+    assert ops.implementation("indexer_scores", torch.device("cuda")) is ki.indexer_scores_triton
+    assert ops.implementation("topk_indices", torch.device("cuda")) is ki.topk_indices_triton

@@ -28,6 +28,7 @@ from dsv4 import ops  # noqa: E402
 from dsv4.ops import numerics  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
 from dsv4.ops.triton import linear as lin  # noqa: E402
+from dsv4.ops.triton import runtime  # noqa: E402
 from dsv4.weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,9 +38,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @pytest.fixture(autouse=True)
 def _poison():
-    lin.POISON = True
-    yield
-    lin.POISON = False
+    with runtime.poisoned():
+        yield
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -112,7 +112,7 @@ def test_linear_decode_fp32_exact(fmt, aq):
     _check(y, ref.linear(x, w, act_quant, pow2, torch.float32), 2e-6)
     y2 = lin.linear_triton(x, w, act_quant, pow2, torch.float32, _path="skinny", _config=cfg)
     assert torch.equal(y, y2), "split-K result is not deterministic"
-    assert int(lin._COUNTERS[str(torch.device(DEV))].abs().sum()) == 0, "split counters not reset"
+    assert int(runtime.counters_if_allocated(torch.device(DEV), "linear").abs().sum()) == 0, "split counters not reset"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -179,6 +179,33 @@ def test_act_quant_bit_identical(pow2):
     else:
         assert torch.equal(s2.cpu(), s_ref)
     assert torch.equal(v.cpu().view(4, 3, 128), want)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8_ue8m0"])
+@pytest.mark.parametrize("path", ["skinny", "gemm"])
+def test_nan_e8m0_scale_gives_nan_like_the_reference(fmt, path):
+    """An e8m0 scale byte of 255 is NaN (``numerics.e8m0_to_float``), so the rows it scales come
+    out NaN as in the reference; the kernel used to decode it as +inf (positive weights times
+    positive inputs: +inf). The formats refuse 255 at load; here it is written after construction."""
+    n, k = 256, 128
+    if fmt == "mxfp4":
+        w = Mxfp4Weight(torch.full((n, k // 2), 0x22, dtype=torch.uint8),
+                        torch.full((n, k // 32), 127, dtype=torch.uint8))
+        w.scale[1, 0] = 255
+        nan_rows = torch.arange(n) == 1
+    else:
+        w = Fp8BlockWeight(torch.full((n, k), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                           torch.full((2, 1), 127, dtype=torch.uint8))
+        w.scale[1, 0] = 255
+        nan_rows = torch.arange(n) >= 128
+    w = w.to(DEV)
+    x = (torch.rand(3 if path == "skinny" else 40, k, generator=_gen(9)) + 0.5).to(DEV)
+    y = lin.linear_triton(x, w, False, True, torch.float32, _path=path,
+                          _config=dict(BN=64, MP=16, KSTEPS=1, SPLIT=1) if path == "skinny" else dict(BM=32, BN=32))
+    want = ref.linear(x, w, False, True, torch.float32)
+    assert torch.isnan(want[:, nan_rows]).all() and torch.isfinite(want[:, ~nan_rows]).all()
+    assert torch.equal(torch.isnan(y), torch.isnan(want))
+    torch.testing.assert_close(y[:, ~nan_rows], want[:, ~nan_rows])
 
 
 def test_dispatch_and_validation():

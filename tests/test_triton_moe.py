@@ -30,16 +30,21 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
 def _module():
-    """The kernel module, compiled (not interpreted) when CUDA is there even if another test
-    module set TRITON_INTERPRET first."""
+    """The kernel modules, compiled (not interpreted) when CUDA is there even if another test
+    module set TRITON_INTERPRET first (the device functions are decorated at import: reload them
+    all, the parts before the modules that import them)."""
     from dsv4.ops.triton import moe as M
-    if CUDA and "Interpreted" in type(M._w13_decode_kernel).__name__:
+    from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, numerics
+    if CUDA and "Interpreted" in type(moe_decode._w13_decode_kernel).__name__:
         os.environ.pop("TRITON_INTERPRET", None)
+        for part in (numerics, moe_experts, moe_decode, moe_grouped):
+            importlib.reload(part)
         M = importlib.reload(M)
     return M
 
 
 M = _module()
+from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noqa: E402
 
 #: small tile configs for the interpreter: few programs, still several N tiles and K steps
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
@@ -49,19 +54,12 @@ SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
 
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch):
-    """Every wrapper allocation starts as NaN (floats) or garbage (ints); small configs on CPU."""
-    def empty(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        if dtype.is_floating_point and dtype.itemsize > 1:
-            t.fill_(float("nan"))
-        elif dtype == torch.float8_e4m3fn:
-            t.view(torch.uint8).fill_(0x7F)                  # e4m3 NaN
-        else:
-            t.fill_(12345)
-        return t
-    monkeypatch.setattr(M, "_empty", empty)
+    """Every wrapper allocation starts as NaN (floats, e4m3) or -1 (ints, the combine counters);
+    small configs on CPU."""
     if not CUDA:
         monkeypatch.setattr(M, "CONFIGS", SMALL)
+    with runtime.poisoned():
+        yield
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -207,7 +205,9 @@ def test_expert_parallel_ranks_sum_to_the_whole(monkeypatch, fmt, T):
 
 
 def test_ragged_tiny_model_shapes():
-    """hidden 64, inter 32 (the tiny checkpoint's experts): partial K blocks and N tiles."""
+    """hidden 64, inter 256 (the tiny checkpoint's experts), and inter 32: partial K blocks and N tiles."""
+    _run("mxfp4", 3, 2, 8, 64, 256, True)
+    _run("nvfp4", 1, 2, 8, 64, 256, True)
     _run("mxfp4", 3, 2, 8, 64, 32, True)
     _run("nvfp4", 1, 2, 8, 64, 32, True)
 
@@ -217,9 +217,26 @@ def test_fp32_scale_rounding_and_no_limit():
     _run("fp8", 3, 2, 4, 128, 128, True, pow2=False, dtype=torch.float32, limit=0.0)
 
 
-def test_separate_combine_kernel(monkeypatch):
-    monkeypatch.setattr(M, "FUSED_COMBINE", False)
-    _run("mxfp4", 4, 2, 4, 128, 128, True)
+@pytest.mark.parametrize("T", [1, 4])
+def test_nan_e8m0_scale_gives_nan_like_the_reference(T):
+    """An MXFP4 scale byte of 255 is NaN (``numerics.e8m0_to_float``): the tokens routed to that
+    expert come out NaN, as in the reference (the kernel used to build ``2^(s-127) * 2^14`` from the
+    bits, which overflowed into the sign bit: a finite, wrong value). The formats refuse 255 at
+    load; here it is written after construction."""
+    E, D, I = 3, 64, 32
+    w1, w3 = (_weights("mxfp4", E, I, D, s) for s in (1, 3))
+    w2 = _weights("mxfp4", E, D, I, 2)
+    w1.scale[0, 0, 0] = 255
+    x = torch.randn(T, D, generator=_gen(4)).half().to(DEV)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [1, 2]][:T], device=DEV)
+    rw = torch.full((T, 2), 0.5, device=DEV)
+    got = M.moe_triton(x, ids, rw, w1, w3, w2, 0.0).float().cpu()
+    exp = ref.moe(x, ids, rw, w1, w3, w2, 0.0).float().cpu()
+    hit = (ids.cpu() == 0).any(1)
+    assert torch.isnan(exp[hit]).all() and torch.isfinite(exp[~hit]).all()
+    assert torch.equal(torch.isnan(got), torch.isnan(exp))
+    if (~hit).any():
+        torch.testing.assert_close(got[~hit], exp[~hit], rtol=2e-3, atol=2e-3)
 
 
 def test_dispatch_registers_the_kernel():
@@ -302,10 +319,11 @@ def test_every_refusal_is_kernel_unsupported_before_any_launch(monkeypatch):
 
     def launched(*a, **k):
         raise AssertionError("launched or allocated before refusing")
-    for name in dir(M):
-        if name.endswith("_kernel"):
-            monkeypatch.setattr(M, name, launched)
-    monkeypatch.setattr(M, "_empty", launched)
+    for module in (M, moe_experts, moe_decode, moe_grouped):
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                monkeypatch.setattr(module, name, launched)
+    monkeypatch.setattr(runtime, "empty", launched)
     for what, args in _refusals():
         with pytest.raises(ops.KernelUnsupported, match=what):
             M.moe_triton(*args, 1.5, True)

@@ -28,7 +28,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from dsv4.model.cache import RowStore  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
-from dsv4.ops.triton import small, small_util  # noqa: E402
+from dsv4.ops.triton import runtime, small  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS = {op: fn for op, _, fn in small.REGISTRATIONS}
@@ -36,9 +36,8 @@ KERNELS = {op: fn for op, _, fn in small.REGISTRATIONS}
 
 @pytest.fixture(autouse=True)
 def _poison():
-    small_util.POISON = True
-    yield
-    small_util.POISON = False
+    with runtime.poisoned():
+        yield
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -148,7 +148,7 @@ def _prefill_cases(env, c: _Context, S: int) -> list[Case]:
 
 
 def _indexer_cases(env, contexts: dict, prefill: _Context, S: int) -> list[Case]:
-    from dsv4.ops.triton.attention import indexer_scores_triton, topk_indices_triton
+    from dsv4.ops.triton.indexer import indexer_scores_triton, topk_indices_triton
     out = []
     dev = env.device
 

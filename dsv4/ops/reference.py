@@ -236,10 +236,6 @@ def grouped_linear(x: torch.Tensor, w: object, groups: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- MoE
-#: routed (token, expert) pairs up to which the MoE reference gathers each pair's expert weights
-#: even in eager mode; above it, and always unless host reads are forbidden, tokens are grouped by
-#: expert (one host read of the per-expert counts; each selected expert read once, in place).
-MOE_GATHER_PAIRS = 0
 #: bytes of dequantized expert weights the gather path holds at once
 MOE_GATHER_BYTES = 256 << 20
 _SYNC_FREE = threading.local()
@@ -285,7 +281,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1:
     tok = torch.arange(T, device=x.device).repeat_interleave(k)
     route_w = topk_weights.reshape(-1, 1).float()
     y = torch.zeros(pairs, x.shape[1], dtype=torch.float32, device=x.device)
-    if pairs <= MOE_GATHER_PAIRS or host_reads_forbidden(x):
+    if host_reads_forbidden(x):
         per_pair = _expert_bytes(w1, w3, w2, x.dtype)
         chunk = max(1, min(pairs, MOE_GATHER_BYTES // max(per_pair, 1)))
         for lo in range(0, pairs, chunk):

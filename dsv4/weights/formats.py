@@ -22,6 +22,7 @@ weight data is not scanned.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from typing import Any, Callable, ClassVar, Self, Sequence
 
@@ -33,7 +34,7 @@ from ..ops import numerics
 __all__ = [
     "WeightFormatError", "QuantWeight", "Bf16Weight", "Fp8BlockWeight", "Mxfp4Weight",
     "Nvfp4Weight", "E2M1_VALUES", "round_to_e2m1", "pack_fp4", "unpack_fp4",
-    "e8m0_to_float", "float_to_e8m0",
+    "e8m0_to_float", "float_to_e8m0", "FormatCode",
 ]
 
 
@@ -190,6 +191,18 @@ def _expand_cols(s: torch.Tensor, block: int, k: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- base class
 
+class FormatCode(enum.IntEnum):
+    """Which kernel path a weight takes: the ``FMT`` constexpr of the Triton kernels
+    (:meth:`QuantWeight.kernel_operands` gives it with the tensors the kernel reads)."""
+
+    FP8_F32 = 0        # FP8 e4m3, fp32 block scales
+    FP8_UE8M0 = 1      # FP8 e4m3, e8m0 (power-of-two) block scales
+    MXFP4 = 2          # e2m1 codes, e8m0 scale per 32
+    NVFP4 = 3          # e2m1 codes, e4m3 scale per 16, fp32 global scale
+    BF16 = 4           # unquantized
+
+
+
 class QuantWeight:
     """Common behaviour of the weight types: a few named tensors with optional expert dim.
 
@@ -221,6 +234,11 @@ class QuantWeight:
 
     def dequantize_rows(self, start: int, stop: int,
                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kernel_operands(self) -> tuple[FormatCode, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(code, data, scale, global_scale)``: what a kernel reads, as stored (no copy);
+        ``None`` where the format has no such tensor."""
         raise NotImplementedError
 
     @property
@@ -368,6 +386,9 @@ class Bf16Weight(QuantWeight):
         return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                 torch.float64: "fp64"}[self.weight.dtype]
 
+    def kernel_operands(self) -> tuple[FormatCode, torch.Tensor, None, None]:
+        return FormatCode.BF16, self.weight, None, None
+
     def dequantize_rows(self, start: int, stop: int,
                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows [start, stop) as `dtype`: [stop-start, K] or [E, stop-start, K]."""
@@ -424,6 +445,10 @@ class Fp8BlockWeight(QuantWeight):
     @property
     def dtype_name(self) -> str:
         return "fp8_e4m3_block" + ("_ue8m0" if self.scale_ue8m0 else "")
+
+    def kernel_operands(self) -> tuple[FormatCode, torch.Tensor, torch.Tensor, None]:
+        """float8_e4m3fn data; fp32 or e8m0 (uint8) block scales (``block`` is the caller's check)."""
+        return (FormatCode.FP8_UE8M0 if self.scale_ue8m0 else FormatCode.FP8_F32), self.weight, self.scale, None
 
     def dequantize_rows(self, start: int, stop: int,
                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -547,6 +572,10 @@ class Mxfp4Weight(_Fp4Weight):
         _require_device([packed, scale], name)
         self.name, self.packed, self.scale = name, packed, scale
 
+    def kernel_operands(self) -> tuple[FormatCode, torch.Tensor, torch.Tensor, None]:
+        """uint8 packed codes and e8m0 (uint8) scales per 32."""
+        return FormatCode.MXFP4, self.packed, self.scale, None
+
     def dequantize_rows(self, start: int, stop: int,
                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows [start, stop) as `dtype`: [stop-start, K] or [E, stop-start, K] (fp32 math)."""
@@ -619,6 +648,10 @@ class Nvfp4Weight(_Fp4Weight):
         _require_device([packed, block_scale, global_scale, input_scale], name)
         self.name, self.packed, self.block_scale = name, packed, block_scale
         self.global_scale, self.input_scale = global_scale, input_scale
+
+    def kernel_operands(self) -> tuple[FormatCode, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """uint8 packed codes, float8_e4m3fn scales per 16, fp32 global scale (``()`` or ``[E]``)."""
+        return FormatCode.NVFP4, self.packed, self.block_scale, self.global_scale
 
     @staticmethod
     def _scalar(t: torch.Tensor | float, lead: list[int], device: torch.device,

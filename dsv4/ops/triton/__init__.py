@@ -18,8 +18,10 @@ import os
 
 from .. import register
 
-#: kernel modules, imported in this order
-MODULES: tuple[str, ...] = ("linear", "moe", "attention", "small")
+#: the modules that register kernels, imported in this order (the others hold their parts:
+#: ``numerics`` the decoders and rounding, ``runtime`` buffers / counters / SM count, ``moe_*`` and
+#: ``small_*`` the kernels those two gather)
+MODULES: tuple[str, ...] = ("linear", "moe", "attention", "indexer", "small")
 
 
 def available() -> bool:

@@ -1,9 +1,8 @@
-"""Sparse attention (sliding window + compressed entries + sink), the lightning indexer's scores
-and the indexer's top-k.
+"""Sparse attention (sliding window + compressed entries + sink) as Triton kernels.
 
-Computes what :func:`dsv4.ops.reference.sparse_attention`, :func:`~dsv4.ops.reference.indexer_scores`
-and :func:`~dsv4.ops.reference.topk_indices` compute (DSV4_FACTS section 2, "Attention" and
-"Lightning indexer"; storage layouts in :mod:`dsv4.model.cache`).
+Computes what :func:`dsv4.ops.reference.sparse_attention` computes (DSV4_FACTS section 2,
+"Attention"; storage layouts in :mod:`dsv4.model.cache`). The lightning indexer's scores and top-k
+are :mod:`dsv4.ops.triton.indexer`.
 
 **Attention.** One shared K=V head (MQA), so for one query its heads are the rows of a matrix
 product against the query's keys: ``logits = Q K^T``, then ``acc += P K``. Every query
@@ -39,81 +38,33 @@ atomic counter, re-armed by that program) does that merge itself, saving the lau
 order too, so the result is deterministic whichever finishes last. A query that sees no key gets
 ``0`` (the sink takes all the weight).
 
-**Indexer scores.** ``out[b, s, c] = sum_h w[b, s, h] * relu(q[b, s, h] . K[slot_b, c])`` for
-``c < bound``. Grid ``(B * ceil(S / BQ), entry splits)``; a program decodes a tile of ``BC = 64``
-keys once (packed e2m1 nibbles times their e8m0 scale per 32, exactly, in the activation dtype)
-and for each of its ``BQ`` queries (1 in decode: the query stays in registers) runs ``tl.dot`` of
-the tile against the query's ``nI`` heads (low nibbles against the even query dims, high nibbles
-against the odd ones: nothing is interleaved), then ReLU, the head weights, the sum over heads.
-
-**Top-k.** One program per row chunk ranks int64 keys (the score's order-preserving int32 in the
-high half, the inverted index in the low half: exactly the reference's order, ties to the lowest
-index) with Triton's bitonic ``tl.topk``; rows longer than :data:`TOPK_CHUNK` go through levels
-(each chunk's top-k keys, then the top-k of those).
-
 Everything is sized from host-known shapes: no host read of a device value, CUDA-graph capturable.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import KernelUnsupported
+from . import runtime
+from .numerics import e8m0_to_f32
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _LOG2E = 1.4426950408889634
 
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 LAYOUT_PLAIN, LAYOUT_FP8 = 0, 1
 
-#: decode grids split each query's keys until about this many programs run (None: the device's SM
-#: count; one program per SM at a time, register-bound); the interpreter tests set small numbers
-TARGET_PROGRAMS: int | None = None
 #: the last program of a split query merges the splits itself (no combine launch) when there are at
 #: most this many: it reads every split's [BH, hd] fp32 partial alone, so for many splits the
 #: combine kernel (one program per query and head, in parallel) is faster despite its launch
 FUSED_MAX_SPLITS = 2
-#: False: always the combine kernel
-FUSED_COMBINE = True
-#: per device: the merge counters of FUSED_COMBINE (zero between calls; the last program re-arms)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+#: programs of a split grid at most (so the merge counters, one per query and head block, suffice)
 MAX_SPLIT_PROGRAMS = 4096
-#: the indexer kernel is lighter (4 warps): several programs share an SM
-INDEXER_PROGRAMS_PER_SM = 4
 
 
 class AttentionKernelError(KernelUnsupported):
     """The inputs do not fit the Triton attention / indexer kernels (the message names the argument)."""
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Output / workspace allocation (tests replace it with a NaN-filled one)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-# ----------------------------------------------------------------------------- numerics helpers
-@triton.jit
-def _e8m0_to_f32(bits):
-    """e8m0 bytes -> fp32 ``2^(e-127)``, exact (``e = 0`` is the subnormal ``2^-127``, 255 NaN)."""
-    e = bits.to(tl.int32)
-    f = tl.where(e == 0, 0x00400000, e << 23)
-    f = tl.where(e == 255, 0x7FC00000, f)
-    return f.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_to_f32(code):
-    """e2m1 codes (int32, low 4 bits) -> fp32 values, arithmetically: magnitude code ``2e + m`` is
-    ``0.5 m`` for ``e = 0``, else ``2^(e-1) (1 + m/2)``; bit 3 is the sign."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    pw = ((e + 126) << 23).to(tl.float32, bitcast=True)          # 2^(e-1) for e >= 1
-    mag = tl.where(e == 0, 0.5 * m, pw * (1.0 + 0.5 * m))
-    return tl.where((code & 8) != 0, -mag, mag)
 
 
 @triton.jit
@@ -137,7 +88,7 @@ def _load_kv(data_ptr, scale_ptr, rope_ptr, row, ok, LAYOUT: tl.constexpr, HD: t
         blk = (c3 * CH) // 64
         sc = tl.load(scale_ptr + r3 * NSC + blk, mask=ok3 & (blk < NSC), other=0)     # [NCH, BN, 1]
         if E8M0:
-            sf = _e8m0_to_f32(sc)
+            sf = e8m0_to_f32(sc)
         else:
             sf = sc.to(tl.float32)
         v = (x * sf).to(OUT)
@@ -348,7 +299,7 @@ def _store_parts(store: object, name: str, hd: int, dtype: torch.dtype) -> tuple
 def _attn_config(H: int, hd: int, n_queries: int) -> tuple[int, int, int, int]:
     """``(BH heads, BN keys, num_warps, num_stages)`` per program, by shape."""
     bh = max(16, min(32, triton.next_power_of_2(H)))
-    if _INTERPRET:
+    if runtime.interpreting():
         return bh, 16, 4, 1
     # hd 512: 32 heads x 32 keys with 8 warps (one 64-dim chunk each) is the largest tile without
     # spills (sm_90, Triton 3.6: 255 registers, 148 KB shared memory with two stages, 96 KB with
@@ -365,14 +316,6 @@ def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch
         raise AttentionKernelError(f"{name}: on {t.device}, queries on {device}")
 
 
-def _target_programs(device: torch.device) -> int:
-    if TARGET_PROGRAMS is not None:
-        return TARGET_PROGRAMS
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _splits(n_blocks: int, base_programs: int, target: int) -> tuple[int, int]:
     """``(splits, blocks per split)`` so that ``base_programs * splits <= target`` (at least one
     split; the largest count that fits), no split empty."""
@@ -382,22 +325,31 @@ def _splits(n_blocks: int, base_programs: int, target: int) -> tuple[int, int]:
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    cnt = _COUNTERS.get(device)
-    if cnt is None:
-        cnt = _COUNTERS[device] = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-    return cnt
+    """The merge counters of the in-kernel split merge (zero between calls; the last program re-arms)."""
+    try:
+        return runtime.counters(device, MAX_SPLIT_PROGRAMS, "attention")
+    except runtime.CounterError as e:
+        raise AttentionKernelError(str(e)) from None
 
 
 def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
                             start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
                             comp: object | None = None, comp_idx: torch.Tensor | None = None,
-                            comp_len: torch.Tensor | None = None, comp_bound: int = 0) -> torch.Tensor:
-    """Triton twin of :func:`dsv4.ops.reference.sparse_attention` (same signature and result)."""
+                            comp_len: torch.Tensor | None = None, comp_bound: int = 0, *,
+                            _target_programs: int | None = None, _merge: str | None = None) -> torch.Tensor:
+    """Triton twin of :func:`dsv4.ops.reference.sparse_attention` (same signature and result).
+
+    Each query's keys are split until about ``_target_programs`` programs run (default: the SM
+    count). Split results are merged by the last program of a query when there are at most
+    :data:`FUSED_MAX_SPLITS` splits, else by the combine kernel; ``_merge`` ("fused" or
+    "combine") forces one of the two for any split count (tests reach both at small shapes)."""
+    if _merge not in (None, "fused", "combine"):
+        raise ValueError(f"_merge must be None, 'fused' or 'combine', got {_merge!r}")
     if q.dim() != 4:
         raise AttentionKernelError(f"q must be [B, S, H, hd], got {tuple(q.shape)}")
     B, S, H, hd = q.shape
     dtype, dev = q.dtype, q.device
-    if dtype not in _TL_DTYPE:
+    if dtype not in runtime.FLOAT_DTYPES:
         raise AttentionKernelError(f"q: dtype {dtype} not supported (bf16, fp16, fp32)")
     if q.stride(-1) != 1 or kv_new.stride(-1) != 1:
         raise AttentionKernelError("q and kv_new need a contiguous last dim")
@@ -438,19 +390,19 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     dp = max(16, triton.next_power_of_2(hd))
     ch = min(64, dp)
 
-    out = _empty((B, S, H, hd), dtype, dev)
+    out = runtime.empty((B, S, H, hd), dtype, dev)
     if B * S == 0 or H == 0:
         return out
     bh, bn, warps, stages = _attn_config(H, hd, B * S)
     n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
-    splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh), _target_programs(dev))
-    fused = FUSED_COMBINE and 1 < splits <= FUSED_MAX_SPLITS
+    splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh), _target_programs or runtime.sm_count(dev))
+    fused = splits > 1 and (splits <= FUSED_MAX_SPLITS if _merge is None else _merge == "fused")
+    cnt = _counters(dev) if fused else out      # may refuse (first use inside a graph capture)
     if splits > 1:
-        pacc = _empty((B * S, H, splits, hd), torch.float32, dev)
-        pml = _empty((B * S, H, splits, 2), torch.float32, dev)
+        pacc = runtime.empty((B * S, H, splits, hd), torch.float32, dev)
+        pml = runtime.empty((B * S, H, splits, 2), torch.float32, dev)
     else:
         pacc = pml = out
-    cnt = _counters(dev) if fused else out
     (rd, rs, rr, r_layout, _, r_nsc, r_e8m0), (cd, cs, cr, c_layout, _, c_nsc, c_e8m0) = ring_p, comp_p
     _attn_kernel[(B * S, triton.cdiv(H, bh), splits)](
         q, kv_new, out, pacc, pml, cnt, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
@@ -469,204 +421,6 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     return out
 
 
-# ----------------------------------------------------------------------------- indexer
-@triton.jit
-def _index_keys(k_data, k_scale, row, cm, HALF: tl.constexpr, FP4: tl.constexpr, OUT: tl.constexpr):
-    """Key rows ``row [BC]`` as their even and odd dims ``[BC, HALF]`` each, in ``OUT`` (exactly
-    ``RowStore.read``): packed e2m1, low nibble = even dim, times the e8m0 scale of its 32; or plain."""
-    j = tl.arange(0, HALF)
-    if FP4:
-        byte = tl.load(k_data + row[:, None] * HALF + j[None, :], mask=cm[:, None], other=0).to(tl.int32)
-        sc = _e8m0_to_f32(tl.load(k_scale + row[:, None] * (HALF // 16) + (j // 16)[None, :],
-                                  mask=cm[:, None], other=127))
-        k_even = (_e2m1_to_f32(byte & 15) * sc).to(OUT)
-        k_odd = (_e2m1_to_f32(byte >> 4) * sc).to(OUT)
-    else:
-        base = k_data + row[:, None] * (2 * HALF) + 2 * j[None, :]
-        k_even = tl.load(base, mask=cm[:, None], other=0.0).to(OUT)
-        k_odd = tl.load(base + 1, mask=cm[:, None], other=0.0).to(OUT)
-    return k_even, k_odd
+REGISTRATIONS = [("sparse_attention", None, sparse_attention_triton)]
 
-
-@triton.jit
-def _index_query(q_ptr, w_ptr, s, sq_s, sq_h, sw_s, NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr):
-    """Query ``s``'s heads as even / odd dims ``[NIP, HALF]`` (padded heads zero) and weights ``[NIP]``."""
-    hh = tl.arange(0, NIP)
-    hm = hh < NI
-    j = tl.arange(0, HALF)
-    qrow = q_ptr + s * sq_s + hh[:, None] * sq_h + 2 * j[None, :]
-    q_even = tl.load(qrow, mask=hm[:, None], other=0.0)
-    q_odd = tl.load(qrow + 1, mask=hm[:, None], other=0.0)
-    w = tl.load(w_ptr + s * sw_s + hh, mask=hm, other=0.0).to(tl.float32)
-    return q_even, q_odd, w
-
-
-@triton.jit
-def _index_score(k_even, k_odd, q_even, q_odd, w, PREC: tl.constexpr):
-    """``sum_h w[h] * relu(q[h] . k[c])`` for the tile's keys: ``[BC]`` fp32."""
-    dots = tl.dot(k_even, tl.trans(q_even), input_precision=PREC)
-    dots = tl.dot(k_odd, tl.trans(q_odd), dots, input_precision=PREC)                # [BC, NIP]
-    return tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
-
-
-@triton.jit(do_not_specialize=["bound", "n_qb", "tiles_per_split", "so_b", "so_s"])
-def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
-                    S, bound, k_rows, n_qb, tiles_per_split,
-                    sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s,
-                    NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr,
-                    BQ: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr):
-    pid_q = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    b = pid_q // n_qb
-    s0 = (pid_q % n_qb) * BQ
-    dt = q_ptr.dtype.element_ty
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    q_b = q_ptr + b.to(tl.int64) * sq_b
-    w_b = w_ptr + b.to(tl.int64) * sw_b
-    o_b = out_ptr + b.to(tl.int64) * so_b
-    tile_lo = pid_c * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(bound, BC))
-    if BQ == 1:                         # decode: the query stays in registers over the key tiles
-        q_even, q_odd, w = _index_query(q_b, w_b, s0, sq_s, sq_h, sw_s, NI, NIP, HALF)
-        for tile in range(tile_lo, tile_hi):
-            c = tile * BC + tl.arange(0, BC)
-            cm = c < bound
-            k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
-            tl.store(o_b + s0 * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
-    else:                               # prefill: each decoded key tile serves BQ queries
-        for tile in range(tile_lo, tile_hi):
-            c = tile * BC + tl.arange(0, BC)
-            cm = c < bound
-            k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
-            for i in range(0, BQ):
-                s = s0 + i
-                if s < S:
-                    q_even, q_odd, w = _index_query(q_b, w_b, s, sq_s, sq_h, sw_s, NI, NIP, HALF)
-                    tl.store(o_b + s * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
-
-
-def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
-                          bound: int) -> torch.Tensor:
-    """Triton twin of :func:`dsv4.ops.reference.indexer_scores` (same signature and result)."""
-    if q.dim() != 4:
-        raise AttentionKernelError(f"q must be [B, S, nI, d], got {tuple(q.shape)}")
-    B, S, NI, dim = q.shape
-    dtype, dev = q.dtype, q.device
-    if dtype not in _TL_DTYPE:
-        raise AttentionKernelError(f"q: dtype {dtype} not supported (bf16, fp16, fp32)")
-    if q.stride(-1) != 1:
-        raise AttentionKernelError("q needs a contiguous last dim")
-    if tuple(weights.shape) != (B, S, NI) or not weights.is_floating_point() or weights.stride(-1) != 1:
-        raise AttentionKernelError(f"weights must be a float [{B}, {S}, {NI}] with a contiguous last dim, "
-                                   f"got {tuple(weights.shape)} {weights.dtype}")
-    _check_int(slots, "slots", (B,), dev)
-    layout = getattr(keys, "layout", None)
-    if layout not in ("plain", "fp4"):
-        raise AttentionKernelError(f"keys: layout {layout!r} not supported (plain or fp4)")
-    if keys.dim != dim or keys.dtype != dtype:
-        raise AttentionKernelError(f"keys: rows of {keys.dim} {keys.dtype}, queries {dim} {dtype}")
-    data = keys.data
-    if not data.is_contiguous() or data.dim() != 3:
-        raise AttentionKernelError("keys: data must be a contiguous [slots, rows, ...]")
-    if not 0 <= bound <= data.shape[1]:
-        raise AttentionKernelError(f"bound {bound} outside [0, {data.shape[1]}]")
-    fp4 = layout == "fp4"
-    if fp4:
-        if dim % 32 or data.dtype != torch.uint8 or data.shape[-1] != dim // 2:
-            raise AttentionKernelError(f"keys: fp4 needs d % 32 == 0 and uint8 [slots, rows, {dim // 2}]")
-        sc = keys.scale
-        if sc is None or sc.dtype != torch.uint8 or sc.shape != (*data.shape[:2], dim // 32) or not sc.is_contiguous():
-            raise AttentionKernelError(f"keys: fp4 scale must be contiguous uint8 [slots, rows, {dim // 32}]")
-    else:
-        if data.dtype != dtype or data.shape[-1] != dim:
-            raise AttentionKernelError(f"keys: plain data must be [slots, rows, {dim}] {dtype}")
-        sc = data
-    if dim < 32 or dim & (dim - 1):
-        raise AttentionKernelError(f"index head dim {dim} must be a power of two >= 32")
-    out = _empty((B, S, bound), torch.float32, dev)
-    if B * S == 0 or bound == 0:
-        return out
-    bc = 16 if _INTERPRET else 64
-    bq = 1 if S == 1 else (4 if _INTERPRET else 16)
-    n_qb = triton.cdiv(S, bq)
-    n_tiles = triton.cdiv(bound, bc)
-    splits, per = _splits(n_tiles, B * n_qb, INDEXER_PROGRAMS_PER_SM * _target_programs(dev))
-    _indexer_kernel[(B * n_qb, splits)](
-        q, weights, out, data, sc, slots, S, bound, data.shape[1], n_qb, per,
-        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
-        NI=NI, NIP=max(16, triton.next_power_of_2(NI)), HALF=dim // 2, BC=bc, BQ=bq, FP4=fp4,
-        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not _INTERPRET else 1)
-    return out
-
-
-# ----------------------------------------------------------------------------- top-k
-#: elements one top-k program ranks at once (int64 keys in registers); longer rows go in levels
-TOPK_CHUNK = 4096
-_INT64_MIN = -(1 << 63)
-
-
-@triton.jit(do_not_specialize=["n", "k", "src_stride", "dst_stride"])
-def _topk_kernel(src_ptr, dst_ptr, n, k, src_stride, dst_stride, CHUNK: tl.constexpr, KP: tl.constexpr,
-                 FROM_SCORES: tl.constexpr, FINAL: tl.constexpr):
-    """One chunk of one row: the ``KP`` largest keys of ``CHUNK`` (bitonic top-k), where a key is
-    the score's order-preserving int32 in the high half and the inverted index in the low half
-    (exactly :func:`dsv4.ops.reference.topk_indices`: ties go to the lowest index, -0 == +0).
-    ``FINAL``: write the first ``k`` indices; else the ``KP`` keys, for the next level."""
-    row = tl.program_id(0).to(tl.int64)
-    ch = tl.program_id(1)
-    i = ch * CHUNK + tl.arange(0, CHUNK)
-    m = i < n
-    if FROM_SCORES:
-        bits = tl.load(src_ptr + row * src_stride + i, mask=m, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
-        bits = tl.where(bits == -2147483648, 0, bits)                          # -0 ties with +0
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = (ordered << 32) | (4294967295 - i.to(tl.int64))
-        key = tl.where(m, key, -9223372036854775808)
-    else:
-        key = tl.load(src_ptr + row * src_stride + i, mask=m, other=-9223372036854775808)
-    top = tl.topk(key, KP)
-    j = tl.arange(0, KP)
-    if FINAL:
-        tl.store(dst_ptr + row * dst_stride + j, 4294967295 - (top & 4294967295), mask=j < k)
-    else:
-        tl.store(dst_ptr + row * dst_stride + ch * KP + j, top)
-
-
-def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Triton twin of :func:`dsv4.ops.reference.topk_indices` (same signature, same indices and
-    order): one launch for rows up to :data:`TOPK_CHUNK` entries, else levels of chunked top-k."""
-    if not scores.is_floating_point() or scores.dim() < 1:
-        raise AttentionKernelError(f"scores must be a float tensor [..., n], got {scores.dtype} {tuple(scores.shape)}")
-    n = scores.shape[-1]
-    if not 0 <= k <= n:
-        raise AttentionKernelError(f"k = {k} outside [0, {n}]")
-    lead = scores.shape[:-1]
-    out = _empty((*lead, k), torch.int64, scores.device)
-    rows = out.numel() // max(1, k)
-    if k == 0 or rows == 0:
-        return out
-    src, n_cur, from_scores = scores.reshape(-1, n).contiguous(), n, True
-    kp = triton.next_power_of_2(k)
-    while True:
-        if triton.next_power_of_2(n_cur) <= max(TOPK_CHUNK, 2 * kp):
-            chunk, n_ch = max(kp, triton.next_power_of_2(n_cur)), 1
-        else:
-            chunk = max(TOPK_CHUNK, 2 * kp)
-            n_ch = triton.cdiv(n_cur, chunk)
-        final = n_ch == 1
-        dst = out.view(rows, k) if final else _empty((rows, n_ch * kp), torch.int64, scores.device)
-        _topk_kernel[(rows, n_ch)](src, dst, n_cur, k, src.stride(0), dst.stride(0), CHUNK=chunk, KP=kp,
-                                   FROM_SCORES=from_scores, FINAL=final, num_warps=8 if chunk >= 4096 else 4)
-        if final:
-            return out
-        src, n_cur, from_scores = dst, n_ch * kp, False
-
-
-REGISTRATIONS = [
-    ("sparse_attention", None, sparse_attention_triton),
-    ("indexer_scores", None, indexer_scores_triton),
-    ("topk_indices", None, topk_indices_triton),
-]
-
-__all__ = ["sparse_attention_triton", "indexer_scores_triton", "topk_indices_triton", "AttentionKernelError",
-           "REGISTRATIONS"]
+__all__ = ["sparse_attention_triton", "AttentionKernelError", "REGISTRATIONS", "FUSED_MAX_SPLITS"]

@@ -40,23 +40,21 @@ Plain ``torch.Tensor`` weights are not registered: they stay on the reference (c
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ...weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from ...weights.formats import Fp8BlockWeight, FormatCode, Mxfp4Weight, Nvfp4Weight
 from .. import KernelUnsupported
-from .small_util import fp8_scale, pow2_inv, round_e4m3
+from . import runtime
+from .numerics import e2m1_to_f32, e8m0_to_f32, fp8_scale, pow2_inv, quantize_e4m3
 
 #: rows up to which the decode kernel (split-K GEMV) runs; above, the tiled GEMM
 SKINNY_MAX_M = 32
-#: tests: fill every output and workspace with NaN before the launch, so unwritten elements show
-POISON = False
 
-# weight format codes (constexpr FMT)
-_FP8_F32, _FP8_UE8M0, _MXFP4, _NVFP4 = 0, 1, 2, 3
+# The kernels' constexpr FMT is the weight's FormatCode: FP8_F32 0, FP8_UE8M0 1 (``FMT < 2``: FP8),
+# MXFP4 2, NVFP4 3.
 # how the GEMM reads its activation operand (constexpr A_MODE)
 _A_RAW, _A_FP8, _A_SIM, _A_QS = 0, 1, 2, 3
 
@@ -67,7 +65,7 @@ class LinearKernelError(KernelUnsupported):
 
 
 # ============================================================================= device helpers
-# (the FP8 rounding itself is small_util's: one set of rounding helpers for every kernel)
+# (decoding and rounding are dsv4.ops.triton.numerics': one set for every kernel)
 @triton.jit
 def _act_q(x, s, POW2: tl.constexpr):
     """e4m3 grid values of x / s (s broadcast over the block), as fp32 (exact in e4m3)."""
@@ -75,22 +73,7 @@ def _act_q(x, s, POW2: tl.constexpr):
         v = x * pow2_inv(s)  # x / s, exact
     else:
         v = tl.div_rn(x, s)
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    return round_e4m3(v)
-
-
-@triton.jit
-def _e8m0(e):
-    """e8m0 exponent bytes (int32) -> fp32 2^(e-127), e = 0 included (numerics.e8m0_to_float)."""
-    return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1(c):
-    """e2m1 codes (int32, low 4 bits) -> fp32 values. The code's 3 magnitude bits placed at the
-    bottom of an fp16 exponent are e2m1 * 2^-14 (code 1 = fp16 subnormal 2^-15): exact."""
-    h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.uint16)
-    return h.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return quantize_e4m3(v)
 
 
 @triton.jit
@@ -111,13 +94,13 @@ def _fp4_tile(w_ptr, s_ptr, g_ptr, rows, r_ok, k0, K, stride_wn, stride_sn,
     sc = k0 // SB + c
     smask = r_ok[:, None] & (sc < (K + SB - 1) // SB)[None, :]
     if FMT == 2:
-        s = _e8m0(tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + sc[None, :], mask=smask,
-                          other=127).to(tl.int32))
+        s = e8m0_to_f32(tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + sc[None, :], mask=smask,
+                                other=127))
     else:
         s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + sc[None, :], mask=smask,
                     other=0.0).to(tl.float32)
-    lo = _e2m1(pk & 15) * s[:, :, None]
-    hi = _e2m1(pk >> 4) * s[:, :, None]
+    lo = e2m1_to_f32(pk & 15) * s[:, :, None]
+    hi = e2m1_to_f32(pk >> 4) * s[:, :, None]
     if FOLD_G:
         g = tl.load(g_ptr)
         lo = lo * g
@@ -131,7 +114,7 @@ def _fp8_scale(s_ptr, rows, r_ok, kb, KB, stride_sn, FMT: tl.constexpr):
     ptr = s_ptr + (rows // 128) * stride_sn + kb
     if FMT == 0:
         return tl.load(ptr, mask=r_ok & (kb < KB), other=1.0)
-    return _e8m0(tl.load(ptr, mask=r_ok & (kb < KB), other=127).to(tl.int32))
+    return e8m0_to_f32(tl.load(ptr, mask=r_ok & (kb < KB), other=127))
 
 
 # ============================================================================= decode kernel
@@ -328,63 +311,34 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
 
 
 # ============================================================================= host side
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
-
-
-_SM_COUNT: dict[str, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = (torch.cuda.get_device_properties(device).multi_processor_count
-                          if device.type == "cuda" else 8)
-    return _SM_COUNT[key]
-
-
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device arrival counters of the split-K reduction (zero between calls: the reducing
-    program resets its own). Allocated on first use; not shared safely between streams running
-    at the same time."""
-    key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise LinearKernelError("linear (triton): the split-K counters are allocated on the first eager "
-                                    "call; run the op once on this device before capturing a CUDA graph")
-        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    """The split-K arrival counters (zero between calls: the reducing program resets its own)."""
+    try:
+        return runtime.counters(device, n, "linear")
+    except runtime.CounterError as e:
+        raise LinearKernelError(str(e)) from None
 
 
-def _weight_args(w: object, who: str) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _weight_args(w: object, who: str) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(format code, data, scale, global scale (or a dummy), bytes per K value) of a packed weight,
     validated (2-D, contiguous, the block sizes the kernels assume)."""
     name = getattr(w, "name", None) or "<unnamed weight>"
     if len(w.shape) != 2:
         raise LinearKernelError(f"{who}: weight {name} has shape {tuple(w.shape)}; the kernel takes one 2-D "
                                 "weight (stacked experts go through moe)")
-    if isinstance(w, Fp8BlockWeight):
-        if w.block != 128:
-            raise LinearKernelError(f"{who}: weight {name} has FP8 block {w.block}; the kernel needs 128")
-        data, scale, gs = w.weight, w.scale, w.scale
-        code, kbytes = (_FP8_UE8M0 if w.scale_ue8m0 else _FP8_F32), 1.0
-    elif isinstance(w, Mxfp4Weight):
-        data, scale, gs, code, kbytes = w.packed, w.scale, w.scale, _MXFP4, 0.5
-    elif isinstance(w, Nvfp4Weight):
-        data, scale, gs, code, kbytes = w.packed, w.block_scale, w.global_scale, _NVFP4, 0.5
-        if gs.numel() != 1:
-            raise LinearKernelError(f"{who}: weight {name} has {gs.numel()} global scales; expected one")
-    else:
+    code, data, scale, gs = w.kernel_operands() if hasattr(w, "kernel_operands") else (None,) * 4
+    if code not in (FormatCode.FP8_F32, FormatCode.FP8_UE8M0, FormatCode.MXFP4, FormatCode.NVFP4):
         raise LinearKernelError(f"{who}: unsupported weight type {type(w).__name__}")
+    if code < FormatCode.MXFP4 and w.block != 128:
+        raise LinearKernelError(f"{who}: weight {name} has FP8 block {w.block}; the kernel needs 128")
+    if gs is not None and gs.numel() != 1:
+        raise LinearKernelError(f"{who}: weight {name} has {gs.numel()} global scales; expected one")
+    gs = scale if gs is None else gs        # a pointer the kernel never reads
+    kbytes = 1.0 if code < FormatCode.MXFP4 else 0.5
     for t, what in ((data, "data"), (scale, "scale")):
         if not t.is_contiguous():
             raise LinearKernelError(f"{who}: weight {name} {what} must be contiguous")
-    return code, data, scale, gs, kbytes
+    return int(code), data, scale, gs, kbytes
 
 
 def _check_x(x: torch.Tensor, who: str) -> None:
@@ -419,13 +373,6 @@ def _skinny_config(M: int, rows: int, K: int, kbytes: float, n_sm: int, fp4: boo
     return dict(BN=BN, MP=MP, KSTEPS=ksteps, SPLIT=split)
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if POISON:
-        (t.view(torch.uint8).fill_(0x7F) if t.element_size() == 1 else t.fill_(float("nan")))
-    return t
-
-
 def _prec(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
@@ -435,19 +382,19 @@ def _run_skinny(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: 
     """x3 [M, G, K] (last dim contiguous) -> out3 [M, G, R]."""
     code, data, scale, gs, kbytes = _weight_args(w, who)
     M, _, K = x3.shape
-    cfg = dict(config or _skinny_config(M, G * R, K, kbytes, _sm_count(x3.device), fp4=code >= 2))
+    cfg = dict(config or _skinny_config(M, G * R, K, kbytes, runtime.sm_count(x3.device), fp4=code >= 2))
     if M > cfg["MP"]:
         raise LinearKernelError(f"{who}: {M} rows exceed the decode tile ({cfg['MP']})")
     BN, split = cfg["BN"], cfg["SPLIT"]
     tiles = triton.cdiv(R, BN)
-    op_bf16 = not _interpreting()
+    op_bf16 = not runtime.interpreting()
     if act_quant:
         prec = None if (code < 2 or op_bf16) else "ieee"
     else:
         prec = _prec(x3.dtype)
     if split > 1:
         cnt = _counters(x3.device, G * tiles)  # may refuse (first use inside a capture): allocate nothing before
-        ws = _empty((split, M, G * R), torch.float32, x3.device)
+        ws = runtime.empty((split, M, G * R), torch.float32, x3.device)
     else:
         ws, cnt = out3, out3
     _skinny_kernel[(G * tiles, split)](
@@ -468,8 +415,8 @@ def act_quant_triton(x2: torch.Tensor, pow2: bool, mode: int = _A_FP8,
     M, K = x2.shape
     KB = triton.cdiv(K, 128)
     qdt = torch.float8_e4m3fn if mode == _A_FP8 else op_dtype
-    q = _empty((M, KB * 128), qdt, x2.device)
-    s = _empty((M, KB), torch.float32, x2.device)
+    q = runtime.empty((M, KB * 128), qdt, x2.device)
+    s = runtime.empty((M, KB), torch.float32, x2.device)
     NB = 4
     _act_quant_kernel[(M, triton.cdiv(KB, NB))](x2, q, s, K, x2.stride(0), q.stride(0), s.stride(0),
                                                  MODE=mode, POW2=pow2, NB=NB, num_warps=4)
@@ -493,7 +440,7 @@ def _run_gemm(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: to
     if act_quant:
         if G != 1:
             raise LinearKernelError(f"{who}: grouped GEMM with activation quantization is not implemented")
-        op_dtype = torch.float32 if _interpreting() else torch.bfloat16
+        op_dtype = torch.float32 if runtime.interpreting() else torch.bfloat16
         mode = _A_FP8 if code < 2 else (_A_SIM if pow2 else _A_QS)
         a, sa = act_quant_triton(x3[:, 0], pow2, mode, op_dtype)
         stride_am, stride_ag = a.stride(0), 0
@@ -536,7 +483,7 @@ def linear_triton(x: torch.Tensor, w: object, act_quant: bool = False, pow2: boo
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = _empty((x2.shape[0], N), out_dtype, x.device)
+    out = runtime.empty((x2.shape[0], N), out_dtype, x.device)
     _run(x2.unsqueeze(1), w, act_quant, pow2, out.unsqueeze(1), 1, N, who, _path, _config)
     return out.view(*x.shape[:-1], N)
 
@@ -556,7 +503,7 @@ def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str
     x3 = x.reshape(-1, groups, K)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    out = _empty((x3.shape[0], groups, R), x.dtype, x.device)
+    out = runtime.empty((x3.shape[0], groups, R), x.dtype, x.device)
     _run(x3, w, False, True, out, groups, R, who, _path, _config)
     return out.view(*x.shape[:-1], R)
 

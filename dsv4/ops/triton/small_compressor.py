@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .small_quant import _sign_pm1
-from .small_util import (check, check_float, e2m1_code, e4m3_bits, fp4_scale, fp8_scale, pow2, round_e4m3,
-                         row_stride, rows)
+from .numerics import e2m1_code, e4m3_bits, fp4_scale, fp8_scale, pow2_to_e8m0, quantize_e4m3
+from .small_util import check, check_float, pow2, row_stride, rows
 
 
 @triton.jit
@@ -168,12 +168,12 @@ def _compressor_step_kernel(kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_p
             nope = p < NOPE // 2
             sb = fp8_scale(_block_scale_pairs(ent_e, ent_o, nope, DP2, QP), POW2)
             sp = _per_pair(sb, DP2, QP)
-            qe = round_e4m3(tl.minimum(tl.maximum(tl.div_rn(ent_e, sp), -448.0), 448.0))
-            qo = round_e4m3(tl.minimum(tl.maximum(tl.div_rn(ent_o, sp), -448.0), 448.0))
+            qe = quantize_e4m3(tl.div_rn(ent_e, sp))
+            qo = quantize_e4m3(tl.div_rn(ent_o, sp))
             tl.store(data_ptr + tgt * NOPE + 2 * p, e4m3_bits(qe).to(tl.uint8), mask=nope)
             tl.store(data_ptr + tgt * NOPE + 2 * p + 1, e4m3_bits(qo).to(tl.uint8), mask=nope)
             if POW2:
-                tl.store(scale_ptr + tgt * NSCALE + bq, ((sb.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8),
+                tl.store(scale_ptr + tgt * NSCALE + bq, pow2_to_e8m0(sb).to(tl.uint8),
                          mask=bq < NSCALE)
             else:
                 tl.store(scale_ptr + tgt * NSCALE + bq, sb, mask=bq < NSCALE)
@@ -187,7 +187,7 @@ def _compressor_step_kernel(kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_p
             sp = _per_pair(sb, DP2, QP)
             code = e2m1_code(tl.div_rn(ent_e, sp)) | (e2m1_code(tl.div_rn(ent_o, sp)) << 4)
             tl.store(data_ptr + tgt * HALF + p, code.to(tl.uint8), mask=pm)
-            tl.store(scale_ptr + tgt * NSCALE + bq, ((sb.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8),
+            tl.store(scale_ptr + tgt * NSCALE + bq, pow2_to_e8m0(sb).to(tl.uint8),
                      mask=bq < NSCALE)
         # state: (overlap) this window's a halves become the previous window's; the window is cleared
         tl.debug_barrier()

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .small_util import check, check_float, empty, pow2, row_stride, rows, sm_count
+from . import runtime
+from .small_util import check, check_float, pow2, row_stride, rows
 
 _BK = 128
 
@@ -148,7 +149,7 @@ def _splits(T: int, K: int, tb: int, device: torch.device) -> tuple[int, int]:
     """(number of K splits, K per split): ~2 programs per SM over (splits x token blocks)."""
     n_tb = triton.cdiv(T, tb)
     max_splits = triton.cdiv(K, _BK)
-    splits = max(1, min(max_splits, (2 * sm_count(device)) // n_tb))
+    splits = max(1, min(max_splits, (2 * runtime.sm_count(device)) // n_tb))
     kchunk = triton.cdiv(triton.cdiv(K, splits), _BK) * _BK
     return triton.cdiv(K, kchunk), kchunk
 
@@ -168,9 +169,9 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     T = math.prod(lead)
     x = rows(h, K)
     dev = h.device
-    y = empty((*lead, D), h.dtype, dev)
-    post = empty((*lead, nc), torch.float32, dev)
-    comb = empty((*lead, nc, nc), torch.float32, dev)
+    y = runtime.empty((*lead, D), h.dtype, dev)
+    post = runtime.empty((*lead, nc), torch.float32, dev)
+    comb = runtime.empty((*lead, nc, nc), torch.float32, dev)
     if T == 0:
         return y, post, comb
     np_ = max(16, pow2(n_mix))
@@ -211,7 +212,7 @@ def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb
     check(tuple(out.shape) == (*lead, D), op, f"out has shape {tuple(out.shape)}; needs {(*lead, D)}")
     check(tuple(post.shape) == (*lead, nc), op, f"post has shape {tuple(post.shape)}; needs {(*lead, nc)}")
     check(tuple(comb.shape) == (*lead, nc, nc), op, f"comb has shape {tuple(comb.shape)}; needs {(*lead, nc, nc)}")
-    y = empty(h.shape, h.dtype, h.device)
+    y = runtime.empty(h.shape, h.dtype, h.device)
     T = math.prod(lead)
     if T == 0:
         return y

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .small_util import check, check_float, empty, pow2, row_stride, rows
+from . import runtime
+from .small_util import check, check_float, pow2, row_stride, rows
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def compress_windows_triton(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch
               f"prev_kv {tuple(prev_kv.shape)} / prev_gate {tuple(prev_gate.shape)}; need {want}")
         check_float(op, prev_kv=prev_kv, prev_gate=prev_gate)
     check(M <= 1024, op, f"windows of {M} rows; at most 1024")
-    y = empty((*lead, C), torch.float32, kv.device)
+    y = runtime.empty((*lead, C), torch.float32, kv.device)
     R = math.prod(lead)
     if R == 0 or C == 0:
         return y
@@ -101,7 +102,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.T
     check(gate.shape == up.shape and gate.dtype == up.dtype, op,
           f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
     g, u = gate.contiguous(), up.contiguous()
-    y = empty(gate.shape, gate.dtype, gate.device)
+    y = runtime.empty(gate.shape, gate.dtype, gate.device)
     n = g.numel()
     if n:
         _swiglu_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, float(limit), CLAMP=limit > 0, BLOCK=1024, num_warps=4)

@@ -6,7 +6,7 @@
 - ``store_rows``: encode rows into a ``RowStore`` (plain cast; FP8 e4m3 bytes + e8m0/fp32 scale
   per 64 + rope dims in the activation dtype; FP4 codes two a byte, low nibble first, + e8m0 per
   32) at device-side ``(slot, row)`` indices: one launch instead of quantize + three scatters.
-  The bytes are assembled from integer bit operations (``small_util``).
+  The bytes are assembled from integer bit operations (``numerics``).
 - ``hadamard``: ``x @ H_n / sqrt(n)`` with the +-1 Sylvester matrix generated in registers
   (``H[i, j] = (-1)^popcount(i & j)``): a ``[BM, n] x [n, n]`` ``tl.dot`` (fp16/bf16 operands on
   the tensor cores, products exact; fp32 in IEEE mode), then one multiply by ``n^-1/2``.
@@ -23,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .small_util import (broadcast_rows, check, check_float, e2m1_code, e2m1_value, e4m3_bits, empty, fp4_scale,
-                         fp8_round_trip, fp8_scale, pow2, round_e4m3, row_stride, rows)
+from . import runtime
+from .numerics import (e2m1_code, e2m1_to_f32, e4m3_bits, fp4_scale, fp8_round_trip, fp8_scale, pow2_to_e8m0,
+                       quantize_e4m3)
+from .small_util import broadcast_rows, check, check_float, pow2, row_stride, rows
 
 
 # ----------------------------------------------------------------------------- fp8_sim / fp4_sim
@@ -41,7 +43,7 @@ def _sim_kernel(x_ptr, sx, y_ptr, R, N, BLOCK, NBLK, FP4: tl.constexpr, POW2: tl
     amax = tl.max(tl.abs(x), axis=2)[:, :, None]
     if FP4:
         s = fp4_scale(amax)
-        y = e2m1_value(e2m1_code(tl.div_rn(x, s))) * s
+        y = e2m1_to_f32(e2m1_code(tl.div_rn(x, s))) * s
     else:
         y = fp8_round_trip(x, fp8_scale(amax, POW2))
     tl.store(y_ptr + r64 * N + col, y.to(y_ptr.dtype.element_ty), mask=m)
@@ -53,7 +55,7 @@ def _sim(op: str, x: torch.Tensor, block: int, fp4: bool, pow2_scales: bool) -> 
     N = x.shape[-1] if x.dim() else 1
     if fp4:
         check(N % 2 == 0, op, f"last dim {N} is odd; FP4 packs two values a byte")
-    y = empty(x.shape, x.dtype, x.device)
+    y = runtime.empty(x.shape, x.dtype, x.device)
     x2 = rows(x, N)
     R = x2.shape[0]
     if R == 0 or N == 0:
@@ -102,11 +104,11 @@ def _store_kernel(v_ptr, sv, slot_ptr, ss0, ss1, row_ptr, sr0, sr1, L1, rows_per
         m = col < NOPE
         v = tl.load(vrow + col, mask=m, other=0.0).to(tl.float32)
         s = fp8_scale(tl.max(tl.abs(v), axis=1), POW2)                        # [NBP]
-        q = round_e4m3(tl.minimum(tl.maximum(tl.div_rn(v, s[:, None]), -448.0), 448.0))
+        q = quantize_e4m3(tl.div_rn(v, s[:, None]))
         tl.store(data_ptr + tgt * NOPE + col, e4m3_bits(q).to(tl.uint8), mask=m)
         bs = tl.arange(0, NBP)
         if POW2:
-            sbits = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+            sbits = pow2_to_e8m0(s)
             tl.store(scale_ptr + tgt * NSCALE + bs, sbits.to(tl.uint8), mask=bs < NSCALE)
         else:
             tl.store(scale_ptr + tgt * NSCALE + bs, s, mask=bs < NSCALE)
@@ -124,7 +126,7 @@ def _store_kernel(v_ptr, sv, slot_ptr, ss0, ss1, row_ptr, sr0, sr1, L1, rows_per
         co = e2m1_code(tl.div_rn(vo, s[:, None]))
         tl.store(data_ptr + tgt * (DIM // 2) + col // 2, (ce | (co << 4)).to(tl.uint8), mask=me)
         bs = tl.arange(0, NBP)
-        sbits = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        sbits = pow2_to_e8m0(s)
         tl.store(scale_ptr + tgt * NSCALE + bs, sbits.to(tl.uint8), mask=bs < NSCALE)
 
 
@@ -240,7 +242,7 @@ def _hadamard_kernel(x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale,
     if FP4:                                                             # blocks of 32 (one block if N < 32)
         y3 = tl.reshape(y.to(tl.float32), [BM, N // FB, FB])
         sc = fp4_scale(tl.max(tl.abs(y3), axis=2))[:, :, None]
-        y = tl.reshape(e2m1_value(e2m1_code(tl.div_rn(y3, sc))) * sc, [BM, N]).to(XDT)
+        y = tl.reshape(e2m1_to_f32(e2m1_code(tl.div_rn(y3, sc))) * sc, [BM, N]).to(XDT)
     tl.store(y_ptr + r64[:, None] * N + j[None, :], y, mask=rm[:, None])
 
 
@@ -251,7 +253,7 @@ def _hadamard(op: str, x: torch.Tensor, cos=None, sin=None, fp4: bool = False) -
     lead = tuple(x.shape[:-1])
     x2 = rows(x, n)
     R = x2.shape[0]
-    y = empty(x.shape, x.dtype, x.device)
+    y = runtime.empty(x.shape, x.dtype, x.device)
     rd2, g = 1, 1
     if cos is not None:
         rd2 = cos.shape[-1]

@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .small_util import (broadcast_rows, check, check_float, empty, fp8_round_trip, fp8_scale, neg, pow2,
-                         row_stride, rows, sm_count)
+from . import runtime
+from .numerics import fp8_round_trip, fp8_scale, neg
+from .small_util import broadcast_rows, check, check_float, pow2, row_stride, rows
 
 _FP8_BLOCK = 64
 _MAX_ROW = 16384
@@ -105,7 +106,7 @@ def _launch(op: str, x: torch.Tensor, out_dtype: torch.dtype, *, norm: int = 0, 
     lead = tuple(x.shape[:-1])
     x2 = rows(x, D)
     R = x2.shape[0]
-    y = empty(x.shape, out_dtype, x.device)
+    y = runtime.empty(x.shape, out_dtype, x.device)
     rd2 = 0
     g = 1
     if cos is not None:
@@ -130,7 +131,7 @@ def _launch(op: str, x: torch.Tensor, out_dtype: torch.dtype, *, norm: int = 0, 
     # 4096-value tile of rows. Two choices, not one per row count: every variant is a compile,
     # and prompt lengths (and the row counts derived from them) vary without end
     big = max(1, 4096 // tile)
-    n_rows = big if R >= 2 * sm_count(x.device) * big else 1
+    n_rows = big if R >= 2 * runtime.sm_count(x.device) * big else 1
     dummy = x2
     _row_kernel[(triton.cdiv(R, n_rows),)](
         x2, row_stride(x2), weight if weight is not None else dummy, cos if cos is not None else dummy,

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pkgutil
 from collections import defaultdict
 
 import torch
-
-from . import MODULES
 
 _SEEN: dict[str, set] = defaultdict(set)
 _HOOKED = False
@@ -30,10 +29,11 @@ EXECUTE = True
 
 
 def kernels() -> dict[str, object]:
-    """Every ``@triton.jit`` kernel (launched from the host) of the kernel modules, by name."""
+    """Every ``@triton.jit`` kernel (launched from the host) of the kernel package, by name."""
     out = {}
-    for name in MODULES + ("small_compressor", "small_mhc", "small_misc", "small_quant", "small_rows"):
-        module = importlib.import_module(f"{__package__}.{name}")
+    package = importlib.import_module(__package__)
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{__package__}.{info.name}")
         for attr, value in vars(module).items():
             if attr.endswith("_kernel") and hasattr(value, "fn"):
                 out[attr] = value

@@ -1,0 +1,234 @@
+"""The lightning indexer's scores and its top-k as Triton kernels.
+
+Computes what :func:`dsv4.ops.reference.indexer_scores` and :func:`~dsv4.ops.reference.topk_indices`
+compute (DSV4_FACTS section 2, "Lightning indexer"; key storage in :mod:`dsv4.model.cache`).
+
+**Indexer scores.** ``out[b, s, c] = sum_h w[b, s, h] * relu(q[b, s, h] . K[slot_b, c])`` for
+``c < bound``. Grid ``(B * ceil(S / BQ), entry splits)``; a program decodes a tile of ``BC = 64``
+keys once (packed e2m1 nibbles times their e8m0 scale per 32, exactly, in the activation dtype)
+and for each of its ``BQ`` queries (1 in decode: the query stays in registers) runs ``tl.dot`` of
+the tile against the query's ``nI`` heads (low nibbles against the even query dims, high nibbles
+against the odd ones: nothing is interleaved), then ReLU, the head weights, the sum over heads.
+
+**Top-k.** One program per row chunk ranks int64 keys (the score's order-preserving int32 in the
+high half, the inverted index in the low half: exactly the reference's order, ties to the lowest
+index) with Triton's bitonic ``tl.topk``; rows longer than :data:`TOPK_CHUNK` go through levels
+(each chunk's top-k keys, then the top-k of those).
+
+Everything is sized from host-known shapes: no host read of a device value, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from .attention import AttentionKernelError, _check_int, _splits
+from .numerics import e2m1_to_f32, e8m0_to_f32
+
+#: the indexer kernel is lighter than attention's (4 warps): several programs share an SM
+PROGRAMS_PER_SM = 4
+
+
+# ----------------------------------------------------------------------------- scores
+@triton.jit
+def _index_keys(k_data, k_scale, row, cm, HALF: tl.constexpr, FP4: tl.constexpr, OUT: tl.constexpr):
+    """Key rows ``row [BC]`` as their even and odd dims ``[BC, HALF]`` each, in ``OUT`` (exactly
+    ``RowStore.read``): packed e2m1, low nibble = even dim, times the e8m0 scale of its 32; or plain."""
+    j = tl.arange(0, HALF)
+    if FP4:
+        byte = tl.load(k_data + row[:, None] * HALF + j[None, :], mask=cm[:, None], other=0).to(tl.int32)
+        sc = e8m0_to_f32(tl.load(k_scale + row[:, None] * (HALF // 16) + (j // 16)[None, :],
+                                 mask=cm[:, None], other=127))
+        k_even = (e2m1_to_f32(byte & 15) * sc).to(OUT)
+        k_odd = (e2m1_to_f32(byte >> 4) * sc).to(OUT)
+    else:
+        base = k_data + row[:, None] * (2 * HALF) + 2 * j[None, :]
+        k_even = tl.load(base, mask=cm[:, None], other=0.0).to(OUT)
+        k_odd = tl.load(base + 1, mask=cm[:, None], other=0.0).to(OUT)
+    return k_even, k_odd
+
+
+@triton.jit
+def _index_query(q_ptr, w_ptr, s, sq_s, sq_h, sw_s, NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr):
+    """Query ``s``'s heads as even / odd dims ``[NIP, HALF]`` (padded heads zero) and weights ``[NIP]``."""
+    hh = tl.arange(0, NIP)
+    hm = hh < NI
+    j = tl.arange(0, HALF)
+    qrow = q_ptr + s * sq_s + hh[:, None] * sq_h + 2 * j[None, :]
+    q_even = tl.load(qrow, mask=hm[:, None], other=0.0)
+    q_odd = tl.load(qrow + 1, mask=hm[:, None], other=0.0)
+    w = tl.load(w_ptr + s * sw_s + hh, mask=hm, other=0.0).to(tl.float32)
+    return q_even, q_odd, w
+
+
+@triton.jit
+def _index_score(k_even, k_odd, q_even, q_odd, w, PREC: tl.constexpr):
+    """``sum_h w[h] * relu(q[h] . k[c])`` for the tile's keys: ``[BC]`` fp32."""
+    dots = tl.dot(k_even, tl.trans(q_even), input_precision=PREC)
+    dots = tl.dot(k_odd, tl.trans(q_odd), dots, input_precision=PREC)                # [BC, NIP]
+    return tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
+
+
+@triton.jit(do_not_specialize=["bound", "n_qb", "tiles_per_split", "so_b", "so_s"])
+def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
+                    S, bound, k_rows, n_qb, tiles_per_split,
+                    sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s,
+                    NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr,
+                    BQ: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr):
+    pid_q = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b = pid_q // n_qb
+    s0 = (pid_q % n_qb) * BQ
+    dt = q_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    q_b = q_ptr + b.to(tl.int64) * sq_b
+    w_b = w_ptr + b.to(tl.int64) * sw_b
+    o_b = out_ptr + b.to(tl.int64) * so_b
+    tile_lo = pid_c * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(bound, BC))
+    if BQ == 1:                         # decode: the query stays in registers over the key tiles
+        q_even, q_odd, w = _index_query(q_b, w_b, s0, sq_s, sq_h, sw_s, NI, NIP, HALF)
+        for tile in range(tile_lo, tile_hi):
+            c = tile * BC + tl.arange(0, BC)
+            cm = c < bound
+            k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
+            tl.store(o_b + s0 * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
+    else:                               # prefill: each decoded key tile serves BQ queries
+        for tile in range(tile_lo, tile_hi):
+            c = tile * BC + tl.arange(0, BC)
+            cm = c < bound
+            k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
+            for i in range(0, BQ):
+                s = s0 + i
+                if s < S:
+                    q_even, q_odd, w = _index_query(q_b, w_b, s, sq_s, sq_h, sw_s, NI, NIP, HALF)
+                    tl.store(o_b + s * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
+
+
+def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
+                          bound: int) -> torch.Tensor:
+    """Triton twin of :func:`dsv4.ops.reference.indexer_scores` (same signature and result)."""
+    if q.dim() != 4:
+        raise AttentionKernelError(f"q must be [B, S, nI, d], got {tuple(q.shape)}")
+    B, S, NI, dim = q.shape
+    dtype, dev = q.dtype, q.device
+    if dtype not in runtime.FLOAT_DTYPES:
+        raise AttentionKernelError(f"q: dtype {dtype} not supported (bf16, fp16, fp32)")
+    if q.stride(-1) != 1:
+        raise AttentionKernelError("q needs a contiguous last dim")
+    if tuple(weights.shape) != (B, S, NI) or not weights.is_floating_point() or weights.stride(-1) != 1:
+        raise AttentionKernelError(f"weights must be a float [{B}, {S}, {NI}] with a contiguous last dim, "
+                                   f"got {tuple(weights.shape)} {weights.dtype}")
+    _check_int(slots, "slots", (B,), dev)
+    layout = getattr(keys, "layout", None)
+    if layout not in ("plain", "fp4"):
+        raise AttentionKernelError(f"keys: layout {layout!r} not supported (plain or fp4)")
+    if keys.dim != dim or keys.dtype != dtype:
+        raise AttentionKernelError(f"keys: rows of {keys.dim} {keys.dtype}, queries {dim} {dtype}")
+    data = keys.data
+    if not data.is_contiguous() or data.dim() != 3:
+        raise AttentionKernelError("keys: data must be a contiguous [slots, rows, ...]")
+    if not 0 <= bound <= data.shape[1]:
+        raise AttentionKernelError(f"bound {bound} outside [0, {data.shape[1]}]")
+    fp4 = layout == "fp4"
+    if fp4:
+        if dim % 32 or data.dtype != torch.uint8 or data.shape[-1] != dim // 2:
+            raise AttentionKernelError(f"keys: fp4 needs d % 32 == 0 and uint8 [slots, rows, {dim // 2}]")
+        sc = keys.scale
+        if sc is None or sc.dtype != torch.uint8 or sc.shape != (*data.shape[:2], dim // 32) or not sc.is_contiguous():
+            raise AttentionKernelError(f"keys: fp4 scale must be contiguous uint8 [slots, rows, {dim // 32}]")
+    else:
+        if data.dtype != dtype or data.shape[-1] != dim:
+            raise AttentionKernelError(f"keys: plain data must be [slots, rows, {dim}] {dtype}")
+        sc = data
+    if dim < 32 or dim & (dim - 1):
+        raise AttentionKernelError(f"index head dim {dim} must be a power of two >= 32")
+    out = runtime.empty((B, S, bound), torch.float32, dev)
+    if B * S == 0 or bound == 0:
+        return out
+    interp = runtime.interpreting()
+    bc = 16 if interp else 64
+    bq = 1 if S == 1 else (4 if interp else 16)
+    n_qb = triton.cdiv(S, bq)
+    n_tiles = triton.cdiv(bound, bc)
+    splits, per = _splits(n_tiles, B * n_qb, PROGRAMS_PER_SM * runtime.sm_count(dev))
+    _indexer_kernel[(B * n_qb, splits)](
+        q, weights, out, data, sc, slots, S, bound, data.shape[1], n_qb, per,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
+        NI=NI, NIP=max(16, triton.next_power_of_2(NI)), HALF=dim // 2, BC=bc, BQ=bq, FP4=fp4,
+        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not interp else 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- top-k
+#: elements one top-k program ranks at once (int64 keys in registers); longer rows go in levels
+TOPK_CHUNK = 4096
+_INT64_MIN = -(1 << 63)
+
+
+@triton.jit(do_not_specialize=["n", "k", "src_stride", "dst_stride"])
+def _topk_kernel(src_ptr, dst_ptr, n, k, src_stride, dst_stride, CHUNK: tl.constexpr, KP: tl.constexpr,
+                 FROM_SCORES: tl.constexpr, FINAL: tl.constexpr):
+    """One chunk of one row: the ``KP`` largest keys of ``CHUNK`` (bitonic top-k), where a key is
+    the score's order-preserving int32 in the high half and the inverted index in the low half
+    (exactly :func:`dsv4.ops.reference.topk_indices`: ties go to the lowest index, -0 == +0).
+    ``FINAL``: write the first ``k`` indices; else the ``KP`` keys, for the next level."""
+    row = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1)
+    i = ch * CHUNK + tl.arange(0, CHUNK)
+    m = i < n
+    if FROM_SCORES:
+        bits = tl.load(src_ptr + row * src_stride + i, mask=m, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+        bits = tl.where(bits == -2147483648, 0, bits)                          # -0 ties with +0
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        key = (ordered << 32) | (4294967295 - i.to(tl.int64))
+        key = tl.where(m, key, -9223372036854775808)
+    else:
+        key = tl.load(src_ptr + row * src_stride + i, mask=m, other=-9223372036854775808)
+    top = tl.topk(key, KP)
+    j = tl.arange(0, KP)
+    if FINAL:
+        tl.store(dst_ptr + row * dst_stride + j, 4294967295 - (top & 4294967295), mask=j < k)
+    else:
+        tl.store(dst_ptr + row * dst_stride + ch * KP + j, top)
+
+
+def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Triton twin of :func:`dsv4.ops.reference.topk_indices` (same signature, same indices and
+    order): one launch for rows up to :data:`TOPK_CHUNK` entries, else levels of chunked top-k."""
+    if not scores.is_floating_point() or scores.dim() < 1:
+        raise AttentionKernelError(f"scores must be a float tensor [..., n], got {scores.dtype} {tuple(scores.shape)}")
+    n = scores.shape[-1]
+    if not 0 <= k <= n:
+        raise AttentionKernelError(f"k = {k} outside [0, {n}]")
+    lead = scores.shape[:-1]
+    out = runtime.empty((*lead, k), torch.int64, scores.device)
+    rows = out.numel() // max(1, k)
+    if k == 0 or rows == 0:
+        return out
+    src, n_cur, from_scores = scores.reshape(-1, n).contiguous(), n, True
+    kp = triton.next_power_of_2(k)
+    while True:
+        if triton.next_power_of_2(n_cur) <= max(TOPK_CHUNK, 2 * kp):
+            chunk, n_ch = max(kp, triton.next_power_of_2(n_cur)), 1
+        else:
+            chunk = max(TOPK_CHUNK, 2 * kp)
+            n_ch = triton.cdiv(n_cur, chunk)
+        final = n_ch == 1
+        dst = out.view(rows, k) if final else runtime.empty((rows, n_ch * kp), torch.int64, scores.device)
+        _topk_kernel[(rows, n_ch)](src, dst, n_cur, k, src.stride(0), dst.stride(0), CHUNK=chunk, KP=kp,
+                                   FROM_SCORES=from_scores, FINAL=final, num_warps=8 if chunk >= 4096 else 4)
+        if final:
+            return out
+        src, n_cur, from_scores = dst, n_ch * kp, False
+
+
+REGISTRATIONS = [
+    ("indexer_scores", None, indexer_scores_triton),
+    ("topk_indices", None, topk_indices_triton),
+]
+
+__all__ = ["indexer_scores_triton", "topk_indices_triton", "REGISTRATIONS"]

@@ -1,0 +1,135 @@
+"""MoE prefill kernels (:mod:`dsv4.ops.triton.moe`): many (token, expert) pairs, sorted by expert.
+
+Prefill: pairs are sorted by expert on the device (``argsort``, ``index_add_`` counts, tiles of
+``BM`` rows per expert with a host-known upper bound on the tile count, so still no host read);
+``_w13_grouped_kernel`` / ``_w2_grouped_kernel`` run one ``(tile, N tile)`` per program with
+``tl.dot``: FP8-block experts with ``act_quant`` on FP8 tensor cores (e4m3 x e4m3 per 128 block,
+fp32 promotion with both scales, DeepSeek's W8A8); FP4 experts on BF16 tensor cores with exactly
+dequantized operands (per-32 / per-16 weight scales would otherwise need a promotion per 32
+values); then ``_combine_kernel``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_experts import _expert_ptrs, _gemm, _w13_rows, quantized
+
+if TYPE_CHECKING:
+    from .moe import Launch
+
+#: columns of ``out`` per program of the combine
+COMBINE_BN = 512
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, D: tl.constexpr, KTOP: tl.constexpr,
+                    BN: tl.constexpr, XDT: tl.constexpr):
+    """``out[t] = sum_j y[t*k + j]`` over the slots holding an expert, j in order; zeros else."""
+    t = tl.program_id(0)
+    n_offs = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n_offs < D
+    acc = tl.zeros((BN,), tl.float32)
+    for j in tl.static_range(KTOP):
+        p = t * KTOP + j
+        ok = tl.load(ids_ptr + p) >= 0
+        acc += tl.load(y_ptr + p.to(tl.int64) * D + n_offs, mask=nmask & ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * D + n_offs, acc.to(XDT), mask=nmask)
+
+
+@triton.jit
+def _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM: tl.constexpr):
+    """Expert and pair indices (``rows [BM]``, ``valid``) of this program's tile."""
+    t = tl.program_id(0)
+    e = tl.load(tile_e_ptr + t).to(tl.int32)
+    r0 = tl.load(tile_r0_ptr + t).to(tl.int32)
+    r1 = tl.load(tile_r1_ptr + t).to(tl.int32)
+    r = r0 + tl.arange(0, BM)
+    valid = r < r1
+    rows = tl.load(order_ptr + r, mask=valid, other=0).to(tl.int32)
+    return e, rows, valid
+
+
+@triton.jit
+def _w13_grouped_kernel(x_ptr, xq_ptr, xs_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+                        rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr, limit,
+                        D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr,
+                        QDOT: tl.constexpr, PIPE: tl.constexpr = 1):
+    e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)
+    if e >= 0:
+        _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
+                  e, rows, valid, tl.program_id(1), limit, D, I, KTOP, FMT, BM, BN, BK, HAS_LIMIT, XDT, CDT, QDOT,
+                  PIPE)
+
+
+@triton.jit
+def _w2_grouped_kernel(h_ptr, hq_ptr, hs_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+                       y_ptr, w2_ptr, s2_ptr, g2_ptr,
+                       D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr,
+                       QDOT: tl.constexpr, PIPE: tl.constexpr = 1):
+    e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)
+    if e >= 0:
+        n_offs = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n_offs < D
+        p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, FMT)
+        y, _unused = _gemm(h_ptr, hq_ptr, hs_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D,
+                           FMT, BM, BN, BK, CDT, False, QDOT, PIPE)
+        if FMT == 3:
+            y = y * tl.load(g2_ptr + e)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * D + n_offs[None, :], y,
+                 mask=valid[:, None] & nmask[None, :])
+
+
+# ----------------------------------------------------------------------------- host side
+def run(L: Launch) -> None:
+    """Sort the pairs by expert, the two grouped GEMMs, then the combine into ``L.out``."""
+    (bn1, bk1, nw1, ns1, pp1), (bn2, bk2, nw2, ns2, pp2) = L.w13, L.w2
+    nt1, nt2 = triton.cdiv(L.I, bn1), triton.cdiv(L.D, bn2)
+    common = dict(FMT=L.fmt, BM=L.BM, XDT=L.xdt, CDT=L.xdt, QDOT=L.qdot)
+    xh, xq, xs = L.xin
+    (d1, s1, g1), (d3, s3, g3), (d2, s2, g2) = L.weights
+    order, tile_e, tile_r0, tile_r1 = _expert_tiles(L.ids.view(-1), L.E, L.BM)
+    ntiles = tile_e.numel()
+    _w13_grouped_kernel[(ntiles, nt1)](
+        xh, xq, xs, order, tile_e, tile_r0, tile_r1, L.rw, L.h, d1, s1, g1, d3, s3, g3,
+        L.limit, D=L.D, I=L.I, KTOP=L.k, BN=bn1, BK=bk1, HAS_LIMIT=L.limit > 0, PIPE=pp1, num_warps=nw1,
+        num_stages=ns1, **common)
+    hh, hq, hs = quantized(L.h, L.act_quant, L.pow2, L.qdot, L.q_dtype, L.ids)
+    _w2_grouped_kernel[(ntiles, nt2)](
+        hh, hq, hs, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, g2, D=L.D, I=L.I, BN=bn2, BK=bk2,
+        PIPE=pp2, num_warps=nw2, num_stages=ns2, **common)
+    _combine_kernel[(L.T, triton.cdiv(L.D, COMBINE_BN))](
+        L.y, L.ids, L.out, D=L.D, KTOP=L.k, BN=COMBINE_BN, XDT=L.xdt, num_warps=4)
+
+
+def _expert_tiles(ids: torch.Tensor, E: int, BM: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert and tiles of at most ``BM`` of them, all on the device.
+
+    Returns ``order [P]`` (pair indices: ``-1`` ids first, then expert 0, 1, ...) and per tile its
+    expert (``-1`` for the unused tail) and first / end position in ``order``. The tile count is
+    the host-known bound ``ceil(P / BM) + min(E, P)``, so nothing is read back.
+    """
+    P = ids.numel()
+    dev = ids.device
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    counts.index_add_(0, ids.long() + 1, torch.ones(P, dtype=torch.int64, device=dev))
+    start = torch.cumsum(counts, 0)[:E]                 # first position of expert e in `order`
+    ecount = counts[1:]
+    tiles = (ecount + BM - 1) // BM
+    tile_end = torch.cumsum(tiles, 0)
+    t = torch.arange(triton.cdiv(P, BM) + min(E, P), device=dev)
+    te = torch.searchsorted(tile_end, t, right=True)
+    tc = te.clamp(max=E - 1)
+    r0 = start[tc] + (t - (tile_end[tc] - tiles[tc])) * BM
+    r1 = torch.minimum(r0 + BM, start[tc] + ecount[tc])
+    return order, torch.where(te < E, tc, -1), r0, r1
+
