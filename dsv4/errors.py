@@ -31,8 +31,19 @@ class DeviceError(Dsv4Error, RuntimeError):
 
 class RequestError(Dsv4Error, ValueError):
     """A request the engine refuses: bad sampling parameters, an empty or unencodable prompt,
-    token ids outside the vocabulary."""
+    token ids outside the vocabulary.
+
+    ``param`` names the request field at fault when it is not the prompt (``"max_tokens"``); the
+    server reports it as the OpenAI error's ``param``. ``code`` is the OpenAI error code, if any."""
+
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextOverflowError(RequestError):
     """A request needs more positions than the state was sized for (``max_model_len``)."""
+
+    code = "context_length_exceeded"

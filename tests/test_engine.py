@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import parity_config, random_model
-from dsv4.engine.core import Engine
+from dsv4.engine.core import Engine, EngineStats
 from dsv4.engine.runner import Runner
 from dsv4.engine.sampler import SamplingParams
 from dsv4.engine.scheduler import Request, Scheduler
@@ -151,3 +151,55 @@ def test_scheduler_plan_budget_and_fcfs():
     plan = s.schedule()                     # c takes b's slot in the same step b ended
     assert c.slot == b.slot and c in s.running
     assert [(ch.request.request_id, ch.start) for ch in plan.prefill] == [("a", 12), ("c", 0)]
+
+
+def test_engine_check_names_the_field_and_changes_nothing(model):
+    engine = _engine(model, slots=2, context=64)
+    assert engine.check([3, 4], SamplingParams(max_tokens=10)) is None
+    with pytest.raises(RequestError, match="empty") as e:
+        engine.check([], SamplingParams())
+    assert (e.value.param, e.value.code) == (None, None)
+    with pytest.raises(RequestError, match=r"outside \[0, 512\)") as e:
+        engine.check([1, 5000], SamplingParams())
+    assert not isinstance(e.value, ContextOverflowError) and e.value.code is None
+    # the prompt alone does not fit: the prompt is at fault
+    with pytest.raises(ContextOverflowError, match="the prompt has 64 tokens, but max_model_len is 64") as e:
+        engine.check(list(range(2, 66)), SamplingParams(max_tokens=1))
+    assert (e.value.param, e.value.code) == (None, "context_length_exceeded")
+    # it fits, its max_tokens do not: max_tokens is at fault (raised by the scheduler)
+    with pytest.raises(ContextOverflowError, match=r"= 70 exceeds max_model_len \(64\)") as e:
+        engine.check(list(range(2, 62)), SamplingParams(max_tokens=10))
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    assert not engine.has_unfinished
+    assert (engine.vocab_size, engine.max_slots, engine.max_model_len) == (512, 2, 64)
+
+
+def test_engine_stats_count_running_waiting_and_slots(model):
+    engine = _engine(model, slots=3)
+    assert engine.stats() == EngineStats(running=0, waiting=0, slots_used=0, slots_total=3)
+    for i in range(5):
+        engine.add_request([3 + i, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert engine.stats() == EngineStats(running=0, waiting=5, slots_used=0, slots_total=3)
+    engine.step()
+    assert engine.stats() == EngineStats(running=3, waiting=2, slots_used=3, slots_total=3)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.stats() == EngineStats(running=0, waiting=0, slots_used=0, slots_total=3)
+
+
+def test_engine_fail_all_ends_everything_and_the_engine_keeps_working(model):
+    reqs = _requests(6, seed=3)
+    reference = _run(_engine(model), [reqs[0]])
+    engine = _engine(model)
+    engine.overlap = True                 # keep a step in flight, as on a GPU
+    ids = [engine.add_request(p, sp) for p, sp in reqs]
+    engine.step()
+    engine.step()
+    assert engine.has_unfinished and engine.stats().running == 3
+    ended = engine.fail_all()
+    assert sorted(ended) == sorted(ids)
+    assert not engine.has_unfinished
+    assert engine.stats() == EngineStats(running=0, waiting=0, slots_used=0, slots_total=3)
+    assert engine.step() == []            # nothing left over from the failed requests
+    assert engine.fail_all() == []
+    assert list(_run(engine, [reqs[0]]).values()) == list(reference.values())

@@ -15,6 +15,11 @@ given is dropped.
 
 A failure inside one request's output handling (say its detokenizer raises) ends that request
 alone with reason ``error``; the others keep going.
+
+What a front end (the server's engine thread) may use is the public part: ``check``,
+``add_request``, ``abort``, ``step``, ``has_unfinished``, ``fail_all``, ``stats`` and the read-only
+sizes ``vocab_size``, ``max_slots``, ``max_model_len``. The scheduler, the per-request output
+state and the steps in flight are the engine's own.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ContextOverflowError, RequestError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .batch import NewSequence, Row, ScheduledBatch
 from .runner import Runner
@@ -71,6 +77,16 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.output.finish_reason
+
+
+@dataclass
+class EngineStats:
+    """How full the engine is right now (:meth:`Engine.stats`)."""
+
+    running: int          # requests holding a slot
+    waiting: int          # requests queued for a slot
+    slots_used: int
+    slots_total: int
 
 
 class _Track:
@@ -132,7 +148,37 @@ class Engine:
         self.overlap = runner.device.type == "cuda"
         self._pinned = _PinnedPool()
 
+    # ------------------------------------------------------------------ sizes (read-only)
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model.config.vocab_size
+
+    @property
+    def max_slots(self) -> int:
+        """Requests that can run at once (``max_num_seqs``)."""
+        return self.runner.max_slots
+
+    @property
+    def max_model_len(self) -> int:
+        """Positions per request, prompt and output together."""
+        return self.runner.max_context
+
     # ------------------------------------------------------------------ requests
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise a :class:`RequestError` naming the problem (a :class:`ContextOverflowError` when
+        it is too long) if this request can never run; changes nothing. Safe from any thread."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt "
+                "and at least one generated token must fit)")
+        self.scheduler.check(list(prompt_ids), params)
+
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     detokenize: bool = True, skip_special_tokens: bool = True) -> str:
         """Queue a tokenized prompt; returns its request id. Raises a ``RequestError`` naming the
@@ -140,11 +186,10 @@ class Engine:
 
         ``skip_special_tokens=False`` keeps special tokens (``</think>``, DSML) in the output text,
         which the chat parser needs; stop strings are then matched against that text."""
-        vocab = self.runner.model.config.vocab_size
+        vocab = self.vocab_size
         ids = [int(t) for t in prompt_ids]
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            from ..errors import RequestError
             raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(rid, ids, params)
@@ -159,6 +204,29 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._inflight)
+
+    def fail_all(self, reason: str = "error") -> list[str]:
+        """End every request (running, waiting, or only still known to the output side) with
+        finish reason ``reason`` and drop the steps in flight; returns the ended request ids. For
+        a front end whose step raised: the engine's state of those requests is not to be trusted,
+        the engine itself stays usable."""
+        sched = self.scheduler
+        ended = []
+        for req in list(sched.running) + list(sched.waiting):
+            sched.finish(req, reason)
+            ended.append(req.request_id)
+        for rid in list(self.tracks):
+            self.tracks.pop(rid, None)
+            if rid not in ended:
+                ended.append(rid)
+        self._inflight.clear()
+        return ended
+
+    def stats(self) -> EngineStats:
+        """Running and waiting requests and slots in use, now (from the thread that steps)."""
+        sched = self.scheduler
+        return EngineStats(len(sched.running), len(sched.waiting), self.max_slots - len(sched.free_slots),
+                           self.max_slots)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()

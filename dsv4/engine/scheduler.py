@@ -118,7 +118,7 @@ class Scheduler:
         if need > self.max_model_len:
             raise ContextOverflowError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
-                f"max_model_len ({self.max_model_len})")
+                f"max_model_len ({self.max_model_len})", param="max_tokens")
 
     def add(self, request: Request) -> None:
         """Queue a request (checked first: a refused request changes nothing)."""

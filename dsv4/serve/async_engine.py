@@ -3,7 +3,8 @@
 The :class:`~dsv4.engine.core.Engine` is single-threaded. One engine thread owns it: it applies
 the commands the event loop sent (add a request, abort one) in order, runs ``Engine.step()`` while
 anything is unfinished, and hands each step's outputs back to the loop in one
-``call_soon_threadsafe`` call. Handlers never touch the engine: they :meth:`AsyncEngine.submit`
+``call_soon_threadsafe`` call. It uses only the engine's public API (``check``, ``add_request``,
+``abort``, ``step``, ``fail_all``, ``stats`` and its sizes), never its scheduler or internal state. Handlers never touch the engine: they :meth:`AsyncEngine.submit`
 tokenized requests (already checked with :meth:`AsyncEngine.check`, so a refused request changes
 nothing) and read :class:`Delta` objects from the :class:`Submission`'s queue.
 
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from ..cpu_threads import ThreadMonitor
 from ..engine.core import Engine, RequestOutput
 from ..engine.sampler import SamplingParams
-from ..errors import ContextOverflowError, RequestError
 
 log = logging.getLogger("dsv4.serve")
 
@@ -108,7 +108,8 @@ class Submission:
 
 @dataclass
 class EngineStats:
-    """Written by the engine thread after each step, read by /health and /metrics."""
+    """Written by the engine thread after each step, read by /health and /metrics: the engine's
+    :meth:`Engine.stats` and this thread's step and error counts."""
 
     running: int = 0
     waiting: int = 0
@@ -126,8 +127,8 @@ class AsyncEngine:
         self.engine, self.max_model_len, self.metrics = engine, max_model_len, metrics
         # the CPU-thread policy ("auto" only) is re-evaluated between steps: load comes and goes
         self.thread_monitor = ThreadMonitor(threads, threads_interval)
-        self.vocab_size = engine.runner.model.config.vocab_size
-        self.stats = EngineStats(slots_total=engine.runner.max_slots)
+        self.vocab_size = engine.vocab_size
+        self.stats = EngineStats(slots_total=engine.max_slots)
         self.state = "ready"
         self.loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, _Live] = {}
@@ -176,17 +177,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (loop thread)
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise a :class:`RequestError` naming the problem if this request can never run."""
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt "
-                "and at least one generated token must fit)")
-        self.engine.scheduler.check(list(prompt_ids), params)
+        """Raise a :class:`~dsv4.errors.RequestError` naming the problem if this request can never
+        run (:meth:`Engine.check`)."""
+        self.engine.check(prompt_ids, params)
 
     def submit(self, request_id: str, requests: Sequence[EngineRequest]) -> Submission:
         """Queue checked requests as ``{request_id}-{i}``; returns the submission to read."""
@@ -267,22 +260,11 @@ class AsyncEngine:
         return [(out.request_id, _delta(out)) for out in outputs]
 
     def _fail_running(self, error: str) -> list[tuple[str, Delta]]:
-        sched = self.engine.scheduler
-        failed = []
-        for req in list(sched.running) + list(sched.waiting):
-            sched.finish(req, "error")
-            failed.append((req.request_id, Delta([], "", True, "error", error=error)))
-        for rid in list(self.engine.tracks):   # the engine's own output state of those requests
-            self.engine.tracks.pop(rid, None)
-            if not any(rid == f[0] for f in failed):
-                failed.append((rid, Delta([], "", True, "error", error=error)))
-        self.engine._inflight.clear()
-        return failed
+        return [(rid, Delta([], "", True, "error", error=error)) for rid in self.engine.fail_all("error")]
 
     def _update_stats(self) -> None:
-        sched, s = self.engine.scheduler, self.stats
-        s.running, s.waiting = len(sched.running), len(sched.waiting)
-        s.slots_used = s.slots_total - len(sched.free_slots)
+        now, s = self.engine.stats(), self.stats
+        s.running, s.waiting, s.slots_used, s.slots_total = now.running, now.waiting, now.slots_used, now.slots_total
         if self.metrics is not None:
             self.metrics.engine_state(s)
 

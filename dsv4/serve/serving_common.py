@@ -134,10 +134,10 @@ def check_request(ctx: ServingContext, prompt_ids: list[int], params: SamplingPa
     """400 naming the problem (lengths included) when the engine could never run this request."""
     try:
         ctx.engine.check(prompt_ids, params)
-    except RequestError as e:
-        code = "context_length_exceeded" if "max_model_len" in str(e) else None
-        message = str(e) if str(e).startswith(what.split("[")[0]) else f"{what}: {e}"
-        raise bad_request(message, "max_tokens" if "max_tokens" in str(e) else what.split("[")[0], code) from None
+    except RequestError as e:   # the error names the field at fault (param) and the OpenAI code
+        field = what.split("[")[0]
+        message = str(e) if str(e).startswith(field) else f"{what}: {e}"
+        raise bad_request(message, e.param or field, e.code) from None
 
 
 # ------------------------------------------------------------------ responses
