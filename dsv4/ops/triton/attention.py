@@ -296,15 +296,16 @@ def _store_parts(store: object, name: str, hd: int, dtype: torch.dtype) -> tuple
     return data, store.scale, rope, LAYOUT_FP8, nope, n_sc, store.scale.dtype == torch.uint8
 
 
-def _attn_config(H: int, hd: int, n_queries: int) -> tuple[int, int, int, int]:
-    """``(BH heads, BN keys, num_warps, num_stages)`` per program, by shape."""
+def _attn_config(H: int, hd: int, n_queries: int, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """``(BH heads, BN keys, num_warps, num_stages)`` per program, by shape and element size."""
     bh = max(16, min(32, triton.next_power_of_2(H)))
     if runtime.interpreting():
         return bh, 16, 4, 1
     # hd 512: 32 heads x 32 keys with 8 warps (one 64-dim chunk each) is the largest tile without
     # spills (sm_90, Triton 3.6: 255 registers, 148 KB shared memory with two stages, 96 KB with
-    # one); 64 heads would need 128 KB of fp32 accumulators per program
-    return bh, 32, 8, 2
+    # one); 64 heads would need 128 KB of fp32 accumulators per program. fp32 tiles take twice the
+    # shared memory: two stages at hd 512 asked for 320 KB (H100: 227 KB), so they get one
+    return bh, 32, 8, 1 if itemsize * hd > 1024 else 2
 
 
 def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
@@ -393,7 +394,7 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     out = runtime.empty((B, S, H, hd), dtype, dev)
     if B * S == 0 or H == 0:
         return out
-    bh, bn, warps, stages = _attn_config(H, hd, B * S)
+    bh, bn, warps, stages = _attn_config(H, hd, B * S, q.element_size())
     n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
     splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh), _target_programs or runtime.sm_count(dev))
     fused = splits > 1 and (splits <= FUSED_MAX_SPLITS if _merge is None else _merge == "fused")
