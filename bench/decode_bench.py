@@ -163,23 +163,31 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def hf_bf16_model(config: ModelConfig, device: str = DEVICE) -> torch.nn.Module:
+    """transformers' eager ``DeepseekV4ForCausalLM`` of ``config``'s geometry, random BF16 weights,
+    built in BF16 directly on ``device`` (no fp32 copy of the experts)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import transformers
+    from hf_oracle import hf_config
+    from transformers import DeepseekV4ForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return DeepseekV4ForCausalLM(hf_config(config)).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
 @torch.no_grad()
 def bench_hf(config: ModelConfig, batches: list[int], context: int, steps: int) -> dict:
     """transformers' eager DeepseekV4ForCausalLM, BF16, same geometry: prefill ``context`` real
     tokens per row with its cache, then time single-token steps."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import transformers
-    from hf_oracle import hf_config
-    from transformers import DeepseekV4ForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    transformers.logging.set_verbosity_error()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)   # build in bf16 directly (no fp32 copy of the experts)
-    try:
-        with torch.device(DEVICE):
-            model = DeepseekV4ForCausalLM(hf_config(config)).eval()
-    finally:
-        torch.set_default_dtype(default)
+    model = hf_bf16_model(config)
     results = {}
     for batch in batches:
         cache = DynamicCache(config=model.config)

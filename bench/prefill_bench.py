@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dsv4.config import ModelConfig, preset  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
@@ -124,19 +125,9 @@ def prefill_times(engine: Engine, prompts: list[list[int]]) -> tuple[float, list
 
 def bench_hf(config: ModelConfig, lengths: list[int]) -> dict[int, float]:
     """transformers' eager model, BF16: one forward per prompt (no cache), tok/s per length."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import transformers
-    from hf_oracle import hf_config
-    from transformers import DeepseekV4ForCausalLM
+    from decode_bench import hf_bf16_model
 
-    transformers.logging.set_verbosity_error()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = DeepseekV4ForCausalLM(hf_config(config)).eval()
-    finally:
-        torch.set_default_dtype(default)
+    model = hf_bf16_model(config, "cuda")
     out = {}
     for n in lengths:
         ids = torch.randint(2, config.vocab_size, (1, n), device="cuda")

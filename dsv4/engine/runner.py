@@ -182,7 +182,7 @@ class Runner:
             lo += r.num_tokens
         decode = [r.slot for r in singles if r.token_ids is None]
         sample_slots = [r.slot for r in rows if r.sample]                  # sampled in the caller's row order
-        logit_rows = [offset[s] + next(r for r in rows if r.slot == s).num_tokens - 1 for s in sample_slots]
+        logit_rows = [offset[r.slot] + r.num_tokens - 1 for r in rows if r.sample]
         wanted = {}
         for i, r in enumerate(rows):
             if r.logits:
