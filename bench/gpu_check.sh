@@ -7,7 +7,10 @@
 #   bash bench/gpu_check.sh serve      # dsv4 serve on the Flash x4 slice + dsv4 bench serve
 #   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
 # Expects transformers>=5.23 (and its newer deps: huggingface_hub, tokenizers, httpx2, httpcore2, truststore)
-# as wheels in .whl/ when the image's are older; humming-kernels as a wheel for the MoE peer.
+# as wheels in .whl/ when the image's are older; humming-kernels as a wheel for the MoE peer; for the
+# serve sections fastapi, starlette, uvicorn, prometheus-client and what they need that the image lacks
+# (pydantic, pydantic-core, annotated-types, annotated-doc, typing-inspection, typing-extensions,
+# opentelemetry-api, h11, click, anyio, sniffio: all were carried on 2026-11-25).
 set -uo pipefail
 section=${1:-all}
 if ls .whl/*.whl >/dev/null 2>&1; then
