@@ -169,15 +169,18 @@ class Engine:
         it is too long) if this request can never run; changes nothing. Safe from any thread."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        vocab = self.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+        self._check_ids(prompt_ids)
         if len(prompt_ids) >= self.max_model_len:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt "
                 "and at least one generated token must fit)")
         self.scheduler.check(list(prompt_ids), params)
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        vocab = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     detokenize: bool = True, skip_special_tokens: bool = True) -> str:
@@ -186,11 +189,8 @@ class Engine:
 
         ``skip_special_tokens=False`` keeps special tokens (``</think>``, DSML) in the output text,
         which the chat parser needs; stop strings are then matched against that text."""
-        vocab = self.vocab_size
         ids = [int(t) for t in prompt_ids]
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+        self._check_ids(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(rid, ids, params)
         self.scheduler.add(request)
