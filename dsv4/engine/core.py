@@ -34,6 +34,7 @@ import torch
 from ..errors import ContextOverflowError, RequestError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .batch import NewSequence, Row, ScheduledBatch
+from .grammar import Constraint, GrammarCompiler
 from .runner import Runner
 from .sampler import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
@@ -106,6 +107,7 @@ class _Track:
         p = request.params
         self.stops = StopChecker(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, None)
         self.pending = 0          # tokens launched on the device, not yet seen on the host
+        self.constraint: Constraint | None = None     # the grammar / thinking budget, if any
 
 
 class _PinnedPool:
@@ -147,6 +149,9 @@ class Engine:
         self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None]] = []
         self.overlap = runner.device.type == "cuda"
         self._pinned = _PinnedPool()
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
+        if self.grammars is not None:
+            self.grammars.prepare()
 
     # ------------------------------------------------------------------ sizes (read-only)
     @property
@@ -175,6 +180,10 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt "
                 "and at least one generated token must fit)")
         self.scheduler.check(list(prompt_ids), params)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs need a tokenizer", param=params.structured_outputs.param)
+            self.grammars.check(params.structured_outputs)
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         vocab = self.vocab_size
@@ -193,8 +202,13 @@ class Engine:
         self._check_ids(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(rid, ids, params)
+        track = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
+        if params.constrained:
+            if self.grammars is None:
+                raise RequestError("structured outputs need a tokenizer", param="structured_outputs")
+            track.constraint = self.grammars.constraint(params, ids)     # a bad grammar raises here
         self.scheduler.add(request)
-        self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
+        self.tracks[rid] = track
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -233,6 +247,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan, launch and collect one step; returns the outputs that changed."""
         outputs: list[RequestOutput] = []
+        if self._inflight and any(t.constraint is not None and t.pending for t in self.tracks.values()):
+            # a constrained row's next mask needs the token still in flight: collect it first (the
+            # steps with a constrained row give up overlapping the host with the device)
+            for tracks, sampled, event in self._inflight:
+                outputs += self._collect(tracks, sampled, event)
+            self._inflight = []
         plan = self._plan()
         for req in plan.finished:                      # aborted since the last step
             outputs.append(self._end(self.tracks[req.request_id], "abort"))
@@ -272,6 +292,9 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
+        if any(t.constraint is not None for t in tracks):
+            sampled_slots = [r.slot for r in rows if r.sample]
+            self.runner.sampling.bitmask.stage([(s, t.constraint) for s, t in zip(sampled_slots, tracks)])
         out = self.runner.run(ScheduledBatch(tuple(rows)))
         for i, logits in out.logits.items():
             _add_prompt_logprobs(self.tracks[chunks[i].request.request_id].out, chunks[i], logits)
@@ -325,6 +348,8 @@ class Engine:
         if not out.token_ids:
             out.time_to_first_token = now
         out.token_ids.append(token)
+        if track.constraint is not None:
+            track.constraint.accept([token])
         if out.logprobs is not None:
             out.logprobs.append(logprob)
             out.top_logprobs.append((top or [])[:req.params.logprobs or 0])

@@ -13,6 +13,8 @@ top-p?``), never tensor values. One step over ``logits [B, V]``:
 2. logprobs -- reported from ``log_softmax`` of the penalised logits at temperature 1: the
    model's distribution after penalties, before temperature and truncation. It does not
    depend on the sampling knobs, so a greedy row reports real probabilities, not 0 / -inf;
+   then a constrained row's grammar bitmask (:mod:`dsv4.engine.grammar`) sets the tokens it
+   forbids to -inf, before the argmax or the draw;
 3. temperature (``< GREEDY_EPS`` means greedy); 4. top-k; 5. top-p, on the top-k
    renormalised distribution (keep the smallest prefix whose mass reaches ``top_p``);
 6. min-p: keep ``p >= min_p * p_max`` (invariant under renormalisation, so it commutes
@@ -40,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..errors import RequestError
+from .grammar import StructuredOutputsParams, apply_token_bitmask
 
 MAX_LOGPROBS = 20  # most top alternatives one request may ask for
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
@@ -83,6 +86,12 @@ class SamplingParams:
     """Strings that end generation; the output stops right before the first match."""
     ignore_eos: bool = False
     """Keep generating past the EOS token (``stop_token_ids`` still stop)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A :class:`~dsv4.engine.grammar.StructuredOutputsParams`: the output must match its grammar
+    (enforced by a token bitmask; with thinking on, from the token after ``</think>``)."""
+    thinking_token_budget: int | None = None
+    """With thinking on (the prompt ends with ``<think>``): at most this many reasoning tokens, then
+    ``</think>`` is forced. None: no limit."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string
@@ -97,6 +106,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when this request takes the argmax."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def constrained(self) -> bool:
+        """True when a token bitmask may restrict this request's tokens."""
+        return self.structured_outputs is not None or self.thinking_token_budget is not None
 
 
 def _is_int(v: object) -> bool:
@@ -146,6 +160,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a list of non-empty strings",
     ),
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+    "structured_outputs": (lambda v: v is None or isinstance(v, StructuredOutputsParams),
+                           "None or a StructuredOutputsParams"),
+    "thinking_token_budget": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an int >= 0"),
 }
 
 
@@ -212,6 +229,8 @@ class SamplingBatch:
         self.step = col([len(o) for o in output_ids], torch.int64)
         self.counts: Tensor | None = None
         self.prompt_mask: Tensor | None = None
+        #: allowed-token bitmask rows [B, ceil(V/32)] int32 (dsv4.engine.grammar), or None: no constraint
+        self.token_bitmask: Tensor | None = None
         if any(_has_penalty(p) for p in params):
             self.counts = _count_ids(output_ids, V, self.device)
             self.prompt_mask = (_count_ids(prompt_ids, V, self.device) > 0) | (self.counts > 0)
@@ -301,6 +320,8 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         raise ValueError(f"logits must be {want}, got {list(logits.shape)}")
     logits = apply_penalties(logits.float(), batch)  # [B, V] fp32
     logp = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
+    if batch.token_bitmask is not None:   # a grammar truncates like top-k: logprobs stay the model's
+        logits = apply_token_bitmask(logits, batch.token_bitmask)
     if batch.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:

@@ -8,7 +8,7 @@ batch's slots by a device index tensor, samples, and scatters the advanced count
 ops only, fixed shapes, so the whole thing is capturable.
 
 What the step computes is decided by host flags derived from the batch's parameters
-(:class:`SampleFlags`: all greedy? top-p sort? penalties? how many logprobs?) — one graph per
+(:class:`SampleFlags`: all greedy? top-p sort? penalties? how many logprobs? a grammar?) — one graph per
 flag set and batch bucket. A set is widened, never narrowed, when rows differ (a greedy row in a
 sampling batch is exact either way).
 """
@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .grammar import TokenBitmask
 from .h2d import copy_into
 from .sampler import MAX_LOGPROBS, SampleOutput, SamplingBatch, SamplingParams, _has_penalty, sample
 
@@ -36,6 +37,7 @@ class SampleFlags:
     min_p: bool = False
     penalties: bool = False
     logprobs: int | None = None
+    grammar: bool = False    # some row is constrained: apply the slots' token bitmasks
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> "SampleFlags":
@@ -49,7 +51,8 @@ class SampleFlags:
                    max_top_k=min(vocab_size, 1 << (max(ks) - 1).bit_length()) if ks else 0,
                    min_p=any(p.min_p > 0 for p in sampling),
                    penalties=any(_has_penalty(p) for p in params),
-                   logprobs=MAX_LOGPROBS if asked and max(asked) > 0 else (0 if asked else None))
+                   logprobs=MAX_LOGPROBS if asked and max(asked) > 0 else (0 if asked else None),
+                   grammar=any(p.constrained for p in params))
 
 
 class SlotSampling:
@@ -63,6 +66,8 @@ class SlotSampling:
         self.rows.counts = torch.zeros(slots, V, dtype=torch.int32, device=self.device)
         self.rows.prompt_mask = torch.zeros(slots, V, dtype=torch.bool, device=self.device)
         self.params: list[SamplingParams | None] = [None] * slots
+        #: grammar masks by slot (the engine stages the rows before a step with a constrained row)
+        self.bitmask = TokenBitmask(slots, vocab_size, self.device)
 
     def assign(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
         """Write ``slot``'s row for a new request (host to device; never inside a graph). The row
@@ -99,6 +104,7 @@ class SlotSampling:
         batch.use_top_k = flags.top_k and not flags.top_p
         batch.max_top_k = flags.max_top_k or self.vocab_size
         batch.num_logprobs = flags.logprobs
+        batch.token_bitmask = self.bitmask.gather(slot_idx) if flags.grammar else None
         out = sample(logits, batch)
         rows.step.index_copy_(0, slot_idx, batch.step)
         if flags.penalties:
