@@ -16,6 +16,7 @@ from dsv4.engine.sampler import (
     apply_penalties,
     sample,
     uniform_noise,
+    unit_interval,
 )
 
 @pytest.fixture(autouse=True, scope="module")
@@ -299,6 +300,17 @@ def test_hash_matches_python_reference_and_is_uniform():
     hist = torch.histc(u, bins=16, min=0, max=1)
     assert torch.all((hist / u.numel() - 1 / 16).abs() < 0.003)
     assert abs(torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1]) < 0.01
+
+
+def test_noise_is_finite_at_the_top_hash():
+    """The largest hashes gave u == 1.0 in fp32 (the top bin's centre rounds up), whose Gumbel noise
+    is +inf: that token won whatever its logit (one draw in 2**24 per vocabulary entry, ~0.8% of the
+    rows of a 129K vocabulary), and a grammar's -inf mask plus +inf gave NaN, which argmax picks."""
+    h = torch.tensor([0, 2**32 - 257, 2**32 - 256, 2**32 - 1])
+    u = unit_interval(h)
+    assert 0 < u.min() and u.max() < 1
+    gumbel = -torch.log(-torch.log(u))
+    assert torch.isfinite(gumbel).all()
 
 
 def test_sample_has_no_host_sync():

@@ -410,7 +410,15 @@ def uniform_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab_size: in
     k2 = _mix32(seed_hi ^ _mix32(k1 ^ 0x85EBCA6B))  # [B]
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=seed_lo.device)
     h = _mix32(_mix32(vocab[None, :] ^ k1[:, None]) ^ k2[:, None])  # [B, V] in [0, 2**32)
-    return ((h >> 8).float() + 0.5) * 2.0**-24
+    return unit_interval(h)
+
+
+def unit_interval(h: Tensor) -> Tensor:
+    """32-bit hashes (int64 in [0, 2**32)) -> fp32 in (0, 1): the top 24 bits, centred in their bin.
+    The top bin's centre ``1 - 2**-25`` is not an fp32 number and would round to 1 (whose Gumbel
+    noise is +inf: that token would win whatever its probability, one draw in 2**24 per vocabulary
+    entry), so it is held at the largest fp32 below 1."""
+    return (((h >> 8).float() + 0.5) * 2.0**-24).clamp_(max=1.0 - 2.0**-24)
 
 
 def gumbel_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab_size: int) -> Tensor:
