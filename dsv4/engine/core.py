@@ -150,8 +150,6 @@ class Engine:
         self.overlap = runner.device.type == "cuda"
         self._pinned = _PinnedPool()
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
-        if self.grammars is not None:
-            self.grammars.prepare()
 
     # ------------------------------------------------------------------ sizes (read-only)
     @property
@@ -206,10 +204,17 @@ class Engine:
         if params.constrained:
             if self.grammars is None:
                 raise RequestError("structured outputs need a tokenizer", param="structured_outputs")
-            track.constraint = self.grammars.constraint(params, ids)     # a bad grammar raises here
+            limit = min(params.max_tokens, self.max_model_len - len(ids))
+            track.constraint = self.grammars.constraint(params, ids, limit)     # a bad grammar raises here
         self.scheduler.add(request)
         self.tracks[rid] = track
         return rid
+
+    def prepare_grammars(self) -> None:
+        """Start building what constrained decoding needs for this tokenizer (about two seconds for a
+        129K vocabulary) on a thread; otherwise the first constrained request builds it."""
+        if self.grammars is not None:
+            self.grammars.prepare()
 
     def abort(self, request_id: str) -> None:
         """End a request (safe from any thread; takes effect at the next step)."""

@@ -15,6 +15,14 @@ so a speculative verify step can feed all the tokens it accepted). With thinking
 with ``<think>``) the reasoning is free and the grammar starts after ``</think>``; a
 ``thinking_token_budget`` forces ``</think>`` once the reasoning has used that many tokens.
 
+A grammar alone does not bound the output's length: a JSON string from a weak (or random) model
+may run on until ``max_tokens`` cuts it, and the answer does not parse. So a constraint knows its
+token limit (``max_tokens``, or what is left of ``max_model_len``) and keeps a reserve of a quarter
+of it (at most 512 tokens; at least the grammar's ``min_reserve``, at most half the limit): once only twice the reserve is left, a reasoning phase gets ``</think>``,
+and once only the reserve is left the mask keeps, where the grammar allows any, just the tokens made
+of closing characters (``"``, ``}``, ``]``, ``0``), which finish a JSON value in a few tokens. A
+capable model never comes near that point; a tiny one still returns a valid object every time.
+
 Why llguidance, not xgrammar (measured with ``bench/grammar_libs.py``, mask time per token for a
 JSON schema, CPU): xgrammar is faster per mask (3 us vs 33 us at a 129K vocabulary, 2 us vs 48 us at
 512) but both are far below a decode step (milliseconds), and a batch's masks are computed in
@@ -36,6 +44,9 @@ from ..errors import RequestError
 from .h2d import upload, upload_ints
 
 ALL_ALLOWED = -1      # an int32 word with every bit set
+#: closing mode's preferences, in order: tokens made only of these characters finish a JSON value (or
+#: a tool-call block) soonest: close a string, close a container, end a number, close the block
+CLOSING_TIERS = ('"', "}]", "0", "/")
 
 
 @dataclass
@@ -52,6 +63,9 @@ class StructuredOutputsParams:
     json_object: bool = False
     """Any JSON object."""
     param: str = field(default="structured_outputs", compare=False)
+    min_reserve: int = field(default=0, compare=False)
+    """Tokens the shortest completion may need from anywhere in the output (closing mode, below,
+    starts no later than this many tokens before the limit); the tool-call grammar sets it."""
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -94,8 +108,9 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.think_start = tokenizer.hf.token_to_id("<think>")
         self.think_end = tokenizer.hf.token_to_id("</think>")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._ll = None
+        self._classes: TokenClasses | None = None
 
     @property
     def ll_tokenizer(self):
@@ -111,9 +126,10 @@ class GrammarCompiler:
             return self._ll
 
     def prepare(self) -> None:
-        """Build the llguidance tokenizer in the background (the first constrained request waits
-        only for what is left of it)."""
-        threading.Thread(target=lambda: self.ll_tokenizer, daemon=True, name="dsv4-grammar-tokenizer").start()
+        """Build the llguidance tokenizer and the token classes on a thread (a server calls this at
+        start-up, so that its first constrained request waits only for what is left of that work)."""
+        threading.Thread(target=lambda: (self.ll_tokenizer, self.token_classes), daemon=True,
+                         name="dsv4-grammar-tokenizer").start()
 
     def check(self, spec: StructuredOutputsParams) -> str:
         """The compiled grammar text; a :class:`RequestError` naming ``spec.param`` if it is invalid."""
@@ -125,9 +141,18 @@ class GrammarCompiler:
             raise RequestError(f"{spec.param}: invalid grammar: {first}", param=spec.param)
         return text
 
-    def constraint(self, params, prompt_ids: Sequence[int]) -> "Constraint | None":
+    @property
+    def token_classes(self) -> "TokenClasses":
+        """Bitmasks of token classes (computed once: one decode per vocabulary entry)."""
+        with self._lock:
+            if self._classes is None:
+                self._classes = TokenClasses(self.tokenizer, self.vocab_size, self.think_end)
+            return self._classes
+
+    def constraint(self, params, prompt_ids: Sequence[int], limit: int) -> "Constraint | None":
         """The constraint of a request (None when it has none): its grammar's matcher, and the
-        reasoning phase when the prompt opens one (ends with ``<think>``)."""
+        reasoning phase when the prompt opens one (ends with ``<think>``); ``limit`` is the most
+        tokens it may generate."""
         spec, budget = params.structured_outputs, params.thinking_token_budget
         reasoning = bool(prompt_ids) and prompt_ids[-1] == self.think_start and self.think_end is not None
         if spec is None and not (budget is not None and reasoning):
@@ -136,16 +161,43 @@ class GrammarCompiler:
         if spec is not None:
             import llguidance
             matcher = llguidance.LLMatcher(self.ll_tokenizer, self.check(spec), log_level=0)
-        return Constraint(matcher, reasoning, self.think_end, budget, self.tokenizer.eos_id)
+        reserve = min(max(min(limit // 4, 512), spec.min_reserve), limit // 2) if spec is not None else 0
+        return Constraint(matcher, reasoning, self.think_end, budget, self.tokenizer.eos_id, limit, reserve,
+                          self.token_classes if matcher is not None else None)
+
+
+def _bitmask(ids, words: int) -> torch.Tensor:
+    bits = [0] * words
+    for t in ids:
+        bits[t // 32] |= 1 << (t % 32)
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32)
+
+
+class TokenClasses:
+    """Bitmasks ``[ceil(V/32)]`` int32 over the vocabulary: ``text`` (every token but the special
+    ones, plus ``</think>``: what a constrained request's reasoning may use, so that it can neither
+    end with EOS nor write stray markup) and the closing ``tiers`` (:data:`CLOSING_TIERS`)."""
+
+    def __init__(self, tokenizer, vocab_size: int, think_end: int | None):
+        words = (vocab_size + 31) // 32
+        specials = {t for t, a in tokenizer.hf.get_added_tokens_decoder().items() if a.special}
+        texts = {t: tokenizer.decode([t]) for t in range(tokenizer.vocab_size) if t not in specials}
+        self.text = _bitmask([t for t in texts] + ([think_end] if think_end is not None else []), words)
+        self.tiers = [_bitmask([t for t, x in texts.items() if x and all(c in chars for c in x)], words)
+                      for chars in CLOSING_TIERS]
 
 
 class Constraint:
     """One request's constraint: free reasoning up to ``</think>`` (when ``reasoning``), then the
     grammar (when ``matcher``); :meth:`accept` advances it, :meth:`mask_row` says what is allowed next."""
 
-    def __init__(self, matcher, reasoning: bool, think_end: int | None, budget: int | None, eos_id: int):
+    def __init__(self, matcher, reasoning: bool, think_end: int | None, budget: int | None, eos_id: int,
+                 limit: int, reserve: int = 0, classes: TokenClasses | None = None):
         self.matcher, self.reasoning, self.think_end, self.budget, self.eos_id = (matcher, reasoning, think_end,
                                                                                   budget, eos_id)
+        self.limit, self.classes = limit, classes
+        self.reserve = reserve
+        self.generated = 0
         self.reasoning_tokens = 0
 
     def accept(self, tokens: Sequence[int]) -> None:
@@ -153,6 +205,7 @@ class Constraint:
         step; several after a speculative verify). A token the grammar forbids (it cannot come from
         the masked sampler) leaves the matcher in its error state, which then allows only EOS."""
         for t in tokens:
+            self.generated += 1
             if self.reasoning:
                 if t == self.think_end:
                     self.reasoning = False
@@ -165,8 +218,19 @@ class Constraint:
     def free(self) -> bool:
         """True when the next token is unconstrained (reasoning within its budget, or no grammar)."""
         if self.reasoning:
-            return self.budget is None or self.reasoning_tokens < self.budget
+            spent = self.budget is not None and self.reasoning_tokens >= self.budget
+            return not spent and self.left > 2 * self.reserve
         return self.matcher is None
+
+    @property
+    def left(self) -> int:
+        """Tokens this request may still generate (the next one included)."""
+        return self.limit - self.generated
+
+    @property
+    def closing(self) -> bool:
+        """In the reserve: prefer the tokens that finish the grammar's value."""
+        return self.classes is not None and not self.reasoning and self.left <= self.reserve
 
     def only(self) -> int | None:
         """The one token allowed next when that is decided without the grammar (``</think>`` once the
@@ -205,15 +269,25 @@ class TokenBitmask:
             if only is not None:
                 host[slot].zero_()
                 host[slot, only // 32] = 1 << (only % 32) if only % 32 != 31 else -(1 << 31)
+            elif c is not None and c.free and c.reasoning and c.classes is not None:
+                host[slot] = c.classes.text          # reasoning before a grammar: text and </think>
             elif c is None or c.free:
                 host[slot].fill_(ALL_ALLOWED)
             else:
-                grammar.append((c.matcher, slot))
+                grammar.append((slot, c))
         if grammar:
             if self._executor is None:
                 import llguidance
                 self._executor = llguidance.LLExecutor()
-            self._executor.unsafe_compute_mask_ptr(grammar, host.data_ptr(), host.shape[1] * 4, host.shape[0])
+            self._executor.unsafe_compute_mask_ptr([(c.matcher, slot) for slot, c in grammar], host.data_ptr(),
+                                                   host.shape[1] * 4, host.shape[0])
+            for slot, c in grammar:
+                if c.closing:           # keep the best closing tokens the grammar allows, if it allows any
+                    for tier in c.classes.tiers:
+                        kept = host[slot] & tier
+                        if bool(kept.any()):
+                            host[slot] = kept
+                            break
         slots = [s for s, _ in rows]
         # the sampled slots' rows, staged through page-locked memory: the host never waits
         self.bits.index_copy_(0, upload_ints(slots, self.device),

@@ -113,6 +113,8 @@ class ServerState:
         engine = AsyncEngine(llm.engine, llm.max_model_len, self.metrics,
                              threads=getattr(llm, "threads", None) if on_cpu else None)
         engine.start()
+        if hasattr(llm.engine, "prepare_grammars"):     # test stand-ins offer only the request API
+            llm.engine.prepare_grammars()
         seeds = None if self.default_seed is None else random.Random(self.default_seed)
         self.ctx = ServingContext(engine, llm.tokenizer, self.model_names, llm.max_model_len, str(llm.path),
                                   self.metrics, seeds)

@@ -59,6 +59,19 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = None
 
 
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(None, description='{"name", "schema", "strict"} (json_schema)')
+
+
+class StructuredOutputs(_Request):
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Request):
     """Sampling fields shared by completions and chat."""
 
@@ -81,6 +94,12 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
     user: str | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object or json_schema: the output is valid JSON (matching the schema), enforced")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's extra: json (a schema), regex, choice, grammar (Lark or GBNF) or json_object")
+    thinking_token_budget: int | None = Field(
+        None, ge=0, description="thinking mode: at most this many reasoning tokens, then </think> is forced")
 
 
 # ------------------------------------------------------------------ /v1/completions
@@ -165,11 +184,6 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
@@ -179,7 +193,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     reasoning_effort: str | None = Field(None, description="high or max (turns thinking on)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='{"thinking": true} turns thinking mode on')

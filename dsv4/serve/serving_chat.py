@@ -31,12 +31,14 @@ from fastapi.responses import StreamingResponse
 
 from ..text.chat import (ChatFormatError, ContentDelta, ParseError, ReasoningDelta, StreamingParser, ToolCallEvent,
                          encode_messages)
+from ..engine.grammar import StructuredOutputsParams
 from ..text.markup import DSML, THINK_END, THINK_START, SpecialTextFilter
+from ..text.tool_grammar import ToolGrammarError, shortest_block, tool_calls_grammar
 from .async_engine import Delta, EngineRequest, Submission
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, ChatMessage
 from .serving_common import (ServingContext, aclosing_iter, check_request, check_stop_ids, log_request,
-                             sampling_params, sse, until_done_or_disconnect)
+                             sampling_params, sse, structured_outputs, until_done_or_disconnect)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -74,6 +76,7 @@ class ChatServing:
         self.ctx = ctx
         tok = ctx.tokenizer
         self.think_end_id = tok.hf.token_to_id(THINK_END)
+        self.dsml_id = tok.hf.token_to_id(DSML)
         # what skip_special_tokens leaves out of the client's text: every special token but the markup
         # the parser reads (a stray one of those is a parse error, reported as such)
         self.specials = SpecialTextFilter(t for t in tok.special_tokens() if t not in (THINK_START, THINK_END, DSML))
@@ -109,14 +112,27 @@ class ChatServing:
             raise bad_request(str(e), str(e).split(":")[0].split(".")[0].split("[")[0] or "messages") from None
         return self.ctx.tokenizer.encode(text)
 
+    def forced_tool_calls(self, tools: list[dict] | None, choice, parallel: bool | None
+                          ) -> StructuredOutputsParams | None:
+        """The constraint of ``tool_choice`` "required" or a named function: the answer is one DSV4
+        tool-call block (after the reasoning, in thinking mode) whose arguments match the tools'
+        schemas; None for "auto" and "none"."""
+        if choice in (None, "auto", "none"):
+            return None
+        name = None if choice == "required" else choice.function.name
+        try:
+            grammar = tool_calls_grammar(tools, self.dsml_id, name=name, parallel=name is None and parallel is not False)
+        except ToolGrammarError as e:
+            raise bad_request(str(e), "tool_choice" if str(e).startswith("tool_choice") else "tools") from None
+        reserve = len(self.ctx.tokenizer.encode(shortest_block(tools, name)))
+        return StructuredOutputsParams(grammar=grammar, param="tools", min_reserve=reserve)
+
     def _request(self, req: ChatCompletionRequest):
         if not req.messages:
             raise bad_request("messages: expected a non-empty list of messages", "messages")
         choice = req.tool_choice
-        if choice == "required" or (choice is not None and not isinstance(choice, str)):
-            raise bad_request("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
-        if choice == "auto" and not req.tools:
-            raise bad_request("tool_choice 'auto' needs tools", "tool_choice")
+        if choice not in (None, "none") and not req.tools:
+            raise bad_request(f"tool_choice {_choice_name(choice)} needs tools", "tool_choice")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         check_stop_ids(req.stop_token_ids, self.ctx.engine.vocab_size)
@@ -138,8 +154,15 @@ class ChatServing:
         stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
         reqs, choices = [], []
         seed = self.ctx.request_seed(req.seed)
+        structured = structured_outputs(req)
+        forced = self.forced_tool_calls(tools, choice, req.parallel_tool_calls)
+        if forced is not None:
+            if structured is not None:
+                raise bad_request(f"tool_choice {_choice_name(choice)} and {structured.param}: give one of them",
+                                  "tool_choice")
+            structured = forced
         for k in range(req.n):
-            params = sampling_params(req, max_tokens, logprobs=logprobs, choice=k, seed=seed)
+            params = sampling_params(req, max_tokens, logprobs=logprobs, choice=k, seed=seed, structured=structured)
             check_request(self.ctx, ids, params, "messages")
             reqs.append(EngineRequest(ids, params, skip_special_tokens=False))
             parser = StreamingParser(thinking, call_id_prefix=f"call_{secrets.token_hex(8)}_")
@@ -321,6 +344,10 @@ def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
             "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}}
+
+
+def _choice_name(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"{{'function': {{'name': {choice.function.name!r}}}}}"
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:

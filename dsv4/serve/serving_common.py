@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import Request
 
+from ..engine.grammar import StructuredOutputsParams
 from ..engine.sampler import SamplingParams
 from ..errors import RequestError
 from ..text.tokenizer import Tokenizer
@@ -105,10 +106,34 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def structured_outputs(req: _Sampling) -> StructuredOutputsParams | None:
+    """The constraint a request's ``response_format`` (json_object, json_schema) or vLLM's
+    ``structured_outputs`` asks for (None for none); a 400 naming the field for a malformed one (an
+    invalid schema or grammar is found by the engine's check, still before anything runs)."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise bad_request("response_format and structured_outputs: give one of them", "structured_outputs")
+    try:
+        if so is not None:
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=bool(so.json_object))
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True, param="response_format")
+        schema = (fmt.json_schema or {}).get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("response_format.json_schema.schema: expected a JSON schema object", "response_format")
+        return StructuredOutputsParams(json=schema if isinstance(schema, dict) else {}, param="response_format")
+    except RequestError as e:
+        raise bad_request(str(e), e.param) from None
+
+
 def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None = None,
-                    choice: int = 0, seed: int | None = None) -> SamplingParams:
+                    choice: int = 0, seed: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's parameters for choice ``choice`` of a request (seeded choices differ by index);
-    ``seed`` is the request's (:meth:`ServingContext.request_seed`)."""
+    ``seed`` is the request's (:meth:`ServingContext.request_seed`); ``structured`` its constraint."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     try:
@@ -119,7 +144,8 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, pr
             min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             seed=None if seed is None else seed + choice, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+            stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            structured_outputs=structured, thinking_token_budget=req.thinking_token_budget)
     except RequestError as e:   # the ranges are checked by the protocol; this names any that slipped by
         raise bad_request(str(e).replace("SamplingParams.", "")) from None
 
@@ -136,7 +162,7 @@ def check_request(ctx: ServingContext, prompt_ids: list[int], params: SamplingPa
         ctx.engine.check(prompt_ids, params)
     except RequestError as e:   # the error names the field at fault (param) and the OpenAI code
         field = what.split("[")[0]
-        message = str(e) if str(e).startswith(field) else f"{what}: {e}"
+        message = str(e) if str(e).startswith(e.param or field) else f"{what}: {e}"
         raise bad_request(message, e.param or field, e.code) from None
 
 

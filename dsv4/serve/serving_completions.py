@@ -21,7 +21,7 @@ from .async_engine import Delta, EngineRequest, Submission
 from .errors import APIError, bad_request
 from .protocol import CompletionLogprobs, CompletionRequest
 from .serving_common import (ServingContext, aclosing_iter, check_request, check_stop_ids, log_request,
-                             sampling_params, sse, until_done_or_disconnect)
+                             sampling_params, sse, structured_outputs, until_done_or_disconnect)
 
 MAX_CHOICES = 1024
 
@@ -87,10 +87,11 @@ class CompletionServing:
         stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
         reqs, choices = [], []
         seed = self.ctx.request_seed(req.seed)
+        structured = structured_outputs(req)
         for p, (text, ids) in enumerate(prompts):
             for k in range(req.n):
                 params = sampling_params(req, max(max_tokens, 1), logprobs=req.logprobs, prompt_logprobs=prompt_lp,
-                                         choice=k, seed=seed)
+                                         choice=k, seed=seed, structured=structured)
                 check_request(self.ctx, ids, params, f"prompt[{p}]" if len(prompts) > 1 else "prompt")
                 reqs.append(EngineRequest(ids, params, skip_special_tokens=req.skip_special_tokens))
                 choices.append(_Choice(len(choices), text, ids, req.echo, max_tokens > 0, stop_ids))

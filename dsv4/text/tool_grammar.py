@@ -55,6 +55,22 @@ def _param_rule(tool: str, key: str, schema: Any, d: str) -> str:
     return f'{head} %json{json.dumps(sub, ensure_ascii=False)} "</" {d} "parameter>\\n"'
 
 
+def shortest_block(tools: list[dict], name: str | None = None) -> str:
+    """The markup of the longest of the shortest one-call blocks (required parameters only, each
+    valued ``0``): about what a grammar must keep in reserve to close a block from anywhere."""
+    best = ""
+    for tool in tools:
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters") or {}
+        body = "".join(f'<{DSML}parameter name="{k}" string="false">0</{DSML}parameter>\n'
+                       for k in params.get("required") or [])
+        block = f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="{fn["name"]}">\n{body}</{DSML}invoke>\n</{DSML}tool_calls>'
+        best = max(best, block, key=len)
+    return best
+
+
 def tool_calls_grammar(tools: list[dict], dsml_id: int, *, name: str | None = None, parallel: bool = True) -> str:
     """The grammar of a tool-call block calling ``name`` (or any of ``tools``); one call unless
     ``parallel``. ``tools`` are OpenAI tool dicts (``{"type": "function", "function": {...}}``)."""
@@ -87,4 +103,4 @@ def tool_calls_grammar(tools: list[dict], dsml_id: int, *, name: str | None = No
     return "\n".join([f'start: {head} {calls} "</" {d} "tool_calls>"', *rules])
 
 
-__all__ = ["DSML", "ToolGrammarError", "tool_calls_grammar"]
+__all__ = ["ToolGrammarError", "shortest_block", "tool_calls_grammar"]
