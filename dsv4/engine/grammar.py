@@ -20,7 +20,8 @@ may run on until ``max_tokens`` cuts it, and the answer does not parse. So a con
 token limit (``max_tokens``, or what is left of ``max_model_len``) and keeps a reserve of a quarter
 of it (at most 512 tokens; at least the grammar's ``min_reserve``, at most half the limit): once only twice the reserve is left, a reasoning phase gets ``</think>``,
 and once only the reserve is left the mask keeps, where the grammar allows any, just the tokens made
-of closing characters (``"``, ``}``, ``]``, ``0``), which finish a JSON value in a few tokens. A
+of closing characters (``"``, then ``}]``, ``</``, ``,``, ``0``), which finish a JSON value in a few
+tokens. A
 capable model never comes near that point; a tiny one still returns a valid object every time.
 
 Why llguidance, not xgrammar (measured with ``bench/grammar_libs.py``, mask time per token for a
@@ -45,8 +46,9 @@ from .h2d import upload, upload_ints
 
 ALL_ALLOWED = -1      # an int32 word with every bit set
 #: closing mode's preferences, in order: tokens made only of these characters finish a JSON value (or
-#: a tool-call block) soonest: close a string, close a container, end a number, close the block
-CLOSING_TIERS = ('"', "}]", "0", "/")
+#: a tool-call block) soonest: close a string, close a container, close a DSML tag, go on to the next
+#: required key, and only then start a number (with "0", after which JSON allows no more digits)
+CLOSING_TIERS = ('"', "}]", "</", ",", "0")
 
 
 @dataclass
@@ -149,6 +151,19 @@ class GrammarCompiler:
                 self._classes = TokenClasses(self.tokenizer, self.vocab_size, self.think_end)
             return self._classes
 
+    def shortest_answer(self, spec: StructuredOutputsParams) -> int:
+        """Tokens of the shortest instance of a JSON schema (a lower bound of what closing needs
+        from the start of the answer); 0 for other grammars."""
+        if spec.json is None and not spec.json_object:
+            return 0
+        schema = {"type": "object"} if spec.json_object else spec.json
+        try:
+            schema = json.loads(schema) if isinstance(schema, str) else schema
+            text = json.dumps(_shortest_instance(schema, schema), separators=(",", ":"))
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return 0
+        return len(self.tokenizer.encode(text)) + 2
+
     def constraint(self, params, prompt_ids: Sequence[int], limit: int) -> "Constraint | None":
         """The constraint of a request (None when it has none): its grammar's matcher, and the
         reasoning phase when the prompt opens one (ends with ``<think>``); ``limit`` is the most
@@ -161,9 +176,42 @@ class GrammarCompiler:
         if spec is not None:
             import llguidance
             matcher = llguidance.LLMatcher(self.ll_tokenizer, self.check(spec), log_level=0)
-        reserve = min(max(min(limit // 4, 512), spec.min_reserve), limit // 2) if spec is not None else 0
+        reserve = 0
+        if spec is not None:
+            least = spec.min_reserve or self.shortest_answer(spec)
+            reserve = min(max(min(limit // 4, 512), least), limit // 2)
         return Constraint(matcher, reasoning, self.think_end, budget, self.tokenizer.eos_id, limit, reserve,
                           self.token_classes if matcher is not None else None)
+
+
+def _shortest_instance(schema: Any, root: dict, depth: int = 0) -> Any:
+    """A short value of a JSON schema: required properties only, empty arrays, zero numbers."""
+    if depth > 32 or not isinstance(schema, dict):
+        return None
+    if "$ref" in schema and schema["$ref"].startswith("#/"):
+        target = root
+        for part in schema["$ref"][2:].split("/"):
+            target = target[part]
+        return _shortest_instance(target, root, depth + 1)
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return min(schema["enum"], key=lambda v: len(json.dumps(v)))
+    for key in ("anyOf", "oneOf", "allOf"):
+        if schema.get(key):
+            return _shortest_instance(schema[key][0], root, depth + 1)
+    kind = schema.get("type", "object")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if kind == "object":
+        props = schema.get("properties") or {}
+        return {k: _shortest_instance(props.get(k, {}), root, depth + 1) for k in schema.get("required") or []}
+    if kind == "array":
+        return [_shortest_instance(schema.get("items", {}), root, depth + 1)] * int(schema.get("minItems", 0))
+    if kind == "string":
+        return "x" * int(schema.get("minLength", 0))
+    if kind in ("integer", "number"):
+        return schema.get("minimum", 0)
+    return {"boolean": False, "null": None}.get(kind)
 
 
 def _bitmask(ids, words: int) -> torch.Tensor:
