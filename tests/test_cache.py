@@ -16,6 +16,7 @@ from dsv4.engine.runner import Runner
 from dsv4.engine.state import GenerationState, state_layout
 from dsv4.model.cache import RowStore
 from dsv4.ops import numerics
+from dsv4.testing import prefill
 
 
 def _values(*shape, seed, scale=3.0):
@@ -91,7 +92,7 @@ def test_scale_fmt_fp32_keeps_fp32_kv_scales():
     assert not config.kv_scale_pow2
     model = random_model(config, seed=4)
     runner = Runner(model, 1, 64, qat_sim=True)
-    runner.prefill(0, list(range(2, 30)))
+    prefill(runner, 0, list(range(2, 30)))
     ring = runner.state.layers[0].ring
     assert ring.scale.dtype == torch.float32
     scales = ring.scale[0].flatten()
