@@ -17,19 +17,64 @@ How rows are stored (:class:`RowStore`), chosen by the QAT simulation:
   activation dtype. At V4 geometry and BF16 that is 448 + 7 + 128 bytes an entry (584 with the
   padding byte other engines keep), the numbers the QAT simulation produces, bit for bit.
 - ``fp4`` (CSA indexer keys, QAT on): e2m1 codes two a byte with an e8m0 scale per 32.
+
+Each layer declares its state here (:meth:`LayerCache.allocate`, :meth:`LayerCache.pieces`); the
+engine only sizes and holds it. Every buffer is a :class:`StatePiece` of one :data:`PIECE_KINDS`
+kind, which says what of it a sequence needs at a *block boundary* (a position that is a multiple of
+every compression ratio and of the window, :func:`block_size`), the point where the prefix cache
+saves a slot and speculative decoding can roll one back:
+
+- ``entries``: append-only, one row per ``ratio`` positions (compressed KV entries, indexer keys);
+  rows below ``pos // ratio`` never change again, so blocks of them can be shared by every prefix
+  that contains them.
+- ``window``: fixed size, all of it needed to continue (the K=V ring, the overlapping compressors'
+  last closed window).
+- ``open``: a compressor's open window; at a boundary every window has just closed, so it holds
+  nothing that will be read (its rows are rewritten before the next window closes).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..config import ModelConfig
 from ..ops import numerics
 
 LAYOUTS = ("plain", "fp8", "fp4")
 FP8_BLOCK = 64   # KV cache: one FP8 scale per 64 non-rope values
 FP4_BLOCK = 32   # indexer keys: one e2m1 scale per 32 values
+PIECE_KINDS = ("entries", "window", "open")
+
+
+def block_size(config: ModelConfig) -> int:
+    """The prefix-cache block, in positions: the least common multiple of the window and every
+    compression ratio (128 on Flash and Pro: window 128, ratios 4 and 128; 16 on the tiny model:
+    window 8, ratios 4 and 16). At a multiple of it every compressor window has closed and the ring
+    holds exactly the last ``window`` positions, so the state there is the entry rows before it plus
+    the ``window`` pieces, nothing else (see :data:`PIECE_KINDS`)."""
+    ratios = [config.layer_ratio(i) for i in range(config.num_hidden_layers)]
+    return math.lcm(config.sliding_window, *[r for r in ratios if r])
+
+
+@dataclass
+class StatePiece:
+    """One buffer of a layer's state, ``tensor [slots, rows, ...]``, of kind ``kind``
+    (:data:`PIECE_KINDS`); ``ratio``: positions per row of an ``entries`` piece (its last row is the
+    write sink for windows that did not close)."""
+
+    name: str
+    tensor: torch.Tensor
+    kind: str
+    ratio: int = 0
+
+    def nbytes_per_slot(self) -> int:
+        return self.tensor[0].numel() * self.tensor.element_size()
+
+    def nbytes_per_row(self) -> int:
+        return self.tensor[0, 0].numel() * self.tensor.element_size()
 
 
 @dataclass
@@ -144,6 +189,25 @@ class CompressorState:
         return self.entries.tensors() + [t for t in (self.win_kv, self.win_gate, self.prev_kv, self.prev_gate)
                                          if t is not None]
 
+    def pieces(self, name: str) -> list[StatePiece]:
+        out = [StatePiece(f"{name}.entries.{i}", t, "entries", self.ratio) for i, t in enumerate(self.entries.tensors())]
+        out += [StatePiece(f"{name}.{n}", t, "open") for n, t in (("win_kv", self.win_kv), ("win_gate", self.win_gate))]
+        out += [StatePiece(f"{name}.{n}", t, "window") for n, t in (("prev_kv", self.prev_kv), ("prev_gate", self.prev_gate))
+                if t is not None]
+        return out
+
+    @classmethod
+    def allocate(cls, entries: RowStore, slots: int, ratio: int, dim: int, overlap: bool,
+                 device: torch.device | str) -> "CompressorState":
+        """Zeroed windows (``-inf`` previous gates: no window closed yet) for ``entries``."""
+        width = 2 * dim if overlap else dim
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(ratio=ratio, entries=entries,
+                   win_kv=torch.zeros(slots, ratio, width, **f32),
+                   win_gate=torch.zeros(slots, ratio, width, **f32),
+                   prev_kv=torch.zeros(slots, ratio, dim, **f32) if overlap else None,
+                   prev_gate=torch.full((slots, ratio, dim), float("-inf"), **f32) if overlap else None)
+
     def reset(self, slots: torch.Tensor) -> None:
         """Forget the slots' open windows (entries need no reset: reads are masked by position)."""
         if self.prev_gate is not None:
@@ -164,3 +228,34 @@ class LayerCache:
             if comp is not None:
                 out += comp.tensors()
         return out
+
+    def pieces(self) -> list[StatePiece]:
+        """Every buffer with its kind, in :meth:`tensors` order."""
+        out = [StatePiece(f"ring.{i}", t, "window") for i, t in enumerate(self.ring.tensors())]
+        for name, comp in (("compressor", self.compressor), ("indexer", self.indexer)):
+            if comp is not None:
+                out += comp.pieces(name)
+        return out
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, layer: int, slots: int, max_context: int, dtype: torch.dtype,
+                 device: torch.device | str, qat_sim: bool) -> "LayerCache":
+        """Layer ``layer``'s state for ``slots`` sequences of ``max_context`` positions: the ring; on
+        CSA/HCA layers the compressor's entries (``max_context // ratio`` rows + the sink) and
+        windows; on CSA layers the indexer's keys and windows. ``qat_sim`` stores K=V rows and
+        entries as FP8 and indexer keys as FP4 (the QAT grid), else in ``dtype``."""
+        c, kind = config, config.layer_kind(layer)
+        kv_layout, key_layout = ("fp8", "fp4") if qat_sim else ("plain", "plain")
+        pow2 = c.kv_scale_pow2
+        ring = RowStore.allocate(kv_layout, slots, c.sliding_window, c.head_dim, dtype, device, c.rope_dim, pow2)
+        cache = cls(ring=ring)
+        if kind != "sliding":
+            ratio = c.layer_ratio(layer)
+            entries = RowStore.allocate(kv_layout, slots, max_context // ratio + 1, c.head_dim, dtype, device,
+                                        c.rope_dim, pow2)
+            cache.compressor = CompressorState.allocate(entries, slots, ratio, c.head_dim, kind == "csa", device)
+            if kind == "csa":
+                keys = RowStore.allocate(key_layout, slots, max_context // ratio + 1, c.index_head_dim, dtype,
+                                         device)
+                cache.indexer = CompressorState.allocate(keys, slots, ratio, c.index_head_dim, True, device)
+        return cache
