@@ -117,14 +117,14 @@ def test_state_pieces_at_a_block_boundary(qat):
     seq = torch.randint(2, 512, (3 * B + 5,), generator=torch.Generator().manual_seed(4)).tolist()
     def garbled(kinds):
         runner = Runner(model, max_slots=1, max_context=128, qat_sim=qat)
-        runner.prefill(0, seq[:2 * B])
+        prefill(runner, 0, seq[:2 * B])
         for p in runner.state.pieces():
             rows = p.tensor[0]
             if p.kind in kinds:
                 rows.copy_(torch.randn(rows.shape).to(rows.dtype))
             if p.kind == "entries" and "garbage-after" in kinds:
                 rows[2 * B // p.ratio:].copy_(torch.randn(rows[2 * B // p.ratio:].shape).to(rows.dtype))
-        return runner.prefill(0, seq[2 * B:], all_logits=True)
+        return prefill(runner, 0, seq[2 * B:], all_logits=True)
 
     want = garbled(set())
     assert torch.equal(garbled({"open", "garbage-after"}), want)
