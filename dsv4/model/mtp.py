@@ -15,22 +15,20 @@ from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
 from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm
-from .mhc import add_head_params, collapse_head
 from .block import Block
 
 
 class MTPBlock(Block):
-    """Block parameters plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``, ``hc_head_*``."""
+    """Block parameters plus ``hc_head``, ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: ParallelGroup = SINGLE, prefix: str = "mtp.0"):
-        super().__init__(config, config.num_hidden_layers, dtype, tp, prefix)
+        super().__init__(config, config.num_hidden_layers, dtype, tp, prefix, with_head=True)
         c = self.config = config
         self.e_proj = Linear(c.hidden_size, c.hidden_size, dtype)
         self.h_proj = Linear(c.hidden_size, c.hidden_size, dtype)
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        add_head_params(self, c.hc_mult, c.hidden_size)
 
     def predict(self, h: torch.Tensor, next_embed: torch.Tensor, ctx: ForwardContext, cache: LayerCache,
                 head_weight: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +40,7 @@ class MTPBlock(Block):
         e = self.e_proj(self.enorm(next_embed))
         x = self.h_proj(self.hnorm(h)) + e.unsqueeze(2)
         x = super().forward(x, ctx, cache)
-        y = self.norm(collapse_head(self, x, self.config))
+        y = self.norm(self.hc_head(x))
         if callable(head_weight):
             return head_weight(y), x
         return ops.linear(y, head_weight, out_dtype=torch.float32), x
