@@ -129,3 +129,55 @@ def test_config_checked_against_the_model(model):
     plain = random_model(parity_config(), seed=5)
     with pytest.raises(UsageError, match="needs the checkpoint's MTP block"):
         Runner(plain, max_slots=1, max_context=64, speculative={"method": "mtp", "num_speculative_tokens": 1})
+
+
+# ----------------------------------------------------------------------------- through the engine
+
+
+def _engine(model, spec, slots: int = 3, budget: int = 64):
+    from dsv4.engine.core import Engine
+    runner = Runner(model, max_slots=slots, max_context=CONTEXT, prefill_chunk=budget, speculative=spec)
+    return Engine(runner, None, eos_id=1, max_num_batched_tokens=budget)
+
+
+def _generate(engine, requests):
+    ids = [engine.add_request(p, params) for p, params in requests]
+    done = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.output
+    return [done[i] for i in ids]
+
+
+def _greedy_requests(seed: int, n: int = 3, max_tokens: int = 160):
+    """Prompts with repeats (the n-gram drafter finds matches), greedy with logprobs."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        base = [rng.randrange(2, 512) for _ in range(rng.randint(3, 9))]
+        prompt = (base * 4)[:rng.randint(5, 40)]
+        out.append((prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(model):
+    return _generate(_engine(model, None), _greedy_requests(1))
+
+
+@pytest.mark.parametrize("method, k", [("ngram", 1), ("ngram", 2), ("ngram", 3), ("ngram", 4),
+                                       ("mtp", 1), ("mtp", 2), ("mtp", 3), ("mtp", 4)])
+def test_greedy_speculation_equals_plain_decoding(model, plain_outputs, method, k):
+    """Three requests batched together (continuous batching: prompt chunks and verify rows share
+    steps), 160 tokens each (20 window wraps, 10 HCA windows): the same tokens and logprobs."""
+    spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    engine = _engine(model, spec, budget=24)
+    got = _generate(engine, _greedy_requests(1))
+    for g, w in zip(got, plain_outputs):
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
+        assert [[t for t, _ in x] for x in g.top_logprobs] == [[t for t, _ in x] for x in w.top_logprobs]
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens == k * stats.num_drafts
+    assert sum(g.spec_decode.num_drafts for g in got if g.spec_decode) == stats.num_drafts

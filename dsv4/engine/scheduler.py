@@ -108,6 +108,8 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_num_seqs))
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
+        #: tokens a decode row takes of the budget (1 + k with speculative decoding)
+        self.decode_tokens = 1
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -179,7 +181,7 @@ class Scheduler:
             self.running.append(req)
         budget = self.max_num_batched_tokens
         plan.decode = [r for r in self.running if not r.in_prefill]
-        budget -= len(plan.decode)
+        budget -= len(plan.decode) * self.decode_tokens
         for req in self.running:
             if budget <= 0:
                 break
