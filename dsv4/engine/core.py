@@ -35,7 +35,7 @@ from ..errors import ContextOverflowError, RequestError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .batch import NewSequence, Row, ScheduledBatch
 from .runner import Runner
-from .sampler import SampleOutput, SamplingParams, StopChecker
+from .sampling import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
 from .speculative import SpecStats, ngram_propose
 

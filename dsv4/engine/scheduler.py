@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..errors import ContextOverflowError, RequestError
-from .sampler import SamplingParams
+from .sampling import SamplingParams
 
 
 class Status(Enum):

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
-from .sampler import SampleOutput, SamplingBatch, apply_penalties, apply_top_k_top_p_min_p, gumbel_noise, uniform_noise
+from .sampling import SampleOutput, SamplingBatch, apply_penalties, apply_top_k_top_p_min_p, gumbel_noise, uniform_noise
 
 METHODS = ("ngram", "mtp")
 _ACCEPT_SALT = 0x5BD1E995          # the accept test's uniforms: a stream apart from the draws'
@@ -159,7 +159,7 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
            ) -> tuple[SampleOutput, Tensor]:
     """Accept drafts by rejection sampling (module docstring). ``logits [b, S, V]`` fp32 at the verify
     positions of ``slot_idx [b]``, ``drafts [b, S - 1]``; ``sampling`` the runner's
-    :class:`~dsv4.engine.slot_sampling.SlotSampling`, whose rows (draw counters, penalty counts)
+    :class:`~dsv4.engine.sampling.SlotSampling`, whose rows (draw counters, penalty counts)
     advance by the emitted tokens. Returns the emitted ids ``[b, S]`` (the first ``kept`` valid, the
     rest -1) with their logprobs, and ``kept [b]`` (1..S). Device ops only (capturable)."""
     b, S, V = logits.shape
