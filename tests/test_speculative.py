@@ -18,7 +18,7 @@ import torch
 from conftest import parity_config, random_model
 from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
 from dsv4.engine.runner import Runner
-from dsv4.engine.sampler import SamplingParams
+from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.speculative import SpeculativeConfig, ngram_propose
 from dsv4.errors import UsageError
 
