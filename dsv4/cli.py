@@ -100,7 +100,7 @@ _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed
 
 
 def _sampling(args: argparse.Namespace):
-    from .engine.sampler import SamplingParams, field_problem
+    from .engine.sampling import SamplingParams, field_problem
     for name in _SAMPLING_FLAGS:   # named as the user typed them, not as SamplingParams fields
         problem = field_problem(name, getattr(args, name))
         if problem:

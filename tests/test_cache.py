@@ -16,6 +16,7 @@ from dsv4.engine.runner import Runner
 from dsv4.engine.state import GenerationState, state_layout
 from dsv4.model.cache import RowStore
 from dsv4.ops import numerics
+from dsv4.testing import prefill
 
 
 def _values(*shape, seed, scale=3.0):
@@ -91,7 +92,7 @@ def test_scale_fmt_fp32_keeps_fp32_kv_scales():
     assert not config.kv_scale_pow2
     model = random_model(config, seed=4)
     runner = Runner(model, 1, 64, qat_sim=True)
-    runner.prefill(0, list(range(2, 30)))
+    prefill(runner, 0, list(range(2, 30)))
     ring = runner.state.layers[0].ring
     assert ring.scale.dtype == torch.float32
     scales = ring.scale[0].flatten()
@@ -116,14 +117,14 @@ def test_state_pieces_at_a_block_boundary(qat):
     seq = torch.randint(2, 512, (3 * B + 5,), generator=torch.Generator().manual_seed(4)).tolist()
     def garbled(kinds):
         runner = Runner(model, max_slots=1, max_context=128, qat_sim=qat)
-        runner.prefill(0, seq[:2 * B])
+        prefill(runner, 0, seq[:2 * B])
         for p in runner.state.pieces():
             rows = p.tensor[0]
             if p.kind in kinds:
                 rows.copy_(torch.randn(rows.shape).to(rows.dtype))
             if p.kind == "entries" and "garbage-after" in kinds:
                 rows[2 * B // p.ratio:].copy_(torch.randn(rows[2 * B // p.ratio:].shape).to(rows.dtype))
-        return runner.prefill(0, seq[2 * B:], all_logits=True)
+        return prefill(runner, 0, seq[2 * B:], all_logits=True)
 
     want = garbled(set())
     assert torch.equal(garbled({"open", "garbage-after"}), want)

@@ -16,7 +16,7 @@ from conftest import parity_config, random_model
 from dsv4.engine.core import Engine
 from dsv4.engine.prefix_cache import PrefixCache
 from dsv4.engine.runner import Runner
-from dsv4.engine.sampler import SamplingParams
+from dsv4.engine.sampling import SamplingParams
 from dsv4.model.cache import block_size
 
 B = 16

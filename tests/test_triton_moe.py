@@ -383,7 +383,7 @@ def test_model_moe_layers_under_expert_parallel(monkeypatch, experts, T, prefill
 
     def layers(world, rank):
         model = random_sharded(config, torch.float32, DEV, ParallelGroup.layout(rank, world) if world > 1 else None,
-                               seed=1, experts=experts, dense="fp8")
+                               seed=1, experts=experts, dense="fp8").set_qat_sim(True)
         mods = [m for m in model.modules() if isinstance(m, MoE)][:2]
         assert mods[0].gate.is_hash and not mods[1].gate.is_hash
         for m in mods:
@@ -393,7 +393,7 @@ def test_model_moe_layers_under_expert_parallel(monkeypatch, experts, T, prefill
     g = _gen(6)
     x = torch.randn(1, T, config.hidden_size, generator=g).to(DEV)
     ctx = types.SimpleNamespace(token_ids=torch.randint(0, config.vocab_size, (1, T), generator=g).to(DEV),
-                                qat_sim=True, pow2=True)
+                                qat_sim=True)
     fmt = type(layers(1, 0)[0].experts.w1.w)
     ops.register("moe", DEV.split(":")[0], fmt)(kernel)
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sampler import SampleOutput, SamplingParams
+from .sampling import SampleOutput, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .batch import NewSequence, Row, Save, ScheduledBatch
 from .prefix_cache import CacheStats, Pending, PrefixCache
 from .runner import Runner
-from .sampler import SampleOutput, SamplingParams, StopChecker
+from .sampling import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
 
 

@@ -28,7 +28,7 @@ from .limits import (DEFAULT_GPU_MEMORY_UTILIZATION, check_positive, format_byte
 from .runner import Runner
 from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
-from .sampler import SamplingParams
+from .sampling import SamplingParams
 
 #: tokens of one engine step (decode rows + prompt chunks, one forward) unless told otherwise (vLLM's default)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192

@@ -1,17 +1,17 @@
-"""Runs the network over generation slots: chunked prefill, and decode steps with the sampler.
+"""Runs the network over generation slots: one step (:meth:`Runner.run`) at a time.
 
 The runner owns the fixed-shape state (:class:`GenerationState`, ``max_slots`` slots plus one
 scratch slot), each slot's last sampled token (on the device: a decode step reads its input ids
 from there, so sampled ids never travel device -> host -> device), and the per-slot sampling rows
 (:class:`SlotSampling`). It knows slots and token ids, never requests (DESIGN decision 5).
 
-- :meth:`prefill` appends prompt tokens to a slot (chunked; same result as one shot) and returns
-  logits; :meth:`sample_first` samples a slot's first token from them.
-- :meth:`decode_step` runs one token for a batch of slots at their own positions — embedding, all
-  layers, head and sampler — and returns the sampled ids (device tensors). With CUDA graphs on
-  (:meth:`capture`), a step is one graph replay per batch bucket (1, 2, 4, ...): the batch is
-  padded with the scratch slot, whose state nobody reads.
-- :meth:`decode` (logits only, eager) serves tests and the benchmarks.
+- :meth:`run` runs one :class:`ScheduledBatch`: prompt chunks and decode rows of several slots as
+  one varlen forward, then the sampler on the rows that ask for it (and the logits of rows that ask
+  for them: prompt logprobs; :mod:`dsv4.testing` builds its logits-only steps on this).
+- A step of decode rows only is :meth:`decode_step`: embedding, all layers, head and sampler for a
+  batch of slots at their own positions. With CUDA graphs on (:meth:`capture`), it is one graph
+  replay per batch bucket (1, 2, 4, ...): the batch is padded with the scratch slot, whose state
+  nobody reads.
 
 The host keeps its own count of each slot's length (it issued every token), which it uses to refuse
 a context overflow before touching any state.
@@ -33,10 +33,9 @@ from ..model.cache import block_size
 from ..model.transformer import Transformer
 from ..parallel import SINGLE
 from .batch import Row, ScheduledBatch, StepOutput
-from .h2d import upload, upload_ints, upload_parts
-from .sampler import SampleOutput, SamplingParams
-from .slot_sampling import SampleFlags, SlotSampling
+from .h2d import upload_ints, upload_parts
 from .prefix_store import PrefixStore
+from .sampling import SampleFlags, SampleOutput, SamplingParams, SlotSampling
 from .state import GenerationState
 
 
@@ -241,46 +240,6 @@ class Runner:
             self.tokens[sample_t] = out.token_ids
         return StepOutput(out, {i: logits[a:a + n] for i, (a, n) in wanted.items()})
 
-    # ------------------------------------------------------------------ prefill
-    @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: Sequence[int] | torch.Tensor, all_logits: bool = False
-                ) -> torch.Tensor:
-        """Append ``token_ids`` to ``slot``; return fp32 logits of the last token ``[vocab]``
-        (or of every token ``[n, vocab]`` with ``all_logits``)."""
-        ids = upload(torch.as_tensor(token_ids, dtype=torch.int64).flatten(), self.device)
-        n = ids.numel()
-        if n == 0:
-            raise ValueError("prefill needs at least one token")
-        start = self._reserve(slot, n)
-        out = self._prefill_rows(slot, ids, start, all_logits)
-        self.lengths[slot] = start + n
-        return out
-
-    def _prefill_rows(self, slot: int, ids: torch.Tensor, start: int, all_logits: bool) -> torch.Tensor:
-        """The forward of :meth:`prefill` for any slot, the scratch one included (warm-up)."""
-        n = ids.numel()
-        los = range(0, n, self.prefill_chunk)
-        slots, *begins = upload_parts([[slot]] + [[start + lo] for lo in los], self.device)   # aligned (upload_parts)
-        outs = []
-        for i, lo in enumerate(los):
-            chunk = ids[lo:lo + self.prefill_chunk].unsqueeze(0)
-            begin = begins[i]
-            bound = start + lo + chunk.shape[1]   # host-known: the longest context this chunk sees
-            logits, _ = self.model(chunk, slots, begin, self.state.layers, self.qat_sim,
-                                   last_only=not all_logits, context_bound=bound)
-            outs.append(logits[0])
-        self.state.positions[slot].fill_(start + n)       # fill_: no host scalar copied (no stall)
-        return torch.cat(outs) if all_logits else outs[-1][-1]
-
-    @torch.inference_mode()
-    def sample_first(self, slots: Sequence[int], logits: torch.Tensor) -> SampleOutput:
-        """Sample each slot's first token from its prompt's last logits ``[B, vocab]``; the ids stay
-        on the device as the slots' next inputs."""
-        idx = upload_ints(slots, self.device)
-        out = self._agree(self.sampling.sample(logits, idx, self.sampling.flags(slots)))
-        self.tokens[idx] = out.token_ids
-        return out
-
     def _agree(self, out: SampleOutput) -> SampleOutput:
         """Tensor parallel: every rank holds the same full-vocab logits and samples, but rank 0's ids
         are the ones every rank feeds next (a device broadcast, captured in the step's graph), so no
@@ -290,25 +249,9 @@ class Runner:
         return out._replace(token_ids=self.tp.broadcast(out.token_ids.contiguous(), src=0))
 
     # ------------------------------------------------------------------ decode
-    @torch.inference_mode()
-    def decode(self, slots: Sequence[int], token_ids: torch.Tensor) -> torch.Tensor:
-        """One token for each of ``slots`` (any mix of positions) -> fp32 logits ``[B, vocab]``."""
-        self._check_batch(slots, token_ids)
-        slot_t = torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
-        ids = token_ids.to(self.device, torch.int64).view(-1, 1)
-        start = self.state.positions[slot_t]
-        bound = max(self.lengths[s] for s in slots) + 1
-        logits, _ = self.model(ids, slot_t, start, self.state.layers, self.qat_sim, context_bound=bound)
-        self.state.positions[slot_t] = start + 1
-        for s in slots:
-            self.lengths[s] += 1
-        return logits[:, 0]
-
-    def _check_batch(self, slots: Sequence[int], token_ids: torch.Tensor | None = None) -> None:
+    def _check_batch(self, slots: Sequence[int]) -> None:
         if len(set(slots)) != len(slots):
             raise ValueError(f"decode got a slot twice: {list(slots)}")
-        if token_ids is not None and token_ids.numel() != len(slots):
-            raise ValueError(f"decode got {token_ids.numel()} token ids for {len(slots)} slots")
         for s in slots:
             self._reserve(s, 1)
 

@@ -27,7 +27,7 @@ from enum import Enum
 from ..errors import ContextOverflowError, RequestError
 from .batch import CachedPrefix
 from .prefix_cache import Pending, PrefixCache, block_keys
-from .sampler import SamplingParams
+from .sampling import SamplingParams
 
 
 class Status(Enum):

@@ -53,8 +53,8 @@ class Compressor(nn.Module):
         m, slots = self.ratio, ctx.slots
         B, S, _ = x.shape
         f32 = torch.float32
-        kv = ops.linear(x, self.wkv.w, ctx.qat_sim, ctx.pow2, out_dtype=f32)                # [B, S, width]
-        gate = ops.linear(x, self.wgate.w, ctx.qat_sim, ctx.pow2, out_dtype=f32)
+        kv = self.wkv(x, f32)                                                  # [B, S, width]
+        gate = self.wgate(x, f32)
         if S == 1:       # decode: the window row, the closing entry and its store in one op
             cos, sin = ctx.window_rope(m)
             fused.compressor_step(kv, gate, self.ape, state, slots, ctx.positions, self.norm.weight, self.norm.eps,

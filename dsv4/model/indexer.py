@@ -49,9 +49,9 @@ class Indexer(nn.Module):
 
         self.compressor(x, ctx, state, finish)
 
-        q = ops.linear(qr, self.wq_b.w, ctx.qat_sim, ctx.pow2).unflatten(-1, (self.n_heads, self.dim))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))
         q = fused.rope_hadamard(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2), ctx.qat_sim)  # [B, S, nI, d]
-        w = ops.linear(x, self.weights_proj.w, ctx.qat_sim, ctx.pow2, out_dtype=torch.float32)
+        w = self.weights_proj(x, torch.float32)
         w = w * (self.dim ** -0.5 * self.n_heads ** -0.5)
         bound = ctx.entry_bound(self.ratio, state.max_entries)
         scores = ops.indexer_scores(q, state.entries, ctx.slots, w, bound)              # [B, S, bound]

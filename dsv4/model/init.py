@@ -95,7 +95,8 @@ def random_sharded(config, dtype: torch.dtype = torch.bfloat16, device: torch.de
         model = Transformer(config, dtype, with_mtp=with_mtp, parallel=tp)
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             first = moe.experts[0]
-            moe.experts = StackedExperts(first.w1.in_features, first.w1.out_features, len(moe.experts), dtype)
+            moe.experts = StackedExperts(first.w1.in_features, first.w1.out_features, len(moe.experts),
+                                         config.swiglu_limit, dtype)
     draw = _Draw(seed, device, tp, config.n_routed_experts)
     spec = QuantSpec("mxfp4")    # which linears a release quantizes (attention, indexer.wq_b, shared expert)
     for name, module in model.named_modules():

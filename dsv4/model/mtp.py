@@ -39,9 +39,8 @@ class MTPBlock(Block):
 
         ``head_weight``: the shared head's weight, or under tensor parallel the model's
         :meth:`~dsv4.model.transformer.Transformer.project_head` (local vocab slice + all-gather)."""
-        q8, p2 = ctx.qat_sim, ctx.pow2
-        e = ops.linear(self.enorm(next_embed), self.e_proj.w, q8, p2)
-        x = ops.linear(self.hnorm(h), self.h_proj.w, q8, p2) + e.unsqueeze(2)
+        e = self.e_proj(self.enorm(next_embed))
+        x = self.h_proj(self.hnorm(h)) + e.unsqueeze(2)
         x = super().forward(x, ctx, cache)
         y = self.norm(collapse_head(self, x, self.config))
         if callable(head_weight):

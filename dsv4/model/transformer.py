@@ -16,7 +16,7 @@ from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
 from .block import Block
 from .cache import LayerCache
-from .common import ForwardContext, Linear, RMSNorm, RopeTables, VocabEmbedding
+from .common import ForwardContext, Linear, RMSNorm, RopeTables, VocabEmbedding, set_qat_sim
 from .mhc import add_head_params, collapse_head
 from .moe import MoE
 from .mtp import MTPBlock
@@ -41,10 +41,23 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(c, i, dtype, tp) for i in range(c.num_hidden_layers))
         add_head_params(self, c.hc_mult, c.hidden_size)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.head = Linear(c.hidden_size, tp.split(c.vocab_size, "vocab entries (vocab_size)", "head.weight"), dtype)
+        self.head = Linear(c.hidden_size, tp.split(c.vocab_size, "vocab entries (vocab_size)", "head.weight"), dtype,
+                           qat_act=False)
         if with_mtp and c.num_nextn_predict_layers:
             self.mtp = nn.ModuleList(MTPBlock(c, dtype, tp, f"mtp.{i}") for i in range(c.num_nextn_predict_layers))
         self.init_rope(self.embed.weight.device)
+        self._qat_mode = (False, True)     # (QAT simulation on, power-of-two scales): the Linear default
+
+    def set_qat_sim(self, on: bool) -> "Transformer":
+        """Set the multiplication mode of every linear: the QAT simulation's FP8 rounding of the
+        inputs of FP8/FP4 weights (W8A8 / W4A8, DSV4_FACTS 2b), scales as the config's
+        ``kv_scale_pow2``. Walks the modules only when the mode changes (a runner sets it once; a
+        forward with the other ``qat_sim`` switches it). Returns ``self``."""
+        mode = (bool(on), self.config.kv_scale_pow2)
+        if mode != self._qat_mode:
+            set_qat_sim(self, *mode)
+            self._qat_mode = mode
+        return self
 
     def init_rope(self, device: torch.device | str) -> None:
         """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build)."""
@@ -87,6 +100,7 @@ class Transformer(nn.Module):
     def context(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qat_sim: bool,
                 context_bound: int) -> ForwardContext:
         """Positions and RoPE tables for ``token_ids [B, S]`` starting at ``start [B]`` in ``slots [B]``."""
+        self.set_qat_sim(qat_sim)
         S = token_ids.shape[1]
         positions = start.unsqueeze(1) + torch.arange(S, device=token_ids.device)
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
@@ -109,7 +123,7 @@ class Transformer(nn.Module):
     def project_head(self, y: torch.Tensor) -> torch.Tensor:
         """Normed hidden ``[..., D]`` -> fp32 logits ``[..., vocab]`` (each rank computes its vocab
         slice; one all-gather assembles them)."""
-        return self.tp.all_gather(ops.linear(y, self.head.w, out_dtype=torch.float32), dim=-1)
+        return self.tp.all_gather(self.head(y, torch.float32), dim=-1)
 
     def forward(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                 caches: list[LayerCache], qat_sim: bool = False, last_only: bool = False,
@@ -135,6 +149,7 @@ class Transformer(nn.Module):
         :meth:`ForwardContext.varlen`). Token-wise layers (linears, MoE, mHC, norms) run once over
         all ``T`` tokens; attention, compressor and indexer once per group. Returns fp32 logits
         ``[R, vocab]`` of the flattened token indices ``logit_rows [R]`` only."""
+        self.set_qat_sim(qat_sim)
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
         ctx = ForwardContext.varlen(self.config, token_ids, groups, inv, qat_sim)
         h = self.hidden_streams(ctx, caches)                                      # [1, T, nc, D]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ..cpu_threads import ThreadMonitor
 from ..engine.core import Engine, RequestOutput
-from ..engine.sampler import SamplingParams
+from ..engine.sampling import SamplingParams
 
 log = logging.getLogger("dsv4.serve")
 
