@@ -181,3 +181,19 @@ def test_greedy_speculation_equals_plain_decoding(model, plain_outputs, method, 
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens == k * stats.num_drafts
     assert sum(g.spec_decode.num_drafts for g in got if g.spec_decode) == stats.num_drafts
+
+
+def test_speculation_with_prefix_caching(model, plain_outputs):
+    """The same requests twice through one engine with the prefix cache on (the second time their
+    prompts' states come from the cache): the tokens and logprobs of plain decoding."""
+    from dsv4.engine.core import Engine
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    runner = Runner(model, max_slots=3, max_context=CONTEXT, prefill_chunk=24, speculative=spec,
+                    prefix_cache_bytes=8 << 20)
+    engine = Engine(runner, None, eos_id=1, max_num_batched_tokens=24)
+    for _ in range(2):
+        got = _generate(engine, _greedy_requests(1))
+        for g, w in zip(got, plain_outputs):
+            assert g.token_ids == w.token_ids
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
+    assert sum(g.num_cached_tokens for g in got) > 0

@@ -15,12 +15,37 @@ from .sampling import SampleOutput, SamplingParams
 
 
 @dataclass(frozen=True)
+class CachedPrefix:
+    """A prefix-cache hit (:mod:`dsv4.engine.prefix_cache`): the first ``length`` tokens' state is
+    in the cache's pages, ``blocks`` (one per block, in order) and ``tail``; ``keys`` are the
+    blocks' ids (host bookkeeping)."""
+
+    length: int
+    blocks: tuple[int, ...]
+    tail: tuple[int, ...]
+    keys: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class Save:
+    """Copy ``slot``'s state into prefix-cache pages after the step's forward: the entries of blocks
+    ``first_block ..`` into ``blocks`` (one page each) and, with ``tail``, the window pieces."""
+
+    slot: int
+    first_block: int
+    blocks: tuple[int, ...]
+    tail: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class NewSequence:
     """A row that starts a sequence: the slot is emptied and takes these sampling parameters (the
-    whole prompt is needed for the repetition penalties)."""
+    whole prompt is needed for the repetition penalties). ``cached``: the slot first gets this
+    cached prefix's state, and the row starts at its end."""
 
     params: SamplingParams
     prompt_ids: tuple[int, ...]
+    cached: CachedPrefix | None = None
 
 
 @dataclass(frozen=True)
@@ -62,9 +87,10 @@ class Row:
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """The rows of one step, each slot at most once."""
+    """The rows of one step, each slot at most once; ``saves`` run after its forward."""
 
     rows: tuple[Row, ...]
+    saves: tuple[Save, ...] = ()
 
     @property
     def num_tokens(self) -> int:

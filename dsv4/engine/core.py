@@ -24,6 +24,7 @@ state and the steps in flight are the engine's own.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -33,7 +34,8 @@ import torch
 
 from ..errors import ContextOverflowError, RequestError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
-from .batch import NewSequence, Row, ScheduledBatch
+from .batch import NewSequence, Row, Save, ScheduledBatch
+from .prefix_cache import CacheStats, Pending, PrefixCache
 from .runner import Runner
 from .sampling import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
@@ -59,6 +61,8 @@ class CompletionOutput:
     error: str | None = None
     #: speculative decoding: this request's acceptance (verify rows, drafts, accepted, per position)
     spec_decode: SpecStats | None = None
+    #: prompt tokens whose state came from the prefix cache (not prefilled)
+    num_cached_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -90,6 +94,7 @@ class EngineStats:
     waiting: int          # requests queued for a slot
     slots_used: int
     slots_total: int
+    prefix_cache: CacheStats | None = None   # None: prefix caching off
 
 
 class _Track:
@@ -144,7 +149,12 @@ class Engine:
         budget = max_num_batched_tokens or runner.prefill_chunk
         if budget <= runner.max_slots:
             raise ValueError(f"max_num_batched_tokens ({budget}) must exceed max_num_seqs ({runner.max_slots})")
-        self.scheduler = Scheduler(runner.max_slots, runner.max_context, budget, min(budget, runner.prefill_chunk))
+        store = runner.prefix_store
+        #: the prefix cache's index (None: caching off); its pages live in the runner
+        self.prefix_cache = (PrefixCache(store.block, store.num_pages, store.tail_pages, store.page_bytes)
+                             if store is not None else None)
+        self.scheduler = Scheduler(runner.max_slots, runner.max_context, budget, min(budget, runner.prefill_chunk),
+                                   prefix_cache=self.prefix_cache)
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None, list[int] | None]] = []
@@ -235,8 +245,9 @@ class Engine:
     def stats(self) -> EngineStats:
         """Running and waiting requests and slots in use, now (from the thread that steps)."""
         sched = self.scheduler
+        cache = None if self.prefix_cache is None else dataclasses.replace(self.prefix_cache.stats)
         return EngineStats(len(sched.running), len(sched.waiting), self.max_slots - len(sched.free_slots),
-                           self.max_slots)
+                           self.max_slots, cache)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -266,17 +277,36 @@ class Engine:
     def _launch(self, plan: StepPlan) -> bool:
         """Run the plan as one runner step (decode rows first, then prompt chunks in arrival order);
         queue the sampled ids of the decode rows and of the prompts that completed."""
-        rows, tracks, chunks = [], [], {}
+        rows, tracks, chunks, saves, published = [], [], {}, [], []
+        cache = self.prefix_cache
         spec = self.speculative
         if spec is not None and spec.disable_by_batch_size is not None and len(plan.decode) > spec.disable_by_batch_size:
             spec = None
         for req in plan.decode:
-            rows.append(self._decode_row(req, spec))
+            row = self._decode_row(req, spec)
+            rows.append(row)
             tracks.append(self.tracks[req.request_id])
+            # a verify row's kept length is known after the step: decode-time saves are for plain rows
+            if cache is not None and not row.is_verify and (row.start + 1) % cache.block == 0:
+                saves += self._save_decoded(req, (row.start + 1) // cache.block)
         mtp = self.speculative is not None and self.speculative.method == "mtp"
+        restored = []
         for chunk in plan.prefill:
             req = chunk.request
-            new = NewSequence(req.params, tuple(req.prompt_ids)) if chunk.start == 0 else None
+            new = None
+            if chunk.first:
+                new = NewSequence(req.params, tuple(req.prompt_ids), req.cached)
+                restored.append(req)
+                self.tracks[req.request_id].out.num_cached_tokens = req.num_cached_tokens
+            end = chunk.start + len(chunk.token_ids)
+            if cache is not None and end in req.save_at:
+                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block)
+                if planned is not None:
+                    saves.append(planned[0])
+                    published.append(planned[1])
+                    req.saved_blocks = end // cache.block
+                elif cache.has_tail(req.prompt_ids, end // cache.block):
+                    req.saved_blocks = end // cache.block
             want_logits = req.params.prompt_logprobs is not None
             if want_logits:
                 chunks[len(rows)] = chunk
@@ -287,7 +317,13 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        out = self.runner.run(ScheduledBatch(tuple(rows)))
+        out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        for req in restored:
+            if req.cached is not None:
+                cache.unref(req.cached)
+                req.cached = None
+        for p in published:
+            cache.publish(*p)
         for i, logits in out.logits.items():
             _add_prompt_logprobs(self.tracks[chunks[i].request.request_id].out, chunks[i], logits)
         if out.sampled is None:
@@ -317,6 +353,23 @@ class Engine:
         if draft is None:
             return Row(req.slot, start)
         return Row(req.slot, start, draft=tuple(draft))
+
+    def _save_decoded(self, req, n_blocks: int) -> list:
+        """Decoding brings ``req``'s slot to the end of block ``n_blocks``: save the blocks since its
+        last save and the tail there (entered into the cache when the request ends, when the host
+        knows every token; the previous decode-time tail is given back)."""
+        cache = self.prefix_cache
+        pend = req.pending or Pending(req.saved_blocks)
+        new = n_blocks - pend.first_block - len(pend.pages)
+        pages = cache.reserve(new + cache.tail_pages) if new > 0 else None
+        if pages is None:
+            return []
+        first = pend.first_block + len(pend.pages)
+        cache.release(list(pend.tail))
+        pend.pages += pages[:new]
+        pend.tail = tuple(pages[new:])
+        req.pending = pend
+        return [Save(req.slot, first, tuple(pages[:new]), pend.tail)]
 
     def _queue(self, tracks: list[_Track], sampled: SampleOutput, emitted: list[int] | None = None) -> None:
         """Start the device -> host copy of a step's sampled ids (into pinned buffers, so it runs

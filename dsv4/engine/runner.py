@@ -29,12 +29,13 @@ from tqdm import tqdm
 
 from .. import ops
 from ..errors import ContextOverflowError
+from ..model.cache import block_size
 from ..model.transformer import Transformer
 from ..parallel import SINGLE
 from .batch import Row, ScheduledBatch, StepOutput
 from .h2d import upload_ints, upload_parts
-from .sampling import SampleOutput, SamplingParams
-from .sampling import SampleFlags, SlotSampling
+from .prefix_store import PrefixStore
+from .sampling import SampleFlags, SampleOutput, SamplingParams, SlotSampling
 from .speculative import SpeculativeConfig, mtp_drafts
 from .speculative import rollback as spec_rollback
 from .speculative import verify as verify_tokens
@@ -82,7 +83,7 @@ class Runner:
     """One model + its fixed-shape state for ``max_slots`` sequences of ``max_context`` positions."""
 
     def __init__(self, model: Transformer, max_slots: int = 4, max_context: int = 4096,
-                 qat_sim: bool = False, prefill_chunk: int = 8192,
+                 qat_sim: bool = False, prefill_chunk: int = 8192, prefix_cache_bytes: int = 0,
                  speculative: SpeculativeConfig | dict | str | None = None):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -115,6 +116,9 @@ class Runner:
         self._uploads: dict[int, _SlotUpload] = {}
         self.capture_seconds = 0.0
         self.graph_pool_bytes = 0
+        #: the prefix cache's pages (``prefix_cache_bytes`` of them; None: caching off)
+        self.prefix_store = (PrefixStore(self.state, block_size(model.config), prefix_cache_bytes)
+                             if prefix_cache_bytes > 0 else None)
 
     @property
     def max_slots(self) -> int:
@@ -171,7 +175,9 @@ class Runner:
             raise ValueError(f"a step got a slot twice: {slots}")
         for r in rows:
             self._check_slot(r.slot)
-            have = 0 if r.new is not None else self.lengths[r.slot]
+            if r.new is not None and r.new.cached is not None and self.prefix_store is None:
+                raise ValueError(f"slot {r.slot}: a cached prefix to restore, but prefix caching is off")
+            have = self.lengths[r.slot] if r.new is None else r.new.cached.length if r.new.cached else 0
             if r.start != have:
                 raise ValueError(f"slot {r.slot}: row starts at {r.start}, the slot holds {have} tokens")
             if r.token_ids is not None and not r.token_ids:
@@ -179,12 +185,29 @@ class Runner:
             if r.start + r.num_tokens > self.max_context:
                 raise ContextOverflowError(f"slot {r.slot}: {r.start} + {r.num_tokens} tokens exceed "
                                            f"max_context={self.max_context}")
+        ends = {r.slot: r.start + r.num_tokens for r in rows}
+        for sv in batch.saves:
+            self._check_slot(sv.slot)
+            end = (sv.first_block + len(sv.blocks)) * self.prefix_store.block if self.prefix_store else -1
+            if self.prefix_store is None or (sv.tail and ends.get(sv.slot, self.lengths[sv.slot]) != end):
+                raise ValueError(f"slot {sv.slot}: cannot save {len(sv.blocks)} blocks from block {sv.first_block} "
+                                 f"(prefix caching {'on' if self.prefix_store else 'off'})")
         for r in rows:
             if r.new is not None:
                 self.start(r.slot, r.new.params, r.new.prompt_ids)
-        if batch.decode_only:
-            return StepOutput(self.decode_step(slots), {})
-        return self._run_varlen(rows)
+                if r.new.cached is not None:
+                    self._restore(r.slot, r.new.cached)
+        out = StepOutput(self.decode_step(slots), {}) if batch.decode_only else self._run_varlen(rows)
+        for sv in batch.saves:
+            self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
+        return out
+
+    def _restore(self, slot: int, cached) -> None:
+        """Start ``slot`` from a cached prefix: its state copied in from the cache's pages (device
+        copies only), its length that of the prefix."""
+        self.prefix_store.restore(slot, cached.blocks, cached.tail)
+        self.lengths[slot] = cached.length
+        self.state.positions[slot].fill_(cached.length)
 
     def _run_varlen(self, rows: Sequence[Row]) -> StepOutput:
         singles = [r for r in rows if r.num_tokens == 1]
