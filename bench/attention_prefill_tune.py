@@ -20,7 +20,8 @@ from dsv4.model.cache import RowStore
 from dsv4.ops.triton import attention as ka
 
 GEOS = {"flash": dict(H=64, topk=512), "pro": dict(H=128, topk=1024)}
-CONFIGS = [(32, 32, 8, 1), (64, 32, 16, 1), (32, 64, 8, 1), (64, 16, 16, 1), (16, 64, 4, 1)]
+#: configs of the prefill kernel (``attention._rows_config``), the first is the default
+CONFIGS = [(64, 32, 8, 1), (64, 32, 8, 2), (64, 16, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1), (32, 32, 8, 2)]
 W, HD, ROPE = 128, 512, 64
 
 
@@ -80,14 +81,14 @@ def main() -> None:
     a = ap.parse_args()
     g = GEOS[a.geo]
     H = g["H"]
-    default = ka._attn_config
+    default = ka._rows_config
     print(f"{a.geo}: {a.tokens} tokens from position 0, H={H}, hd={HD}; {torch.cuda.get_device_name()}")
     for kind in ("sliding", "csa", "hca"):
         args, comp, keys = _case(kind, H, g["topk"], a.tokens)
         flops = 4 * H * HD * keys
         first = None
         for cfg in CONFIGS:
-            ka._attn_config = lambda *_a, _c=cfg: _c
+            ka._rows_config = lambda *_a, _c=cfg: _c
             try:
                 ms = _time(lambda: ka.sparse_attention_triton(*args, **comp), a.iters)
             except Exception as e:                                            # noqa: BLE001
@@ -98,7 +99,7 @@ def main() -> None:
             first = out if first is None else first
             print(f"  {kind:8s} {str(cfg):18s} {ms:8.2f} ms {flops / ms / 1e9:7.1f} TFLOP/s  vs first {diff:.1e}",
                   flush=True)
-    ka._attn_config = default
+    ka._rows_config = default
 
 
 if __name__ == "__main__":
