@@ -6,10 +6,9 @@ compute (DSV4_FACTS section 2, "Lightning indexer"; key storage in :mod:`dsv4.mo
 **Indexer scores.** ``out[b, s, c] = sum_h w[b, s, h] * relu(q[b, s, h] . K[slot_b, c])`` for
 ``c < bound``. Grid ``(B * ceil(S / BQ), entry splits)``; a program decodes a tile of ``BC = 64``
 keys once (packed e2m1 nibbles times their e8m0 scale per 32, exactly, in the activation dtype)
-and runs ``tl.dot`` of the tile against its ``BQ`` queries' ``nI`` heads (1 query in decode, held
-in registers; ``G`` queries' heads side by side per product in prefill), low nibbles against the
-even query dims, high nibbles against the odd ones (nothing is interleaved), then ReLU, the head
-weights, the sum over heads.
+and for each of its ``BQ`` queries (1 in decode: the query stays in registers) runs ``tl.dot`` of
+the tile against the query's ``nI`` heads (low nibbles against the even query dims, high nibbles
+against the odd ones: nothing is interleaved), then ReLU, the head weights, the sum over heads.
 
 **Top-k.** One program per row chunk ranks int64 keys (the score's order-preserving int32 in the
 high half, the inverted index in the low half: exactly the reference's order, ties to the lowest
@@ -78,7 +77,7 @@ def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
                     S, bound, k_rows, n_qb, tiles_per_split,
                     sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s,
                     NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr,
-                    BQ: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr, G: tl.constexpr = 1):
+                    BQ: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_c = tl.program_id(1)
     b = pid_q // n_qb
@@ -97,27 +96,16 @@ def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
             cm = c < bound
             k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
             tl.store(o_b + s0 * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
-    else:                               # prefill: each decoded key tile serves BQ queries, G per product
-        hh = tl.arange(0, NIP)
-        j = tl.arange(0, HALF)
+    else:                               # prefill: each decoded key tile serves BQ queries
         for tile in range(tile_lo, tile_hi):
             c = tile * BC + tl.arange(0, BC)
             cm = c < bound
             k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
-            for g in range(0, BQ // G):
-                sv = s0 + g * G + tl.arange(0, G)
-                sm = sv < S
-                qm = sm[:, None, None] & (hh < NI)[None, :, None]
-                qrow = q_b + sv[:, None, None] * sq_s + hh[None, :, None] * sq_h + 2 * j[None, None, :]
-                q_even = tl.reshape(tl.load(qrow, mask=qm, other=0.0), (G * NIP, HALF))
-                q_odd = tl.reshape(tl.load(qrow + 1, mask=qm, other=0.0), (G * NIP, HALF))
-                w = tl.load(w_b + sv[:, None] * sw_s + hh[None, :], mask=sm[:, None] & (hh < NI)[None, :],
-                            other=0.0).to(tl.float32)                                      # [G, NIP]
-                # G queries x their heads as the N of one product: [BC, G * NIP]
-                dots = tl.dot(k_even, tl.trans(q_even), input_precision=PREC)
-                dots = tl.dot(k_odd, tl.trans(q_odd), dots, input_precision=PREC)
-                sc = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (BC, G, NIP)) * w[None, :, :], 2)   # [BC, G]
-                tl.store(o_b + sv[None, :] * so_s + c[:, None], sc, mask=cm[:, None] & sm[None, :])
+            for i in range(0, BQ):
+                s = s0 + i
+                if s < S:
+                    q_even, q_odd, w = _index_query(q_b, w_b, s, sq_s, sq_h, sw_s, NI, NIP, HALF)
+                    tl.store(o_b + s * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
 
 
 def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
@@ -164,8 +152,6 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
     interp = runtime.interpreting()
     bc = 16 if interp else 64
     bq = 1 if S == 1 else (4 if interp else 16)
-    # prefill: queries per product (their heads side by side: N = G * 64 at nI 64), 8 warps for it
-    group = 1 if S == 1 else (2 if interp else 4)
     n_qb = triton.cdiv(S, bq)
     n_tiles = triton.cdiv(bound, bc)
     splits, per = _splits(n_tiles, B * n_qb, PROGRAMS_PER_SM * runtime.sm_count(dev))
@@ -173,8 +159,7 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
         q, weights, out, data, sc, slots, S, bound, data.shape[1], n_qb, per,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
         NI=NI, NIP=max(16, triton.next_power_of_2(NI)), HALF=dim // 2, BC=bc, BQ=bq, FP4=fp4,
-        PREC="ieee" if dtype == torch.float32 else "tf32", G=group, num_warps=4 if group == 1 else 8,
-        num_stages=2 if not interp else 1)
+        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not interp else 1)
     return out
 
 
