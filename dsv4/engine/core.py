@@ -95,6 +95,7 @@ class EngineStats:
     slots_used: int
     slots_total: int
     prefix_cache: CacheStats | None = None   # None: prefix caching off
+    spec_decode: SpecStats | None = None      # None: speculative decoding off
 
 
 class _Track:
@@ -246,8 +247,10 @@ class Engine:
         """Running and waiting requests and slots in use, now (from the thread that steps)."""
         sched = self.scheduler
         cache = None if self.prefix_cache is None else dataclasses.replace(self.prefix_cache.stats)
+        spec = None if self.speculative is None else dataclasses.replace(
+            self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos or []))
         return EngineStats(len(sched.running), len(sched.waiting), self.max_slots - len(sched.free_slots),
-                           self.max_slots, cache)
+                           self.max_slots, cache, spec)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
