@@ -216,6 +216,8 @@ class Engine:
         request = Request(rid, ids, params)
         self.scheduler.add(request)
         self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
+        if self.speculative is not None:
+            self.tracks[rid].out.spec_decode = SpecStats()
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -337,8 +339,6 @@ class Engine:
                 if row.is_verify:
                     k = row.num_tokens - 1
                     self.spec_stats.add(k, n - 1)
-                    if track.out.spec_decode is None:
-                        track.out.spec_decode = SpecStats()
                     track.out.spec_decode.add(k, n - 1)
         self._queue(tracks, out.sampled, out.emitted)
         return True
