@@ -284,3 +284,41 @@ def test_speculative_sampling_matches_plain_sampling_distribution(model):
     expected = sum(cond[o.token_ids[0]] for o in outs)
     counts = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=expected.numel())
     assert _chi2_pvalue(counts, expected / expected.sum()) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_verify_step_of_the_graph_equals_the_varlen_step(model, method):
+    """``Runner._verify_step`` (what a verify graph captures, run eagerly here) against the varlen
+    step the CPU runs: the same emitted tokens, kept counts, logprobs and state, batch of 3 at
+    different lengths, 12 steps, drafts right up to a random depth (n-gram) or the MTP block's."""
+    from dsv4.engine.sampling import SampleFlags
+    k = 3
+    spec = {"method": method, "num_speculative_tokens": k}
+    greedy = SamplingParams(temperature=0.0, max_tokens=1000, logprobs=0)
+    rng = random.Random(3)
+    runners = [Runner(model, max_slots=3, max_context=CONTEXT, speculative=spec) for _ in range(2)]
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 17, 30)]
+    for r in runners:
+        for s, p in enumerate(prompts):
+            _first(r, s, p, greedy)
+    varlen, graph = runners
+    for _ in range(12):
+        lengths = list(varlen.lengths[:3])
+        assert lengths == graph.lengths[:3]
+        drafts = [[rng.randrange(2, 512) for _ in range(k)] for _ in range(3)]
+        rows = tuple(Row(s, lengths[s], draft=tuple(drafts[s])) if method == "ngram" else
+                     Row(s, lengths[s], device_draft=k) for s in range(3))
+        want = varlen.run(ScheduledBatch(rows))
+        idx = torch.arange(3)
+        host = torch.tensor(drafts) if method == "ngram" else None
+        out, kept = graph._verify_step(idx, host, SampleFlags(logprobs=0), graph.max_context)
+        assert kept.tolist() == want.emitted
+        for s in range(3):
+            graph.lengths[s] += kept[s].item()
+        assert torch.equal(out.token_ids, want.sampled.token_ids)
+        torch.testing.assert_close(out.logprobs, want.sampled.logprobs, rtol=0, atol=1e-5)
+        for s in range(3):
+            _state_equal(varlen, graph, s, varlen.lengths[s])
+        assert torch.equal(varlen.tokens, graph.tokens)
+        if method == "mtp":
+            assert torch.equal(varlen.drafts, graph.drafts)

@@ -88,3 +88,18 @@ def test_serve_metrics_count_speculation():
         assert "dsv4_spec_decode_num_accepted_tokens_per_pos_total" in page
     finally:
         server.stop()
+
+
+def test_spec_bench_runs_on_the_cpu():
+    """bench/spec_bench.py on the tiny preset (what gpu_check.sh runs on the Flash slice): its three
+    tables, with the simulated acceptance's tokens per step within [1, 1 + k]."""
+    p = subprocess.run([sys.executable, "bench/spec_bench.py", "--preset", "tiny", "--batch", "2", "--k", "2",
+                        "--accept", "0.9", "--tokens", "8", "--steps", "2", "--context", "16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    for title in ("## verify cost", "## simulated acceptance", "## real drafts"):
+        assert title in p.stdout
+    sim = p.stdout.split("## simulated acceptance")[1].split("##")[0].strip().splitlines()[-1].split()
+    assert 1.0 <= float(sim[4]) <= 3.0
+    real = p.stdout.split("## real drafts")[1]
+    assert {"plain", "ngram", "mtp"} <= set(real.split())

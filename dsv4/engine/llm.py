@@ -263,6 +263,8 @@ class LLM:
         self.runner = runner
         if dev.type == "cuda" and not enforce_eager:
             self.runner.capture(progress=progress)
+            if self.speculative is not None and world == 1:
+                self.runner.capture_verify(progress=progress)
         if dev.type == "cuda" and warm_up:     # Triton compiles now, not in the middle of serving
             self.runner.warm_up(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,
