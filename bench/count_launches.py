@@ -65,8 +65,8 @@ def _hooks() -> None:
     from dsv4.model import attention, compressor, indexer, mhc, moe, transformer
 
     _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
-    _wrap(mhc.Mixer, "pre", "c:mhc_pre")
-    _wrap(mhc.Mixer, "post", "c:mhc_post")
+    _wrap(mhc.HyperConnection, "pre", "c:mhc_pre")
+    _wrap(mhc.HyperConnection, "post", "c:mhc_post")
     _wrap(attention.Attention, "_store_window", "c:kv_store")
     _wrap(compressor.Compressor, "forward", "c:compressor")
     _wrap(indexer.Indexer, "forward", "c:indexer")
@@ -121,6 +121,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from dsv4.config import preset
     from dsv4.engine.runner import Runner
+    from dsv4.testing import decode, prefill
     from dsv4.model.init import init_random
     from dsv4.model.transformer import Transformer
 
@@ -128,7 +129,7 @@ def main() -> None:
     model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
     runner = Runner(model, max_slots=max(2, args.batch), max_context=256, qat_sim=args.qat)
     for s in range(args.batch):
-        runner.prefill(s, list(range(2, 2 + 37 + s)))
+        prefill(runner, s, list(range(2, 2 + 37 + s)))
     if args.fused:
         _use_fused(model)
     _hooks()
@@ -141,7 +142,7 @@ def main() -> None:
 
     ids = torch.arange(args.batch) + 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        runner.decode(list(range(args.batch)), ids)
+        decode(runner, list(range(args.batch)), ids)
     table = count(prof, launches_of)
     labels = sorted({c for comp in table.values() for c in comp}, key=lambda c: (c in BIG_OPS, c))
     print(f"launches per decode layer (batch {args.batch}, qat_sim={args.qat}, "

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import parity_config, random_model  # noqa: E402
 from dsv4 import ops  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
+from dsv4.testing import decode, prefill  # noqa: E402
 from dsv4.ops import triton as kernels  # noqa: E402
 
 
@@ -30,11 +31,11 @@ def logits(model, prompts, steps: int) -> torch.Tensor:
     out = []
     with torch.inference_mode():
         for s, p in enumerate(prompts):
-            out.append([runner.prefill(s, p)])
+            out.append([prefill(runner, s, p)])
         g = torch.Generator().manual_seed(7)
         for _ in range(steps):
             ids = torch.randint(2, model.config.vocab_size, (len(prompts),), generator=g)
-            row = runner.decode(list(range(len(prompts))), ids)
+            row = decode(runner, list(range(len(prompts))), ids)
             for s in range(len(prompts)):
                 out[s].append(row[s])
     return torch.stack([torch.stack(o) for o in out]).float().cpu()

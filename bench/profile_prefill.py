@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsv4.config import preset  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
-from dsv4.engine.sampler import SamplingParams  # noqa: E402
+from dsv4.engine.sampling import SamplingParams  # noqa: E402
 from dsv4.model.random_weights import build_random_model  # noqa: E402
+from dsv4.testing import prefill  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -64,7 +65,7 @@ def main() -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with around():
-            runner.prefill(0, ids)
+            prefill(runner, 0, ids)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t0

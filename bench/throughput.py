@@ -29,7 +29,7 @@ from dsv4.config import preset  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.warmup import compiled_variants  # noqa: E402
-from dsv4.engine.sampler import SamplingParams  # noqa: E402
+from dsv4.engine.sampling import SamplingParams  # noqa: E402
 
 
 def workload(n: int, vocab: int, max_prompt: int, max_out: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:

@@ -43,10 +43,11 @@ from dsv4.config import preset
 from dsv4.engine.distributed import ParallelRunner, follow
 from dsv4.engine.limits import state_bytes
 from dsv4.engine.runner import Runner
-from dsv4.engine.slot_sampling import SampleFlags
+from dsv4.engine.sampling import SampleFlags
 from dsv4.model.init import random_sharded
 from dsv4.model.transformer import Transformer
 from dsv4.parallel import ParallelGroup, init_parallel
+from dsv4.testing import prefill
 
 GREEDY = (SampleFlags(),)
 
@@ -250,11 +251,10 @@ def main() -> None:
         else:
             ids = torch.randint(2, config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
             with ParallelRunner(runner, tp) as r:
-                r.prefill(0, ids[: args.prefill_chunk])     # warm-up: compile every prefill kernel once
-                r.reset([0])
+                prefill(r, 0, ids[: args.prefill_chunk])     # warm-up: compile every prefill kernel once
                 sync()
                 t0 = time.perf_counter()
-                r.prefill(0, ids)
+                prefill(r, 0, ids, new=True)                 # the slot emptied on every rank first
                 sync()
                 took = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated(tp.device) / 2**30 if cuda else float("nan")

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from .engine.llm import LLM
-from .engine.sampler import SamplingParams
+from .engine.sampling import SamplingParams
 from .errors import Dsv4Error
 from .text.chat import (ChatFormatError, ContentDelta, ParseError, ReasoningDelta, StreamingParser, ToolCallEvent,
                         encode_messages)

@@ -11,6 +11,7 @@ import torch
 from dsv4.config import ModelConfig, YarnConfig, preset
 from dsv4.model.init import init_random
 from dsv4.model.transformer import Transformer
+from dsv4.testing import prefill
 
 
 def parity_config(**overrides) -> ModelConfig:
@@ -73,7 +74,7 @@ def random_prefills(runner, slot: int, rng, long_chance: float, short_max: int, 
         n = rng.randint(1, runner.prefill_chunk) if rng.random() < long_chance else rng.randint(1, short_max)
         if pos + n > runner.max_context:
             return
-        runner.prefill(slot, [rng.randrange(vocab) for _ in range(n)], all_logits=rng.random() < logits_chance)
+        prefill(runner, slot, [rng.randrange(vocab) for _ in range(n)], all_logits=rng.random() < logits_chance)
         yield n, pos
         pos += n
 

@@ -18,7 +18,7 @@ from conftest import parity_config, random_model
 from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
 from dsv4.engine.core import Engine
 from dsv4.engine.runner import Runner
-from dsv4.engine.sampler import SamplingParams
+from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.state import GenerationState
 
 CONTEXT = 3100

@@ -16,6 +16,7 @@ from dsv4.engine.runner import Runner
 from dsv4.engine.state import GenerationState, state_layout
 from dsv4.model.cache import RowStore
 from dsv4.ops import numerics
+from dsv4.testing import prefill
 
 
 def _values(*shape, seed, scale=3.0):
@@ -91,8 +92,44 @@ def test_scale_fmt_fp32_keeps_fp32_kv_scales():
     assert not config.kv_scale_pow2
     model = random_model(config, seed=4)
     runner = Runner(model, 1, 64, qat_sim=True)
-    runner.prefill(0, list(range(2, 30)))
+    prefill(runner, 0, list(range(2, 30)))
     ring = runner.state.layers[0].ring
     assert ring.scale.dtype == torch.float32
     scales = ring.scale[0].flatten()
     assert not torch.equal(numerics.pow2_ceil(scales[scales > 0]), scales[scales > 0])
+
+
+def test_block_size_is_the_lcm_of_window_and_ratios():
+    from dsv4.model.cache import block_size
+    assert block_size(preset("flash")) == 128 and block_size(preset("pro")) == 128
+    assert block_size(preset("tiny")) == 16 and block_size(parity_config()) == 16
+    assert block_size(parity_config(sliding_window=12)) == 48
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_state_pieces_at_a_block_boundary(qat):
+    """What each layer declares: at a block boundary the ``open`` pieces hold nothing that is read
+    again (garbling them changes no later logit), the ``window`` pieces are needed (garbling them
+    does), and the entry rows past the boundary are not read either. Every buffer is declared once."""
+    from dsv4.model.cache import block_size
+    model = random_model(parity_config(), seed=7)
+    B = block_size(model.config)
+    seq = torch.randint(2, 512, (3 * B + 5,), generator=torch.Generator().manual_seed(4)).tolist()
+    def garbled(kinds):
+        runner = Runner(model, max_slots=1, max_context=128, qat_sim=qat)
+        prefill(runner, 0, seq[:2 * B])
+        for p in runner.state.pieces():
+            rows = p.tensor[0]
+            if p.kind in kinds:
+                rows.copy_(torch.randn(rows.shape).to(rows.dtype))
+            if p.kind == "entries" and "garbage-after" in kinds:
+                rows[2 * B // p.ratio:].copy_(torch.randn(rows[2 * B // p.ratio:].shape).to(rows.dtype))
+        return prefill(runner, 0, seq[2 * B:], all_logits=True)
+
+    want = garbled(set())
+    assert torch.equal(garbled({"open", "garbage-after"}), want)
+    assert not torch.allclose(garbled({"window"}), want)
+    state = GenerationState(model.config, 2, 64, torch.float32, "cpu")
+    declared = [p.tensor for p in state.pieces()]
+    held = [t for layer in state.layers for t in layer.tensors()]
+    assert len(declared) == len(held) and all(a is b for a, b in zip(declared, held))

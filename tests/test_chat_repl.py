@@ -9,7 +9,7 @@ import pytest
 
 from dsv4.chat_repl import RAW_AFTER_CHARS, ChatSession, run_chat
 from dsv4.engine.llm import CompletionOutput, StreamEvent
-from dsv4.engine.sampler import SamplingParams
+from dsv4.engine.sampling import SamplingParams
 from dsv4.text.chat import DSML, EOS
 from dsv4.text.tokenizer import Tokenizer
 

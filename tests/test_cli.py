@@ -19,6 +19,7 @@ from dsv4.cli import main
 from dsv4.engine.runner import Runner
 from dsv4.text.tokenizer import Tokenizer
 from dsv4.weights.loader import load_model
+from dsv4.testing import decode, prefill
 
 PROMPT = "Once upon a time"
 
@@ -80,11 +81,11 @@ def test_greedy_is_deterministic_and_is_the_argmax_chain(cache, capsys):
     model, _ = load_model(cache, dtype=torch.float32, progress=False)
     from dsv4.engine.llm import resolve_qat_sim
     runner = Runner(model, max_slots=1, max_context=4096, qat_sim=resolve_qat_sim("auto", model.config))
-    logits = runner.prefill(0, a["prompt_token_ids"])
+    logits = prefill(runner, 0, a["prompt_token_ids"])
     chain = []
     for _ in range(len(a["token_ids"])):
         chain.append(int(logits.argmax()))
-        logits = runner.decode([0], torch.tensor([chain[-1]]))[0]
+        logits = decode(runner, [0], torch.tensor([chain[-1]]))[0]
     assert chain == a["token_ids"]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dsv4.testing import prefill
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, cuda]
@@ -47,7 +48,7 @@ def test_decode_forward_captures_and_replays_exactly(tiny_checkpoint_dir, varian
     runner = Runner(model, max_slots=4, max_context=256, qat_sim=qat)
     g = torch.Generator().manual_seed(0)
     for slot, n in ((0, 37), (1, 5), (2, 130), (3, 64)):
-        runner.prefill(slot, torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist())
+        prefill(runner, slot, torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist())
     slots = torch.tensor([2, 0, 3, 1], device="cuda")
     ids = torch.randint(2, model.config.vocab_size, (4, 1), generator=g).cuda()
     start = runner.state.positions[slots].clone()

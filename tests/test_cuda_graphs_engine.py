@@ -20,7 +20,7 @@ def cache_dir(tmp_path_factory):
 
 
 def _requests(vocab):
-    from dsv4.engine.sampler import SamplingParams
+    from dsv4.engine.sampling import SamplingParams
     g = torch.Generator().manual_seed(3)
     out = []
     for i in range(9):   # 9 requests through 5 slots: batches of 5..1 rows, buckets 8, 4, 2, 1
@@ -65,16 +65,17 @@ def test_graph_replay_gives_the_eager_tokens(cache_dir, variant, qat):
 
 
 def test_a_replayed_step_allocates_nothing(cache_dir):
+    from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
     from dsv4.engine.runner import Runner
-    from dsv4.engine.sampler import SamplingParams
+    from dsv4.engine.sampling import SamplingParams
     from dsv4.tiny import ensure_tiny
     from dsv4.weights.loader import load_model
     model, _ = load_model(ensure_tiny(cache_dir, "mxfp4"), "cuda", torch.bfloat16, load_mtp=False, progress=False)
     runner = Runner(model, max_slots=4, max_context=512, qat_sim=True)
     runner.capture(progress=False)
-    for s in range(3):
-        runner.start(s, SamplingParams(temperature=0.7, seed=s), [5, 6, 7])
-        runner.sample_first([s], runner.prefill(s, [5, 6, 7]).unsqueeze(0))
+    prompt = (5, 6, 7)
+    runner.run(ScheduledBatch(tuple(Row(s, 0, prompt, new=NewSequence(SamplingParams(temperature=0.7, seed=s), prompt))
+                                    for s in range(3))))
     runner.decode_step([0, 1, 2])
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()

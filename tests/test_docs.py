@@ -50,7 +50,7 @@ def test_readme_shows_the_whole_llm_and_sampling_params_signatures():
     import inspect
 
     from dsv4.engine.llm import LLM
-    from dsv4.engine.sampler import SamplingParams
+    from dsv4.engine.sampling import SamplingParams
 
     readme = " ".join((ROOT / "README.md").read_text().split())
     llm = list(inspect.signature(LLM.__init__).parameters.values())[1:]

@@ -15,7 +15,7 @@ import torch
 from conftest import parity_config, random_model
 from dsv4.engine.core import Engine, EngineStats
 from dsv4.engine.runner import Runner
-from dsv4.engine.sampler import SamplingParams
+from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.scheduler import Request, Scheduler
 from dsv4.errors import ContextOverflowError, RequestError
 

@@ -9,6 +9,7 @@ from conftest import parity_config, random_model
 from dsv4 import ops
 from dsv4.engine.runner import Runner
 from dsv4.engine.state import ContextOverflowError
+from dsv4.testing import decode, prefill
 
 
 @pytest.fixture(scope="module")
@@ -31,28 +32,28 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> None:
 def test_each_decode_step_equals_fresh_prefill(model, qat, rel):
     seq = _tokens(70, 1)
     runner = Runner(model, max_slots=2, max_context=128, qat_sim=qat)
-    runner.prefill(1, seq[:20])
+    prefill(runner, 1, seq[:20])
     fresh = Runner(model, max_slots=1, max_context=128, qat_sim=qat)
     for i in range(20, 70):
-        step = runner.decode([1], torch.tensor([seq[i]]))[0]
+        step = decode(runner, [1], torch.tensor([seq[i]]))[0]
         fresh.reset([0])
-        full = fresh.prefill(0, seq[:i + 1])
+        full = prefill(fresh, 0, seq[:i + 1])
         _close(step, full, rel)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 7, 16, 33])
 def test_chunked_prefill_equals_one_shot(model, chunk):
     seq = _tokens(90, 2)
-    one = Runner(model, max_slots=1, max_context=128, prefill_chunk=512).prefill(0, seq, all_logits=True)
-    chunked = Runner(model, max_slots=1, max_context=128, prefill_chunk=chunk).prefill(0, seq, all_logits=True)
+    one = prefill(Runner(model, max_slots=1, max_context=128, prefill_chunk=512), 0, seq, all_logits=True)
+    chunked = prefill(Runner(model, max_slots=1, max_context=128, prefill_chunk=chunk), 0, seq, all_logits=True)
     _close(chunked, one)
 
 
 def test_prefill_in_several_calls_equals_one_call(model):
     seq = _tokens(61, 3)
-    one = Runner(model, max_slots=1, max_context=128).prefill(0, seq, all_logits=True)
+    one = prefill(Runner(model, max_slots=1, max_context=128), 0, seq, all_logits=True)
     runner = Runner(model, max_slots=1, max_context=128)
-    parts = [runner.prefill(0, seq[a:b], all_logits=True) for a, b in ((0, 5), (5, 6), (6, 40), (40, 61))]
+    parts = [prefill(runner, 0, seq[a:b], all_logits=True) for a, b in ((0, 5), (5, 6), (6, 40), (40, 61))]
     _close(torch.cat(parts), one)
 
 
@@ -60,11 +61,11 @@ def test_reused_slot_after_reset_gives_same_output(model):
     runner = Runner(model, max_slots=2, max_context=128)
     first = _tokens(50, 4)
     other = _tokens(33, 5)
-    a = runner.prefill(0, first, all_logits=True)
-    runner.prefill(0, _tokens(10, 6))  # more history in the slot
+    a = prefill(runner, 0, first, all_logits=True)
+    prefill(runner, 0, _tokens(10, 6))  # more history in the slot
     runner.reset([0])
-    runner.prefill(1, other)
-    b = runner.prefill(0, first, all_logits=True)
+    prefill(runner, 1, other)
+    b = prefill(runner, 0, first, all_logits=True)
     assert torch.equal(a, b)
 
 
@@ -73,12 +74,12 @@ def test_batched_decode_rows_independent_of_batch(model):
     conts = [_tokens(40, 20 + i) for i in range(3)]
     together = Runner(model, max_slots=3, max_context=128)
     for s, seq in enumerate(seqs):
-        together.prefill(s, seq)
+        prefill(together, s, seq)
     alone = Runner(model, max_slots=1, max_context=128)
-    alone.prefill(0, seqs[1])
+    prefill(alone, 0, seqs[1])
     for step in range(40):
-        rows = together.decode([0, 1, 2], torch.tensor([c[step] for c in conts]))
-        single = alone.decode([0], torch.tensor([conts[1][step]]))
+        rows = decode(together, [0, 1, 2], torch.tensor([c[step] for c in conts]))
+        single = decode(alone, [0], torch.tensor([conts[1][step]]))
         _close(rows[1], single[0])
 
 
@@ -86,8 +87,8 @@ def test_bf16_close_to_fp32():
     config = parity_config()
     m32, m16 = random_model(config, torch.float32, seed=7), random_model(config, torch.bfloat16, seed=7)
     seq = _tokens(40, 8)
-    a = Runner(m32, 1, 64).prefill(0, seq, all_logits=True)
-    b = Runner(m16, 1, 64).prefill(0, seq, all_logits=True)
+    a = prefill(Runner(m32, 1, 64), 0, seq, all_logits=True)
+    b = prefill(Runner(m16, 1, 64), 0, seq, all_logits=True)
     # bf16 rounding is ~1% per row; an indexer top-k flip can move a row further, so bound the median
     per_row = (a - b).abs().amax(-1) / a.abs().amax(-1)
     assert per_row.median() < 0.03
@@ -114,7 +115,7 @@ def test_qat_simulation_rounds_cache_and_indexer(model, qat):
     bits) + rope dims in the activation dtype, the indexer keys as packed FP4 e2m1 (1 bit); off:
     everything in the activation dtype with the full fp32 mantissa."""
     runner = Runner(model, 1, 64, qat_sim=qat)
-    runner.prefill(0, _tokens(40, 9))
+    prefill(runner, 0, _tokens(40, 9))
     c = model.config
     nope = c.head_dim - c.rope_dim
     csa = c.layer_kinds.index("csa")
@@ -142,24 +143,24 @@ def test_qat_simulation_rounds_cache_and_indexer(model, qat):
 
 def test_context_overflow_is_refused_before_any_state_change(model):
     runner = Runner(model, max_slots=1, max_context=32)
-    runner.prefill(0, _tokens(30, 11))
+    prefill(runner, 0, _tokens(30, 11))
     with pytest.raises(ContextOverflowError, match="slot 0: 30 \\+ 5 tokens exceed max_context=32"):
-        runner.prefill(0, _tokens(5, 12))
+        prefill(runner, 0, _tokens(5, 12))
     assert runner.lengths[0] == 30
-    runner.decode([0], torch.tensor([5]))
-    runner.decode([0], torch.tensor([5]))
+    decode(runner, [0], torch.tensor([5]))
+    decode(runner, [0], torch.tensor([5]))
     with pytest.raises(ContextOverflowError):
-        runner.decode([0], torch.tensor([5]))
+        decode(runner, [0], torch.tensor([5]))
 
 
 def test_bad_slot_arguments(model):
     runner = Runner(model, max_slots=2, max_context=32)
     with pytest.raises(IndexError, match="slot 2"):
-        runner.prefill(2, [1, 2])
+        prefill(runner, 2, [1, 2])
     with pytest.raises(ValueError, match="twice"):
-        runner.decode([1, 1], torch.tensor([3, 4]))
+        decode(runner, [1, 1], torch.tensor([3, 4]))
     with pytest.raises(ValueError, match="at least one token"):
-        runner.prefill(0, [])
+        prefill(runner, 0, [])
 
 
 @pytest.mark.parametrize("qat", [False, True])
@@ -168,8 +169,8 @@ def test_decode_step_reads_no_device_value_on_host(model, monkeypatch, qat):
     decode forward must not call .item()/.tolist()/bool() on tensors, with the QAT simulation
     (FP8 KV, FP4 indexer, activation quantization) on and off."""
     runner = Runner(model, max_slots=2, max_context=64, qat_sim=qat)
-    runner.prefill(0, _tokens(12, 13))
-    runner.prefill(1, _tokens(5, 14))
+    prefill(runner, 0, _tokens(12, 13))
+    prefill(runner, 1, _tokens(5, 14))
     calls = []
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero", "__index__"):
         original = getattr(torch.Tensor, name)

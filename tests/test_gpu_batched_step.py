@@ -22,7 +22,7 @@ def test_mixed_step_equals_rows_one_by_one(dtype):
     from dsv4.config import preset
     from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
     from dsv4.engine.runner import Runner
-    from dsv4.engine.sampler import SamplingParams
+    from dsv4.engine.sampling import SamplingParams
     from dsv4.model.random_weights import build_random_model
 
     config = preset("flash", num_layers=2)

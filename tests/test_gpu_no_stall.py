@@ -19,7 +19,7 @@ def test_admission_prefill_and_first_sample_never_wait_for_the_device():
     from dsv4.config import preset
     from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
     from dsv4.engine.runner import Runner
-    from dsv4.engine.sampler import SamplingParams
+    from dsv4.engine.sampling import SamplingParams
     from dsv4.model.random_weights import build_random_model
 
     model = build_random_model(preset("flash", num_layers=1), "fp8-mxfp4", "cuda")

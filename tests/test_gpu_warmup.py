@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from conftest import random_prefills
+from dsv4.testing import decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -44,6 +45,6 @@ def test_flash_slice_compiles_nothing_after_warm_up():
         assert not grew, f"trial {trial}: prefills compiled new kernel variants: {grew}"
     for _ in range(6):
         slots = rng.sample(range(4), rng.randint(1, 4))
-        runner.decode(slots, torch.randint(0, vocab, (len(slots),)))
+        decode(runner, slots, torch.randint(0, vocab, (len(slots),)))
     grew = grown()
     assert not grew, f"eager decode steps compiled new kernel variants: {grew}"

@@ -8,7 +8,7 @@ import pytest
 
 from dsv4.chat_repl import ChatSession, run_chat
 from dsv4.engine.llm import LLM, resolve_qat_sim
-from dsv4.engine.sampler import SamplingParams
+from dsv4.engine.sampling import SamplingParams
 from dsv4.errors import RequestError, UsageError
 from dsv4.text.chat import ContentDelta, ReasoningDelta
 

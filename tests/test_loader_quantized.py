@@ -14,6 +14,7 @@ from dsv4.engine.runner import Runner
 from dsv4.weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from dsv4.weights.loader import CheckpointError, load_model
 from dsv4.weights.quantize import layout_of, quant_config_for, quantize_tensors
+from dsv4.testing import prefill
 
 EXPERT = "layers.2.ffn.experts.3.w1"
 ATTN = "layers.1.attn.wq_a"
@@ -62,7 +63,7 @@ def test_formats_stay_packed_and_experts_are_stacked(source, tmp_path, fmt, expe
     official = model.official_state_dict()
     assert torch.equal(official["layers.2.ffn.experts.3.w1.weight"], tensors["layers.2.ffn.experts.3.w1.weight"])
     assert any(fmt in f or (fmt == "fp8" and "fp8" in f) for f in report.groups["routed experts"])
-    logits = Runner(model, 1, 64, qat_sim=True).prefill(0, list(range(2, 40)), all_logits=True)
+    logits = prefill(Runner(model, 1, 64, qat_sim=True), 0, list(range(2, 40)), all_logits=True)
     assert torch.isfinite(logits).all()
 
 
@@ -168,6 +169,16 @@ def test_every_on_disk_spelling_of_the_same_bits_loads_the_same(source, tmp_path
         respelled[name] = v
     model, _ = load_model(_write(tmp_path / "b", config, respelled, fmt), dtype=torch.float32, progress=False)
     ids = list(range(2, 30))
-    a = Runner(reference, 1, 32).prefill(0, ids, all_logits=True)
-    b = Runner(model, 1, 32).prefill(0, ids, all_logits=True)
+    a = prefill(Runner(reference, 1, 32), 0, ids, all_logits=True)
+    b = prefill(Runner(model, 1, 32), 0, ids, all_logits=True)
     assert torch.equal(a, b)
+
+
+def test_routed_experts_mixing_formats_is_named(source, tmp_path):
+    """Experts are written into one stacked buffer per projection as they are read: an expert in
+    another format than the first is refused (from the headers, before any data is read), named."""
+    config, t = _quantized(source, "mxfp4")
+    _, fp8 = _quantized(source, "fp8")
+    for part in ("weight", "scale"):
+        t[f"{EXPERT}.{part}"] = fp8[f"{EXPERT}.{part}"]
+    _expect(tmp_path, config, t, "mxfp4", rf"`{EXPERT}.weight` is fp8_e4m3_block.*mix weight formats")

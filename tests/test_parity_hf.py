@@ -14,6 +14,7 @@ import torch
 from conftest import parity_config, random_model
 from hf_oracle import hf_logits_incremental, hf_model
 from dsv4.engine.runner import Runner
+from dsv4.testing import decode, prefill
 
 transformers = pytest.importorskip("transformers", minversion="5.23", reason="the HF oracle needs transformers>=5.23")
 
@@ -23,10 +24,10 @@ STEPS = 210
 def _ours(model, prompts, continuations) -> list[torch.Tensor]:
     runner = Runner(model, max_slots=3, max_context=512, prefill_chunk=16)
     slots = [2, 0][:len(prompts)]  # deliberately not 0..n-1
-    logits = [[runner.prefill(s, p, all_logits=True)] for s, p in zip(slots, prompts)]
+    logits = [[prefill(runner, s, p, all_logits=True)] for s, p in zip(slots, prompts)]
     for step in range(len(continuations[0])):
         toks = torch.tensor([c[step] for c in continuations])
-        out = runner.decode(slots, toks)
+        out = decode(runner, slots, toks)
         for i in range(len(slots)):
             logits[i].append(out[i:i + 1])
     return [torch.cat(rows) for rows in logits]
@@ -95,7 +96,7 @@ def test_checkpoint_saved_by_transformers_loads_and_matches(tmp_path):
     from transformers import DeepseekV4ForCausalLM
 
     from dsv4.engine.llm import LLM
-    from dsv4.engine.sampler import SamplingParams
+    from dsv4.engine.sampling import SamplingParams
     from dsv4.weights.loader import load_model
     from hf_oracle import hf_config
 

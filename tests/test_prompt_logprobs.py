@@ -9,8 +9,9 @@ import torch
 from conftest import parity_config, random_model
 from dsv4.engine.core import Engine
 from dsv4.engine.runner import Runner
-from dsv4.engine.sampler import SamplingParams
+from dsv4.engine.sampling import SamplingParams
 from dsv4.errors import RequestError
+from dsv4.testing import prefill
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def _direct(model, prompt: list[int]) -> torch.Tensor:
     """log_softmax of every position's logits, the prompt prefilled in one chunk: [len, vocab]."""
     runner = Runner(model, max_slots=1, max_context=128, prefill_chunk=128)
     runner.start(0, SamplingParams(), prompt)
-    return torch.log_softmax(runner.prefill(0, prompt, all_logits=True).float(), dim=-1)
+    return torch.log_softmax(prefill(runner, 0, prompt, all_logits=True).float(), dim=-1)
 
 
 def _run(engine: Engine, prompt: list[int], params: SamplingParams):

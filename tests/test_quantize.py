@@ -29,6 +29,7 @@ from dsv4.weights.quantize import QuantizeError, linear_group, quant_config_for,
 from dsv4.weights.serialize import build_weight, split_name
 
 from conftest import parity_config, random_model
+from dsv4.testing import prefill
 
 FP8, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 FLOOR_KEPT = re.compile(r"^(head|.*\.ffn\.gate|.*\.compressor\.(wkv|wgate)|.*\.indexer\.weights_proj"
@@ -240,7 +241,7 @@ def _logits(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     out = []
     for s in seqs:
         runner.reset([0])
-        out.append(runner.prefill(0, s, all_logits=True))
+        out.append(prefill(runner, 0, s, all_logits=True))
     return out
 
 

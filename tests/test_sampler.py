@@ -1,4 +1,4 @@
-"""Tests for dsv4.engine.sampler: truncation support and mass, penalties, seeds, logprobs, stops."""
+"""Tests for dsv4.engine.sampling: truncation support and mass, penalties, seeds, logprobs, stops."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsv4.engine.sampler import (
+from dsv4.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     StopChecker,

@@ -29,6 +29,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from dsv4.model.cache import RowStore  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
 from dsv4.ops.triton import runtime, small  # noqa: E402
+from dsv4.testing import decode, prefill
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS = {op: fn for op, _, fn in small.REGISTRATIONS}
@@ -352,11 +353,11 @@ def _decode_run(comp, state, hidden, rotate, steps, step_fn, seed, chunk: bool =
 def _step_module(comp, state, x, ctx, inv, rotate):
     from dsv4.ops import reference as r
 
-    def finish(entry, pos):
-        cos, sin = r.rope_cos_sin(pos, inv)
-        e = r.apply_rope(entry, cos, sin)
-        return r.hadamard(e) if rotate else e
-    comp(x, ctx, state, finish)
+    from dsv4.model.compressor import store_entries
+    entries, pos = comp(x, ctx, state)
+    cos, sin = r.rope_cos_sin(pos, inv)
+    e = r.apply_rope(entries, cos, sin)
+    store_entries(state, ctx, r.hadamard(e) if rotate else e, pos)
 
 
 def _step_fused(impl):
@@ -595,15 +596,15 @@ def test_decode_with_small_kernels_equals_reference(qat, monkeypatch):
     runners = [Runner(model, max_slots=2, max_context=64, qat_sim=qat) for _ in range(2)]
     with ops.reference_only():
         for r in runners:
-            r.prefill(0, list(range(2, 17)))
-            r.prefill(1, list(range(3, 9)))
+            prefill(r, 0, list(range(2, 17)))
+            prefill(r, 1, list(range(3, 9)))
     for op, _, fn in small.REGISTRATIONS:
         monkeypatch.setitem(ops._KERNELS, (op, DEV, None), fn)
     for step in range(2):                       # positions 15, 16 and 6, 7: CSA and HCA windows close
         ids = torch.tensor([7 + step, 11 + step])
         with ops.reference_only():
-            want = runners[0].decode([0, 1], ids)
-        got = runners[1].decode([0, 1], ids)
+            want = decode(runners[0], [0, 1], ids)
+        got = decode(runners[1], [0, 1], ids)
         torch.testing.assert_close(got, want, rtol=1e-4 if qat else 1e-5, atol=1e-4 if qat else 1e-5)
     for a, b in zip(runners[0].state.layers, runners[1].state.layers):
         for comp in ("compressor", "indexer"):

@@ -84,7 +84,7 @@ def test_no_new_variant_in_engine_steps_after_warm_up(record_keys):
     """Steps of the engine (decode rows with several prompts' chunks in one varlen forward, any mix
     of lengths and positions) reach only what the warm-up compiled."""
     from dsv4.engine.core import Engine
-    from dsv4.engine.sampler import SamplingParams
+    from dsv4.engine.sampling import SamplingParams
     net, _ = load_model(resolve_model("tiny"), torch.device("cpu"), torch.float16, progress=False)
     runner = Runner(net, max_slots=4, max_context=700, qat_sim=True, prefill_chunk=300)
     warm_up(runner, progress=False)

@@ -35,8 +35,8 @@ import torch
 from ..parallel import ParallelError, ParallelGroup, init_parallel
 from .batch import NewSequence, Row, ScheduledBatch, StepOutput
 from .runner import Runner
-from .sampler import SamplingParams
-from .slot_sampling import SampleFlags
+from .sampling import SamplingParams
+from .sampling import SampleFlags
 
 #: what rank 0 broadcasts before each call: ``("run", ScheduledBatch)`` once per step, the start-up
 #: calls ``("capture", kwargs)`` and ``("warm_up", None)``, and ``("stop", None)`` at the end

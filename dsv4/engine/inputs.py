@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import RequestError
-from .sampler import SamplingParams
+from .sampling import SamplingParams
 
 Prompt = str | Sequence[int]
 

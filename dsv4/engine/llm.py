@@ -28,7 +28,8 @@ from .limits import (DEFAULT_GPU_MEMORY_UTILIZATION, check_positive, format_byte
 from .runner import Runner
 from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
-from .sampler import SamplingParams
+from .sampling import SamplingParams
+from .speculative import SpeculativeConfig
 
 #: tokens of one engine step (decode rows + prompt chunks, one forward) unless told otherwise (vLLM's default)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -111,6 +112,7 @@ class EnginePlan:
     max_model_len: int
     state_bytes: int
     has_tokenizer: bool
+    speculative: SpeculativeConfig | None = None
 
 
 def plan_engine(model: str | Path | None = None, *, device: str | torch.device = "auto",
@@ -118,7 +120,7 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
                 max_model_len: int | None = None, tensor_parallel_size: int | None = None,
                 max_num_batched_tokens: int | None = None,
                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
-                load_mtp: bool = False) -> EnginePlan:
+                load_mtp: bool = False, speculative_config: "str | dict | SpeculativeConfig | None" = None) -> EnginePlan:
     """Check every engine argument against the machine and the checkpoint's config, tokenizer and
     headers, reading no weight: the device, dtype, path, limits and the state's size (see
     :mod:`dsv4.engine.limits`). :class:`LLM` starts with it; ``dsv4 serve`` calls it before it
@@ -142,6 +144,10 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
         raise TokenizerNotFoundError(f"{path} has no tokenizer.json, so text cannot be encoded (without one only "
                                      "token-id prompts work: dsv4 generate --prompt-ids, LLM.generate([[0, 15]]))")
     config = ModelConfig.from_file(path / "config.json")
+    spec = SpeculativeConfig.parse(speculative_config)
+    if spec is not None:
+        spec.check_model(config, config.num_nextn_predict_layers > 0)
+        load_mtp = load_mtp or spec.method == "mtp"
     context = resolve_max_model_len(max_model_len, config)
     sim = resolve_qat_sim(qat_sim, config)
     slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization,
@@ -151,7 +157,7 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
         if max_num_batched_tokens <= slots:
             raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {max_num_batched_tokens} must "
                              f"exceed max_num_seqs (--max-num-seqs) {slots}")
-    return EnginePlan(path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer)
+    return EnginePlan(path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer, spec)
 
 
 class LLM:
@@ -185,8 +191,13 @@ class LLM:
             may use (weights, state and a working margin); vLLM's name and default (0.9). Ignored on
             the CPU, where the state is checked against the free RAM.
         require_tokenizer: refuse a checkpoint without ``tokenizer.json`` (before reading weights).
-        load_mtp: also load the checkpoint's multi-token-prediction layers (``model.mtp``); generation
-            does not use them (there is no speculative decoding yet).
+        load_mtp: also load the checkpoint's multi-token-prediction layers (``model.mtp``; speculative
+            decoding with ``method: "mtp"`` loads them anyway).
+        speculative_config: speculative decoding, vLLM's form: ``{"method": "mtp" | "ngram",
+            "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}`` (a dict, its
+            JSON text or a :class:`~dsv4.engine.speculative.SpeculativeConfig`); see
+            :mod:`dsv4.engine.speculative`. Greedy requests give exactly the tokens of plain decoding,
+            sampled ones the same distribution.
         progress: print the state size, a loading progress bar and the load summary on stderr.
         threads: torch's CPU threads: ``"auto"`` (the physical cores other processes leave free, or
             ``OMP_NUM_THREADS`` when set; the policy of ``dsv4 --threads auto``, see
@@ -203,13 +214,16 @@ class LLM:
                  enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
                  tensor_parallel_size: int | None = None, warm_up: bool = True,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
-                 threads: int | str | None = "auto"):
+                 threads: int | str | None = "auto",
+                 speculative_config: "str | dict | SpeculativeConfig | None" = None):
         check_threads(threads, "threads (--threads)")
         plan = plan_engine(model, device=device, dtype=dtype, qat_sim=qat_sim, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                            max_num_batched_tokens=max_num_batched_tokens,
                            gpu_memory_utilization=gpu_memory_utilization, require_tokenizer=require_tokenizer,
-                           load_mtp=load_mtp)
+                           load_mtp=load_mtp, speculative_config=speculative_config)
+        self.speculative = plan.speculative
+        load_mtp = load_mtp or (plan.speculative is not None and plan.speculative.method == "mtp")
         self.path, self.max_model_len, self.max_num_seqs = plan.path, plan.max_model_len, plan.max_num_seqs
         dev, act_dtype, world, max_num_seqs = plan.device, plan.dtype, plan.world_size, plan.max_num_seqs
         if progress:
@@ -233,11 +247,12 @@ class LLM:
         max_num_seqs = self.max_num_seqs
         step_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
-                        load_mtp, torch.get_num_threads() if dev.type == "cpu" else None, step_tokens)
+                        load_mtp, torch.get_num_threads() if dev.type == "cpu" else None, step_tokens,
+                        self.speculative)
         if world == 1:
             net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
             runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim,
-                            prefill_chunk=step_tokens)
+                            prefill_chunk=step_tokens, speculative=self.speculative)
         else:
             runner, report = self._start_group(spec, world, progress)
         self.load_report: LoadReport = report
@@ -248,6 +263,8 @@ class LLM:
         self.runner = runner
         if dev.type == "cuda" and not enforce_eager:
             self.runner.capture(progress=progress)
+            if self.speculative is not None and world == 1:
+                self.runner.capture_verify(progress=progress)
         if dev.type == "cuda" and warm_up:     # Triton compiles now, not in the middle of serving
             self.runner.warm_up(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,

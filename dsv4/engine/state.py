@@ -1,8 +1,8 @@
 """Allocating and resetting the fixed-shape generation state (DESIGN decision 3).
 
-The layout of what each layer keeps lives with the model (:mod:`dsv4.model.cache`); the engine
-decides how many slots and positions, allocates every buffer once, and resets slots for new
-sequences. A slot's position lives in ``positions`` on the device; forwards read and write the
+What each layer keeps, and what kind of state each piece is, is declared by the model
+(:meth:`dsv4.model.cache.LayerCache.allocate` / ``pieces``); the engine only decides how many
+slots and positions, holds every buffer (allocated once), and resets slots for new sequences. A slot's position lives in ``positions`` on the device; forwards read and write the
 buffers by slot index with device-side masks, so a decode step has no host branch on device values
 and is CUDA-graph capturable. :func:`state_layout` tells the cost per token before anything is
 allocated.
@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ContextOverflowError  # noqa: F401  (raised by the runner; defined with the other user errors)
-from ..model.cache import CompressorState, LayerCache, RowStore
+from ..model.cache import CompressorState, LayerCache, RowStore, StatePiece  # noqa: F401
 from .h2d import upload
 
 
@@ -47,13 +47,6 @@ class StateLayout:
         return "\n".join(lines)
 
 
-def _layer_layouts(config: ModelConfig, layer: int, qat_sim: bool, dtype: torch.dtype
-                   ) -> tuple[str, str]:
-    kv = "fp8" if qat_sim else "plain"
-    keys = "fp4" if qat_sim else "plain"
-    return kv, keys
-
-
 def state_layout(config: ModelConfig, dtype: torch.dtype, qat_sim: bool, include_mtp: bool = False
                  ) -> StateLayout:
     """Bytes per slot of every layer's state, by layer kind (allocates nothing)."""
@@ -63,13 +56,9 @@ def state_layout(config: ModelConfig, dtype: torch.dtype, qat_sim: bool, include
     for i in range(_n_layers(config, include_mtp)):
         cache = _allocate_layer(config, i, 1, 1, dtype, "meta", qat_sim)
         kind = config.layer_kind(i)
-        ring = cache.ring.nbytes_per_row() * config.sliding_window
-        windows = entries = 0.0
-        for comp in (cache.compressor, cache.indexer):
-            if comp is not None:
-                entries += comp.entries.nbytes_per_row() / comp.ratio
-                windows += sum(t[0].numel() * t.element_size() for t in comp.tensors()[len(comp.entries.tensors()):])
-        fixed[kind] = fixed.get(kind, 0.0) + ring + windows
+        pieces = cache.pieces()
+        entries = sum(p.nbytes_per_row() / p.ratio for p in pieces if p.kind == "entries")
+        fixed[kind] = fixed.get(kind, 0.0) + sum(p.nbytes_per_slot() for p in pieces if p.kind != "entries")
         per_token[kind] = per_token.get(kind, 0.0) + entries
         layers[kind] = layers.get(kind, 0) + 1
     return StateLayout(fixed, per_token, layers)
@@ -81,33 +70,11 @@ def _n_layers(config: ModelConfig, include_mtp: bool) -> int:
 
 def _allocate_layer(config: ModelConfig, layer: int, slots: int, max_context: int, dtype: torch.dtype,
                     device: torch.device | str, qat_sim: bool) -> LayerCache:
-    c, kind = config, config.layer_kind(layer)
-    kv_layout, key_layout = _layer_layouts(config, layer, qat_sim, dtype)
-    pow2 = config.kv_scale_pow2
-    ring = RowStore.allocate(kv_layout, slots, c.sliding_window, c.head_dim, dtype, device, c.rope_dim, pow2)
-    cache = LayerCache(ring=ring)
-    if kind != "sliding":
-        ratio = c.layer_ratio(layer)
-        entries = RowStore.allocate(kv_layout, slots, max_context // ratio + 1, c.head_dim, dtype, device,
-                                    c.rope_dim, pow2)
-        cache.compressor = _compressor(entries, slots, ratio, c.head_dim, kind == "csa", device)
-        if kind == "csa":
-            keys = RowStore.allocate(key_layout, slots, max_context // ratio + 1, c.index_head_dim, dtype,
-                                     device)
-            cache.indexer = _compressor(keys, slots, ratio, c.index_head_dim, True, device)
-    return cache
+    return LayerCache.allocate(config, layer, slots, max_context, dtype, device, qat_sim)
 
 
-def _compressor(entries: RowStore, slots: int, ratio: int, dim: int, overlap: bool,
-                device: torch.device | str) -> CompressorState:
-    width = 2 * dim if overlap else dim
-    f32 = dict(dtype=torch.float32, device=device)
-    return CompressorState(
-        ratio=ratio, entries=entries,
-        win_kv=torch.zeros(slots, ratio, width, **f32),
-        win_gate=torch.zeros(slots, ratio, width, **f32),
-        prev_kv=torch.zeros(slots, ratio, dim, **f32) if overlap else None,
-        prev_gate=torch.full((slots, ratio, dim), float("-inf"), **f32) if overlap else None)
+#: one compressor's state (tests and the kernel benchmarks build them directly)
+_compressor = CompressorState.allocate
 
 
 class GenerationState:
@@ -136,6 +103,10 @@ class GenerationState:
             for comp in (layer.compressor, layer.indexer):
                 if comp is not None:
                     comp.reset(slots)
+
+    def pieces(self) -> list[StatePiece]:
+        """Every layer's buffers with their kinds (:class:`~dsv4.model.cache.StatePiece`), layer by layer."""
+        return [p for layer in self.layers for p in layer.pieces()]
 
     def nbytes(self) -> int:
         total = self.positions.numel() * self.positions.element_size()

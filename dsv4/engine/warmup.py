@@ -31,7 +31,8 @@ import torch
 from tqdm import tqdm
 
 from .. import ops
-from .slot_sampling import SampleFlags
+from .h2d import upload_parts
+from .sampling import SampleFlags
 
 
 def length_classes(limit: int) -> list[int]:
@@ -77,7 +78,7 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
             _several_rows(runner, ids)
             pos = runner.max_context
         else:
-            runner._prefill_rows(scratch, ids, pos, all_logits=(i % 3 == 2))
+            _one_row(runner, ids, pos, all_logits=(i % 3 == 2))
             pos += n
         bar.update()
     idx_all = torch.full((max(batches, default=1),), scratch, dtype=torch.int64, device=runner.device)
@@ -103,6 +104,16 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
               f"sizes in {seconds:.1f} s" + (f"; {added} kernel variants compiled" if added >= 0 else ""),
               file=sys.stderr)
     return seconds
+
+
+def _one_row(runner, ids: torch.Tensor, start: int, all_logits: bool) -> None:
+    """The forward of a step with one prompt chunk ``ids`` at ``start`` on the scratch slot (a slot
+    :meth:`Runner.run` refuses): the same varlen forward, index tensors uploaded the same way."""
+    n = ids.numel()
+    rows = list(range(n)) if all_logits else [n - 1]
+    slot, begin, logit_rows = upload_parts([[runner.scratch], [start], rows], runner.device)
+    runner.model.forward_varlen(ids, [(slot, begin, n, start + n)], runner.state.layers, logit_rows,
+                                runner.qat_sim)
 
 
 def _several_rows(runner, ids: torch.Tensor) -> None:

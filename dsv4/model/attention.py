@@ -18,8 +18,8 @@ from ..ops import fused
 from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
 from .cache import LayerCache
-from .common import ForwardContext, Linear, RMSNorm, fp32_param
-from .compressor import Compressor
+from .common import ForwardContext, GroupedLinear, Linear, RMSNorm, fp32_param
+from .compressor import Compressor, store_entries
 from .indexer import Indexer
 
 
@@ -50,7 +50,8 @@ class Attention(nn.Module):
         self.wq_b = Linear(c.q_lora_rank, self.n_heads * c.head_dim, dtype)
         self.wkv = Linear(c.hidden_size, c.head_dim, dtype)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.wo_a = Linear(c.num_attention_heads * c.head_dim // c.o_groups, self.groups * c.o_lora_rank, dtype)
+        self.wo_a = GroupedLinear(c.num_attention_heads * c.head_dim // c.o_groups, self.groups * c.o_lora_rank,
+                                  self.groups, dtype)
         self.wo_b = Linear(self.groups * c.o_lora_rank, c.hidden_size, dtype)
         self.attn_sink = fp32_param(self.n_heads)
         if self.kind != "sliding":
@@ -63,18 +64,17 @@ class Attention(nn.Module):
         """``x [B, S, D]`` (attention-normed block input) -> ``[B, S, D]``; updates ``cache``."""
         rope = ctx.rope[self.rope_kind]
         cos_h, sin_h = rope.cos.unsqueeze(2), rope.sin.unsqueeze(2)    # broadcast over heads
-        q8, p2 = ctx.qat_sim, ctx.pow2
 
-        qr = self.q_norm(ops.linear(x, self.wq_a.w, q8, p2))
-        q = ops.linear(qr, self.wq_b.w, q8, p2).unflatten(-1, (self.n_heads, self.head_dim))
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fused.rope_qnorm(q, cos_h, sin_h, self.eps)                             # [B, S, H, hd]
-        kv = fused.kv_prepare(ops.linear(x, self.wkv.w, q8, p2), self.kv_norm.weight, self.kv_norm.eps,
+        kv = fused.kv_prepare(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps,
                               rope.cos, rope.sin, cache.ring)                        # [B, S, hd] as stored
 
         o = ctx.per_group(self._attend, q, kv, x, qr, cache=cache)                  # [B, S, H, hd]
         o = ops.apply_rope(o, cos_h, sin_h, inverse=True)
-        o = ops.grouped_linear(o.flatten(2).unflatten(-1, (self.groups, -1)), self.wo_a.w, self.groups)
-        return self.tp.all_reduce_sum(ops.linear(o.flatten(2), self.wo_b.w, q8, p2))
+        o = self.wo_a(o.flatten(2).unflatten(-1, (self.groups, -1)))
+        return self.tp.all_reduce_sum(self.wo_b(o.flatten(2)))
 
     def _attend(self, ctx: ForwardContext, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, qr: torch.Tensor,
                 cache: LayerCache) -> torch.Tensor:
@@ -101,12 +101,12 @@ class Attention(nn.Module):
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments
         of :func:`dsv4.ops.sparse_attention`: the store and the indexer's picks (CSA) or each
         query's visible length (HCA)."""
-        def finish(entry: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            cos, sin = ctx.rope_at("compress", pos)
-            return ops.apply_rope(entry, cos, sin)
-
         comp = cache.compressor
-        self.compressor(x, ctx, comp, finish)
+        new = self.compressor(x, ctx, comp)
+        if new is not None:                     # a chunk: RoPE at each window's first position, then store
+            entries, pos = new
+            cos, sin = ctx.rope_at("compress", pos)
+            store_entries(comp, ctx, ops.apply_rope(entries, cos, sin), pos)
         bound = ctx.entry_bound(self.ratio, comp.max_entries)
         if self.kind == "csa":
             return dict(comp=comp.entries, comp_idx=self.indexer(x, qr, ctx, cache.indexer))

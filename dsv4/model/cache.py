@@ -17,19 +17,77 @@ How rows are stored (:class:`RowStore`), chosen by the QAT simulation:
   activation dtype. At V4 geometry and BF16 that is 448 + 7 + 128 bytes an entry (584 with the
   padding byte other engines keep), the numbers the QAT simulation produces, bit for bit.
 - ``fp4`` (CSA indexer keys, QAT on): e2m1 codes two a byte with an e8m0 scale per 32.
+
+Each layer declares its state here (:meth:`LayerCache.allocate`, :meth:`LayerCache.pieces`); the
+engine only sizes and holds it. Every buffer is a :class:`StatePiece` of one :data:`PIECE_KINDS`
+kind, which says what of it a sequence needs at a *block boundary* (a position that is a multiple of
+every compression ratio and of the window, :func:`block_size`), the point where the prefix cache
+saves a slot and speculative decoding can roll one back:
+
+- ``entries``: append-only, one row per ``ratio`` positions (compressed KV entries, indexer keys);
+  rows below ``pos // ratio`` never change again, so blocks of them can be shared by every prefix
+  that contains them.
+- ``window``: fixed size, all of it needed to continue (the K=V ring, the overlapping compressors'
+  last closed window).
+- ``open``: a compressor's open window; at a boundary every window has just closed, so it holds
+  nothing that will be read (its rows are rewritten before the next window closes).
+
+Speculative decoding rolls a slot back to *any* position (:meth:`LayerCache.save` before a verify
+step of ``S`` tokens at ``start``, :meth:`LayerCache.rollback` once the device knows how many were
+kept), leaving exactly what plain decoding of the kept tokens leaves, by device-side masks:
+
+- ring (``window``): the ``S`` rows the step overwrites (``S <= window``, each row once) are saved
+  and put back for the rejected positions.
+- ``entries``: nothing to undo. A rejected token only writes rows at or above the kept length's
+  ``pos // ratio``, which no query reads before the window closes again and rewrites them.
+- open window and last closed window (``open``, ``window``): a verify step saves both windows and
+  logs its ``S`` new rows (``log_kv``/``log_gate``, written by the compressor); rollback rebuilds
+  each row by position from the log, the saved copy, or zero (a window that closed is cleared), see
+  :meth:`CompressorState.rollback`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..config import ModelConfig
 from ..ops import numerics
 
 LAYOUTS = ("plain", "fp8", "fp4")
 FP8_BLOCK = 64   # KV cache: one FP8 scale per 64 non-rope values
 FP4_BLOCK = 32   # indexer keys: one e2m1 scale per 32 values
+PIECE_KINDS = ("entries", "window", "open")
+
+
+def block_size(config: ModelConfig) -> int:
+    """The prefix-cache block, in positions: the least common multiple of the window and every
+    compression ratio (128 on Flash and Pro: window 128, ratios 4 and 128; 16 on the tiny model:
+    window 8, ratios 4 and 16). At a multiple of it every compressor window has closed and the ring
+    holds exactly the last ``window`` positions, so the state there is the entry rows before it plus
+    the ``window`` pieces, nothing else (see :data:`PIECE_KINDS`)."""
+    ratios = [config.layer_ratio(i) for i in range(config.num_hidden_layers)]
+    return math.lcm(config.sliding_window, *[r for r in ratios if r])
+
+
+@dataclass
+class StatePiece:
+    """One buffer of a layer's state, ``tensor [slots, rows, ...]``, of kind ``kind``
+    (:data:`PIECE_KINDS`); ``ratio``: positions per row of an ``entries`` piece (its last row is the
+    write sink for windows that did not close)."""
+
+    name: str
+    tensor: torch.Tensor
+    kind: str
+    ratio: int = 0
+
+    def nbytes_per_slot(self) -> int:
+        return self.tensor[0].numel() * self.tensor.element_size()
+
+    def nbytes_per_row(self) -> int:
+        return self.tensor[0, 0].numel() * self.tensor.element_size()
 
 
 @dataclass
@@ -135,6 +193,10 @@ class CompressorState:
     win_gate: torch.Tensor
     prev_kv: torch.Tensor | None
     prev_gate: torch.Tensor | None
+    #: speculative decoding (:meth:`enable_log`): a multi-token forward's new window rows ``[slots,
+    #: S_max, width]`` fp32 (``C`` and ``Z + ape``), row ``i`` = the step's position ``start + i``
+    log_kv: torch.Tensor | None = None
+    log_gate: torch.Tensor | None = None
 
     @property
     def max_entries(self) -> int:
@@ -144,10 +206,71 @@ class CompressorState:
         return self.entries.tensors() + [t for t in (self.win_kv, self.win_gate, self.prev_kv, self.prev_gate)
                                          if t is not None]
 
+    def pieces(self, name: str) -> list[StatePiece]:
+        out = [StatePiece(f"{name}.entries.{i}", t, "entries", self.ratio) for i, t in enumerate(self.entries.tensors())]
+        out += [StatePiece(f"{name}.{n}", t, "open") for n, t in (("win_kv", self.win_kv), ("win_gate", self.win_gate))]
+        out += [StatePiece(f"{name}.{n}", t, "window") for n, t in (("prev_kv", self.prev_kv), ("prev_gate", self.prev_gate))
+                if t is not None]
+        return out
+
+    @classmethod
+    def allocate(cls, entries: RowStore, slots: int, ratio: int, dim: int, overlap: bool,
+                 device: torch.device | str) -> "CompressorState":
+        """Zeroed windows (``-inf`` previous gates: no window closed yet) for ``entries``."""
+        width = 2 * dim if overlap else dim
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(ratio=ratio, entries=entries,
+                   win_kv=torch.zeros(slots, ratio, width, **f32),
+                   win_gate=torch.zeros(slots, ratio, width, **f32),
+                   prev_kv=torch.zeros(slots, ratio, dim, **f32) if overlap else None,
+                   prev_gate=torch.full((slots, ratio, dim), float("-inf"), **f32) if overlap else None)
+
     def reset(self, slots: torch.Tensor) -> None:
         """Forget the slots' open windows (entries need no reset: reads are masked by position)."""
         if self.prev_gate is not None:
             self.prev_gate.index_fill_(0, slots, float("-inf"))
+
+    def enable_log(self, max_tokens: int) -> None:
+        """Keep the window rows of forwards of up to ``max_tokens`` tokens (speculative verify)."""
+        slots, _, width = self.win_kv.shape
+        self.log_kv = self.win_kv.new_zeros(slots, max_tokens, width)
+        self.log_gate = self.win_gate.new_zeros(slots, max_tokens, width)
+
+    def save(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of the windows a forward may rewrite (a multi-token forward writes the whole new
+        open window), for :meth:`rollback`."""
+        out = (self.win_kv[slots], self.win_gate[slots])
+        if self.prev_kv is not None:
+            out += (self.prev_kv[slots], self.prev_gate[slots])
+        return out
+
+    def rollback(self, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor, S: int,
+                 kept: torch.Tensor) -> None:
+        """After a forward of ``S >= 2`` tokens at ``start [B]`` (logged, see :meth:`enable_log`),
+        keep its first ``kept [B]`` (0..S) positions: the windows become what plain decoding of those
+        positions leaves. Plain decoding (``compressor_step``) writes row ``pos % ratio`` and clears
+        the window when it closes, so row ``r`` holds position ``length // ratio * ratio + r`` if that
+        is below the length, else zero if a window closed during the kept positions, else what it held."""
+        m, dev = self.ratio, start.device
+        sl, st = slots.unsqueeze(1), start.unsqueeze(1)
+        length = (start + kept).unsqueeze(1)                                  # [B, 1]
+        base = torch.div(length, m, rounding_mode="floor") * m                # the open window's first position
+        closed = (base > st).unsqueeze(-1)                                    # a window closed at a kept position
+        q = base + torch.arange(m, device=dev)                                # [B, m] row r's position
+        from_log = ((q < length) & (q >= st)).unsqueeze(-1)
+        lj = (q - st).clamp(0, S - 1)
+        if self.prev_kv is not None:
+            # the window that closed last at a kept position: its rows from the log, or (positions
+            # before the step) from the window as it was
+            d = self.prev_kv.shape[-1]
+            pq = q - m
+            pj = (pq - st).clamp(0, S - 1)
+            for prev, log, win, old in ((self.prev_kv, self.log_kv, saved[0], saved[2]),
+                                        (self.prev_gate, self.log_gate, saved[1], saved[3])):
+                rows = torch.where((pq >= st).unsqueeze(-1), log[sl, pj], win)[..., :d]
+                prev[slots] = torch.where(closed, rows, old)
+        for t, log, old in ((self.win_kv, self.log_kv, saved[0]), (self.win_gate, self.log_gate, saved[1])):
+            t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
 
 
 @dataclass
@@ -164,3 +287,54 @@ class LayerCache:
             if comp is not None:
                 out += comp.tensors()
         return out
+
+    def save(self, slots: torch.Tensor, start: torch.Tensor, S: int) -> list:
+        """What a forward of ``S`` tokens at ``start [B]`` in ``slots [B]`` may overwrite, for
+        :meth:`rollback` (``S <= window``; compressors must have :meth:`CompressorState.enable_log`)."""
+        rows = (start.unsqueeze(1) + torch.arange(S, device=start.device)) % self.ring.rows
+        ring = tuple(t[slots.unsqueeze(1), rows] for t in self.ring.tensors())
+        return [ring] + [c.save(slots) if c is not None else None for c in (self.compressor, self.indexer)]
+
+    def rollback(self, saved: list, slots: torch.Tensor, start: torch.Tensor, S: int, kept: torch.Tensor) -> None:
+        """Keep the first ``kept [B]`` of the ``S`` positions a forward wrote since :meth:`save`:
+        the state becomes what plain decoding of them leaves (device ops only: capturable)."""
+        sl = slots.unsqueeze(1)
+        i = torch.arange(S, device=start.device)
+        rows = (start.unsqueeze(1) + i) % self.ring.rows
+        undo = (i >= kept.unsqueeze(1)).unsqueeze(-1)                      # [B, S, 1] rejected
+        for t, old in zip(self.ring.tensors(), saved[0]):
+            t[sl, rows] = torch.where(undo, old, t[sl, rows])
+        for comp, s in zip((self.compressor, self.indexer), saved[1:]):
+            if comp is not None:
+                comp.rollback(s, slots, start, S, kept)
+
+    def pieces(self) -> list[StatePiece]:
+        """Every buffer with its kind, in :meth:`tensors` order."""
+        out = [StatePiece(f"ring.{i}", t, "window") for i, t in enumerate(self.ring.tensors())]
+        for name, comp in (("compressor", self.compressor), ("indexer", self.indexer)):
+            if comp is not None:
+                out += comp.pieces(name)
+        return out
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, layer: int, slots: int, max_context: int, dtype: torch.dtype,
+                 device: torch.device | str, qat_sim: bool) -> "LayerCache":
+        """Layer ``layer``'s state for ``slots`` sequences of ``max_context`` positions: the ring; on
+        CSA/HCA layers the compressor's entries (``max_context // ratio`` rows + the sink) and
+        windows; on CSA layers the indexer's keys and windows. ``qat_sim`` stores K=V rows and
+        entries as FP8 and indexer keys as FP4 (the QAT grid), else in ``dtype``."""
+        c, kind = config, config.layer_kind(layer)
+        kv_layout, key_layout = ("fp8", "fp4") if qat_sim else ("plain", "plain")
+        pow2 = c.kv_scale_pow2
+        ring = RowStore.allocate(kv_layout, slots, c.sliding_window, c.head_dim, dtype, device, c.rope_dim, pow2)
+        cache = cls(ring=ring)
+        if kind != "sliding":
+            ratio = c.layer_ratio(layer)
+            entries = RowStore.allocate(kv_layout, slots, max_context // ratio + 1, c.head_dim, dtype, device,
+                                        c.rope_dim, pow2)
+            cache.compressor = CompressorState.allocate(entries, slots, ratio, c.head_dim, kind == "csa", device)
+            if kind == "csa":
+                keys = RowStore.allocate(key_layout, slots, max_context // ratio + 1, c.index_head_dim, dtype,
+                                         device)
+                cache.indexer = CompressorState.allocate(keys, slots, ratio, c.index_head_dim, True, device)
+        return cache

@@ -28,9 +28,15 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16,
-                 experts: int = 0):
+                 experts: int = 0, qat_act: bool = True):
         super().__init__()
         self.in_features, self.out_features, self.experts = in_features, out_features, experts
+        #: whether the QAT simulation rounds this projection's input (False: router, head, ``wo_a``)
+        self.qat_act = qat_act
+        #: the multiplication mode, set once by :func:`set_qat_sim` (not per call): round the input
+        #: to e4m3 per 1x128 block before an FP8/FP4 weight (W8A8 / W4A8), with power-of-two scales
+        #: when ``pow2``. Plain weights never round their input (see :func:`dsv4.ops.linear`).
+        self.act_quant, self.pow2 = False, True
         shape = (experts, out_features, in_features) if experts else (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
         self.packed: object | None = None  # the typed weight when the checkpoint format is packed
@@ -97,8 +103,33 @@ class Linear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (*self._parameters.values(), *self._buffers.values())
                    if t is not None)
 
-    def forward(self, x: torch.Tensor, act_quant: bool = False, pow2: bool = True) -> torch.Tensor:
-        return ops.linear(x, self.w, act_quant, pow2)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [..., in] -> [..., out]`` (``out_dtype``, default ``x.dtype``; fp32 accumulation),
+        by the op registered for ``(linear, x.device, weight format)``."""
+        return ops.linear(x, self.w, self.act_quant, self.pow2, out_dtype)
+
+
+class GroupedLinear(Linear):
+    """A block-diagonal projection (attention's ``wo_a``): weight ``[G*r, K]``, input ``[..., G, K]``,
+    group ``g`` times rows ``g*r:(g+1)*r`` -> ``[..., G, r]``. Its input is never rounded (DeepSeek's
+    code runs it as a BF16 einsum over the dequantized weight)."""
+
+    def __init__(self, in_features: int, out_features: int, groups: int, dtype: torch.dtype = torch.bfloat16):
+        super().__init__(in_features, out_features, dtype, qat_act=False)
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.grouped_linear(x, self.w, self.groups)
+
+
+def set_qat_sim(module: nn.Module, on: bool, pow2: bool) -> None:
+    """Set how every :class:`Linear` under ``module`` multiplies: with ``on`` (the QAT simulation,
+    DSV4_FACTS 2b) those that take part (``qat_act``) round their FP8/FP4 input, scales power-of-two
+    when ``pow2``. Called when the mode changes (:meth:`~dsv4.model.transformer.Transformer.set_qat_sim`),
+    never per forward."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.act_quant, m.pow2 = on and m.qat_act, pow2
 
 
 class VocabEmbedding(nn.Module):
@@ -157,8 +188,9 @@ class ForwardContext:
     ``positions [B, S] = start + arange(S)``; ``slots [B]`` indexes the generation state's buffers.
     ``context_bound`` is a host-known bound on ``positions + 1`` over the batch (the longest
     context any row can see this forward; a captured graph uses the state's full length), which
-    bounds how many compressed entries the ops read. ``qat_sim`` turns on the QAT simulation
-    (FP8 KV and activations of FP8/FP4 linears, FP4 indexer); ``pow2`` is its scale format.
+    bounds how many compressed entries the ops read. ``qat_sim``: the QAT simulation is on (the
+    indexer rounds its queries to FP4; the linears know it already, :func:`set_qat_sim`, and the
+    cache rounds by its layout).
     """
 
     config: ModelConfig
@@ -215,10 +247,6 @@ class ForwardContext:
             cut = [t.flatten(0, 1)[g.offset:g.offset + b * s].unflatten(0, (b, s)) for t in tensors]
             outs.append(fn(g, *cut, **kwargs).flatten(0, 1))
         return torch.cat(outs).unsqueeze(0)
-
-    @property
-    def pow2(self) -> bool:
-        return self.config.kv_scale_pow2
 
     def rope_at(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for other positions (compressed entries sit at their window's first position)."""

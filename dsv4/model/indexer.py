@@ -18,7 +18,7 @@ from ..ops import fused
 from ..config import ModelConfig
 from .cache import CompressorState
 from .common import ForwardContext, Linear
-from .compressor import Compressor
+from .compressor import Compressor, store_entries
 
 
 class Indexer(nn.Module):
@@ -43,15 +43,15 @@ class Indexer(nn.Module):
         """
         rope = ctx.rope["compress"]
 
-        def finish(entry: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        new = self.compressor(x, ctx, state)
+        if new is not None:                     # a chunk: RoPE, the Hadamard rotation, then store
+            entries, pos = new
             cos, sin = ctx.rope_at("compress", pos)
-            return ops.hadamard(ops.apply_rope(entry, cos, sin))   # the key store rounds to FP4 (QAT)
+            store_entries(state, ctx, ops.hadamard(ops.apply_rope(entries, cos, sin)), pos)  # FP4 under QAT
 
-        self.compressor(x, ctx, state, finish)
-
-        q = ops.linear(qr, self.wq_b.w, ctx.qat_sim, ctx.pow2).unflatten(-1, (self.n_heads, self.dim))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))
         q = fused.rope_hadamard(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2), ctx.qat_sim)  # [B, S, nI, d]
-        w = ops.linear(x, self.weights_proj.w, ctx.qat_sim, ctx.pow2, out_dtype=torch.float32)
+        w = self.weights_proj(x, torch.float32)
         w = w * (self.dim ** -0.5 * self.n_heads ** -0.5)
         bound = ctx.entry_bound(self.ratio, state.max_entries)
         scores = ops.indexer_scores(q, state.entries, ctx.slots, w, bound)              # [B, S, bound]

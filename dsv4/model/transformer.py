@@ -14,11 +14,11 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
+from ..weights.names import official_state_dict
 from .block import Block
 from .cache import LayerCache
-from .common import ForwardContext, Linear, RMSNorm, RopeTables, VocabEmbedding
-from .mhc import add_head_params, collapse_head
-from .moe import MoE
+from .common import ForwardContext, Linear, RMSNorm, RopeTables, VocabEmbedding, set_qat_sim
+from .mhc import HyperHead
 from .mtp import MTPBlock
 
 
@@ -37,14 +37,27 @@ class Transformer(nn.Module):
         c = self.config = config
         tp = self.tp = parallel or SINGLE
         self.dtype = dtype
+        self.hc_head = HyperHead(c)     # first: the checkpoint's order (hc_head_* before embed), see Block
         self.embed = VocabEmbedding(c.vocab_size, c.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(Block(c, i, dtype, tp) for i in range(c.num_hidden_layers))
-        add_head_params(self, c.hc_mult, c.hidden_size)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.head = Linear(c.hidden_size, tp.split(c.vocab_size, "vocab entries (vocab_size)", "head.weight"), dtype)
+        self.head = Linear(c.hidden_size, tp.split(c.vocab_size, "vocab entries (vocab_size)", "head.weight"), dtype,
+                           qat_act=False)
         if with_mtp and c.num_nextn_predict_layers:
             self.mtp = nn.ModuleList(MTPBlock(c, dtype, tp, f"mtp.{i}") for i in range(c.num_nextn_predict_layers))
         self.init_rope(self.embed.weight.device)
+        self._qat_mode = (False, True)     # (QAT simulation on, power-of-two scales): the Linear default
+
+    def set_qat_sim(self, on: bool) -> "Transformer":
+        """Set the multiplication mode of every linear: the QAT simulation's FP8 rounding of the
+        inputs of FP8/FP4 weights (W8A8 / W4A8, DSV4_FACTS 2b), scales as the config's
+        ``kv_scale_pow2``. Walks the modules only when the mode changes (a runner sets it once; a
+        forward with the other ``qat_sim`` switches it). Returns ``self``."""
+        mode = (bool(on), self.config.kv_scale_pow2)
+        if mode != self._qat_mode:
+            set_qat_sim(self, *mode)
+            self._qat_mode = mode
+        return self
 
     def init_rope(self, device: torch.device | str) -> None:
         """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build)."""
@@ -61,32 +74,15 @@ class Transformer(nn.Module):
         for kind, freqs in inv.items():
             self.register_buffer(f"inv_freq_{kind}", freqs.to(device), persistent=False)
 
-    def stack_experts(self) -> "Transformer":
-        """Stack every MoE's routed experts into one weight per projection (after loading or
-        initialising; the form the MoE op consumes). Returns ``self``."""
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.stack_experts()
-        return self
-
     def official_state_dict(self) -> dict[str, torch.Tensor]:
-        """``state_dict()`` under the checkpoint's official names: stacked routed experts
-        (``ffn.experts.w1.weight [E, ...]``) split back into ``ffn.experts.{e}.w1.weight``
-        (views), scale companions included."""
-        out: dict[str, torch.Tensor] = {}
-        for name, t in self.state_dict().items():
-            head, sep, tail = name.partition(".experts.w")
-            if not sep or not self.get_submodule(head).stacked:
-                out[name] = t
-                continue
-            proj, part = tail.split(".", 1)          # "1", "weight"
-            for e in range(t.shape[0]):
-                out[f"{head}.experts.{e}.w{proj}.{part}"] = t[e]
-        return out
+        """``state_dict()`` under the checkpoint's official names (:func:`dsv4.weights.names.official_state_dict`:
+        ``hc_attn_fn``, and ``ffn.experts.{e}.w1.weight`` as views of the stacked weights)."""
+        return official_state_dict(self.state_dict())
 
     def context(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qat_sim: bool,
                 context_bound: int) -> ForwardContext:
         """Positions and RoPE tables for ``token_ids [B, S]`` starting at ``start [B]`` in ``slots [B]``."""
+        self.set_qat_sim(qat_sim)
         S = token_ids.shape[1]
         positions = start.unsqueeze(1) + torch.arange(S, device=token_ids.device)
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
@@ -103,13 +99,13 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams ``[..., nc, D]`` -> fp32 logits ``[..., vocab]``."""
-        y = self.norm(collapse_head(self, h, self.config))
+        y = self.norm(self.hc_head(h))
         return self.project_head(y)
 
     def project_head(self, y: torch.Tensor) -> torch.Tensor:
         """Normed hidden ``[..., D]`` -> fp32 logits ``[..., vocab]`` (each rank computes its vocab
         slice; one all-gather assembles them)."""
-        return self.tp.all_gather(ops.linear(y, self.head.w, out_dtype=torch.float32), dim=-1)
+        return self.tp.all_gather(self.head(y, torch.float32), dim=-1)
 
     def forward(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                 caches: list[LayerCache], qat_sim: bool = False, last_only: bool = False,
@@ -129,16 +125,20 @@ class Transformer(nn.Module):
 
 
     def forward_varlen(self, token_ids: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, int, int]],
-                       caches: list[LayerCache], logit_rows: torch.Tensor, qat_sim: bool = False) -> torch.Tensor:
+                       caches: list[LayerCache], logit_rows: torch.Tensor, qat_sim: bool = False,
+                       streams: bool = False):
         """One forward over rows of different lengths (DESIGN decision 6): ``token_ids [T]`` back to
         back in ``groups`` of equal-length rows ``(slots [b], start [b], s, context_bound)`` (see
         :meth:`ForwardContext.varlen`). Token-wise layers (linears, MoE, mHC, norms) run once over
         all ``T`` tokens; attention, compressor and indexer once per group. Returns fp32 logits
-        ``[R, vocab]`` of the flattened token indices ``logit_rows [R]`` only."""
+        ``[R, vocab]`` of the flattened token indices ``logit_rows [R]`` only (with ``streams``,
+        also the final streams ``[1, T, nc, D]`` and the context: the MTP block's input)."""
+        self.set_qat_sim(qat_sim)
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
         ctx = ForwardContext.varlen(self.config, token_ids, groups, inv, qat_sim)
         h = self.hidden_streams(ctx, caches)                                      # [1, T, nc, D]
-        return self.logits(h[0].index_select(0, logit_rows))
+        logits = self.logits(h[0].index_select(0, logit_rows))
+        return (logits, h, ctx) if streams else logits
 
 
 def max_context_of(caches: list[LayerCache], config: ModelConfig) -> int:

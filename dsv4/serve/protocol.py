@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.sampler import MAX_LOGPROBS
+from ..engine.sampling import MAX_LOGPROBS
 
 MAX_N = 128          # choices per prompt
 ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")

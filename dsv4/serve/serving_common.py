@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 
 from ..engine.grammar import StructuredOutputsParams
-from ..engine.sampler import SamplingParams
+from ..engine.sampling import SamplingParams
 from ..errors import RequestError
 from ..text.tokenizer import Tokenizer
 from .async_engine import AsyncEngine, Submission

@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
+from ..engine.batch import Row, ScheduledBatch
 from ..engine.runner import Runner
 from ..errors import UsageError
 from ..progress import progress_bar
@@ -87,7 +88,8 @@ def model_logits(path: Path, seqs: Sequence[torch.Tensor], bar=None) -> list[tor
         chunks = []
         for lo in range(0, len(ids), runner.prefill_chunk):  # the runner's own chunks: same numbers
             chunk = ids[lo:lo + runner.prefill_chunk]
-            chunks.append(runner.prefill(0, chunk, all_logits=True).float())
+            row = Row(0, lo, tuple(chunk.tolist()), sample=False, logits=True)   # every position's logits
+            chunks.append(runner.run(ScheduledBatch((row,))).logits[0].float())
             if bar is not None:
                 bar.update(len(chunk))
         out.append(torch.cat(chunks))
