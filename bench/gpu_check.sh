@@ -6,12 +6,15 @@
 #   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves, prefill profile
 #   bash bench/gpu_check.sh serve      # dsv4 serve on the Flash x4 slice + dsv4 bench serve
 #   bash bench/gpu_check.sh spec       # speculative decoding: verify cost, simulated acceptance, MTP / n-gram
+#   bash bench/gpu_check.sh struct     # structured outputs: decode tok/s with 0/50/100% of 32 requests constrained
 #   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
 # Expects transformers>=5.23 (and its newer deps: huggingface_hub, tokenizers, httpx2, httpcore2, truststore)
 # as wheels in .whl/ when the image's are older; humming-kernels as a wheel for the MoE peer; for the
 # serve sections fastapi, starlette, uvicorn, prometheus-client and what they need that the image lacks
 # (pydantic, pydantic-core, annotated-types, annotated-doc, typing-inspection, typing-extensions,
-# opentelemetry-api, h11, click, anyio, sniffio: all were carried on 2026-11-25).
+# opentelemetry-api, h11, click, anyio, sniffio: all were carried on 2026-11-25); llguidance (the
+# grammars of structured outputs: tests/test_gpu_structured.py and the struct section) and, for the
+# serve sections' client tests, anthropic (and its deps jiter, distro, docstring-parser).
 set -uo pipefail
 section=${1:-all}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -72,6 +75,10 @@ fi
 if want spec; then
   step "speculative decoding vs plain decoding (Flash x4 slice, FP8 + MXFP4, QAT on, graphs)" tee_to spec_bench.txt \
     python3 bench/spec_bench.py --layers 4 --batch 1 8 32 --k 3 --accept 0.5 0.7 0.9 --tokens 128 --context 1024
+fi
+if want struct; then
+  step "structured outputs: decode with 0/50/100% of a batch of 32 constrained by a JSON schema (Flash x4 slice, graphs)" \
+    tee_to structured_bench.txt python3 bench/structured_bench.py --layers 4 --batch 32 --tokens 128 --context 256
 fi
 if want serve; then
   start_random_server 64 300

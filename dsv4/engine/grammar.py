@@ -4,32 +4,37 @@ sampler applies on the device.
 A request with ``SamplingParams.structured_outputs`` (vLLM's fields: ``json`` schema, ``regex``,
 ``choice``, ``grammar`` in Lark/GBNF, ``json_object``) gets a :class:`Constraint`: an llguidance
 matcher plus the reasoning phase. Before each step the engine writes every constrained row's
-allowed-token bitmask into :class:`TokenBitmask`'s page-locked host buffer (one row per slot,
-computed in parallel by llguidance's executor) and copies it to the device buffer the sampler
-gathers by slot index, inside the captured decode graph (a static input, so constrained and free
-rows share one graph). Free rows in such a batch read all-ones rows; a batch with no constrained
-row takes the sampler's graph without the mask at all, so free requests pay nothing.
+allowed-token bitmask into :class:`TokenBitmask`'s host buffer (one row per slot) and copies those
+rows to the device buffer the sampler gathers by slot index, inside the captured decode graph (a
+static input, so constrained and free rows share one graph). Free rows in such a batch read all-ones
+rows; a batch with no constrained row runs the graph without the mask, so free requests pay nothing.
+A row's mask needs its previous token, so a step with a constrained row first collects the step in
+flight (on a GPU the engine otherwise plans the next step while the device runs the last one).
 
 Each accepted token advances the constraint (:meth:`Constraint.accept`, which takes several tokens
 so a speculative verify step can feed all the tokens it accepted). With thinking on (the prompt ends
-with ``<think>``) the reasoning is free and the grammar starts after ``</think>``; a
-``thinking_token_budget`` forces ``</think>`` once the reasoning has used that many tokens.
+with ``<think>``) the reasoning is free text (no special token, no EOS) and the grammar starts after
+``</think>``; a ``thinking_token_budget`` forces ``</think>`` once the reasoning has used that many.
 
-A grammar alone does not bound the output's length: a JSON string from a weak (or random) model
-may run on until ``max_tokens`` cuts it, and the answer does not parse. So a constraint knows its
-token limit (``max_tokens``, or what is left of ``max_model_len``) and keeps a reserve of a quarter
-of it (at most 512 tokens; at least the grammar's ``min_reserve``, at most half the limit): once only twice the reserve is left, a reasoning phase gets ``</think>``,
-and once only the reserve is left the mask keeps, where the grammar allows any, just the tokens made
-of closing characters (``"``, then ``}]``, ``</``, ``,``, ``0``), which finish a JSON value in a few
-tokens. A
-capable model never comes near that point; a tiny one still returns a valid object every time.
+A grammar alone does not bound the output's length: a JSON string from a weak (or random) model may
+run on until ``max_tokens`` cuts it, and the answer does not parse. So a constraint knows its token
+limit (``max_tokens``, or what is left of ``max_model_len``) and keeps a reserve: a quarter of the
+limit, at most 512 tokens, at least the shortest answer (a JSON schema's shortest instance, the
+tool-call block's ``min_reserve``), at most half the limit. Once only twice the reserve is left, a
+reasoning phase gets ``</think>``; once only the reserve is left, the mask keeps, where the grammar
+allows any, just the tokens made of closing characters (``"``, then ``}]``, ``</``, ``,``, ``0``),
+which finish a JSON value in a few tokens. A capable model rarely comes near that point; a tiny
+random one still returns a valid object every time.
 
-Why llguidance, not xgrammar (measured with ``bench/grammar_libs.py``, mask time per token for a
-JSON schema, CPU): xgrammar is faster per mask (3 us vs 33 us at a 129K vocabulary, 2 us vs 48 us at
-512) but both are far below a decode step (milliseconds), and a batch's masks are computed in
-parallel; llguidance has no dependencies (xgrammar pulls transformers and triton into the base
-install), its Lark grammars name special tokens by id (``<[id]>``), which the DSV4 tool-call markup
-needs (``｜DSML｜`` is a special token), and embed JSON schemas (``%json``) for the tool arguments.
+Why llguidance, not xgrammar (``bench/grammar_libs.py``: mask time per token while walking a valid
+answer to a JSON schema, CPU; bench/results/2026-11-25b/grammar_libs_cpu.txt): xgrammar computes a
+mask faster (2.1 us mean vs 9.2 us at a 129K vocabulary; 2.2 vs 47 us at 512, where llguidance's
+first mask builds its lexer in 3 ms), but both are far below a decode step (milliseconds; 32 rows
+take under 0.3 ms either way), so speed does not decide. llguidance has no dependencies (xgrammar
+pulls transformers, triton and tvm-ffi into the base install); its Lark grammars name special
+tokens by id (``<[id]>``), which the DSV4 tool-call markup needs (``｜DSML｜`` is a special token)
+and which no text can forge, and embed JSON schemas (``%json``) for the tool arguments; it rolls
+back, for speculative decoding.
 """
 
 from __future__ import annotations
@@ -304,7 +309,6 @@ class TokenBitmask:
         words = (vocab_size + 31) // 32
         self.bits = torch.full((slots, words), ALL_ALLOWED, dtype=torch.int32, device=self.device)
         self.host = torch.full((slots, words), ALL_ALLOWED, dtype=torch.int32)
-        self._executor = None
 
     def stage(self, rows: Sequence[tuple[int, Constraint | None]]) -> None:
         """Write the masks of one step's sampled rows ``(slot, constraint or None)`` and start their
@@ -323,19 +327,17 @@ class TokenBitmask:
                 host[slot].fill_(ALL_ALLOWED)
             else:
                 grammar.append((slot, c))
-        if grammar:
-            if self._executor is None:
-                import llguidance
-                self._executor = llguidance.LLExecutor()
-            self._executor.unsafe_compute_mask_ptr([(c.matcher, slot) for slot, c in grammar], host.data_ptr(),
-                                                   host.shape[1] * 4, host.shape[0])
-            for slot, c in grammar:
-                if c.closing:           # keep the best closing tokens the grammar allows, if it allows any
-                    for tier in c.classes.tiers:
-                        kept = host[slot] & tier
-                        if bool(kept.any()):
-                            host[slot] = kept
-                            break
+        row_bytes = host.shape[1] * 4
+        for slot, c in grammar:
+            # one row at a time: ~7 us a row at a 129K vocabulary (llguidance's thread-pool executor
+            # measured 10x slower for 32 rows: its hand-off costs more than the masks)
+            c.matcher.unsafe_compute_mask_ptr(host[slot].data_ptr(), row_bytes)
+            if c.closing:           # keep the best closing tokens the grammar allows, if it allows any
+                for tier in c.classes.tiers:
+                    kept = host[slot] & tier
+                    if bool(kept.any()):
+                        host[slot] = kept
+                        break
         slots = [s for s, _ in rows]
         # the sampled slots' rows, staged through page-locked memory: the host never waits
         self.bits.index_copy_(0, upload_ints(slots, self.device),
