@@ -163,6 +163,9 @@ class Engine:
         #: acceptance over all requests
         self.speculative = runner.speculative
         self.spec_stats = SpecStats()
+        #: n-gram drafts: ``propose(request) -> k ids or None`` (None: a plain decode row); tests inject
+        #: drafts of a chosen quality here
+        self.propose = self._ngram_draft
         if self.speculative is not None:
             self.scheduler.decode_tokens = 1 + self.speculative.k
         # the next plan needs the host to know this step's tokens when verify rows keep a varying count
@@ -352,10 +355,16 @@ class Engine:
             return Row(req.slot, start)
         if spec.method == "mtp":
             return Row(req.slot, start, device_draft=spec.k)
-        draft = ngram_propose(req.prompt_ids + req.output_ids, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        draft = self.propose(req)
         if draft is None:
             return Row(req.slot, start)
+        if len(draft) != spec.k:
+            raise ValueError(f"a draft of {len(draft)} tokens, num_speculative_tokens is {spec.k}")
         return Row(req.slot, start, draft=tuple(draft))
+
+    def _ngram_draft(self, req: Request) -> list[int] | None:
+        spec = self.speculative
+        return ngram_propose(req.prompt_ids + req.output_ids, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _save_decoded(self, req, n_blocks: int) -> list:
         """Decoding brings ``req``'s slot to the end of block ``n_blocks``: save the blocks since its
