@@ -151,7 +151,8 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
     context = resolve_max_model_len(max_model_len, config)
     sim = resolve_qat_sim(qat_sim, config)
     slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization,
-                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world))
+                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world),
+                             include_mtp=spec is not None and spec.method == "mtp")
     if max_num_batched_tokens is not None:
         check_positive("max_num_batched_tokens (--max-num-batched-tokens)", max_num_batched_tokens)
         if max_num_batched_tokens <= slots:
