@@ -36,12 +36,17 @@ def test_cached_tokens_in_usage_and_streamed_usage(client, served):
                                             stream_options={"include_usage": True}))
     usage = stream[-1].usage
     assert usage.prompt_tokens == 43 and usage.prompt_tokens_details.cached_tokens == 32
+    # vLLM's cache_salt: prefixes are shared only between requests with the same salt
+    salted = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": "tenant-a"}) for _ in range(2)]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in salted] == [0, 32]
+    assert salted[1].choices[0].text == first.choices[0].text
     short = client.completions.create(model=MODEL, prompt=prompt[:BLOCK], max_tokens=1, temperature=0)
     assert short.usage.prompt_tokens_details.cached_tokens == 0            # 16 tokens: at most 15 reusable
 
     page = httpx.get(served.url + "/metrics").text
-    assert metric(page, "dsv4_prefix_cache_hits_total") >= 64
-    assert metric(page, "dsv4_prefix_cache_queries_total") >= 40 + 40 + 43 + 16
+    assert metric(page, "dsv4_prefix_cache_hits_total") >= 96
+    assert metric(page, "dsv4_prefix_cache_queries_total") >= 40 * 4 + 43 + 16
     assert metric(page, "dsv4_prefix_cache_bytes") > 0
     assert metric(page, "dsv4_prefix_cache_capacity_bytes") >= metric(page, "dsv4_prefix_cache_bytes")
     metric(page, "dsv4_prefix_cache_evictions_total")
@@ -81,3 +86,22 @@ def test_flags_and_llm_argument():
     assert plan_engine("tiny", device="cpu").prefix_cache_bytes == DEFAULT_CPU_PREFIX_CACHE_BYTES
     assert plan_engine("tiny", device="cpu", prefix_cache_gib=0.25).prefix_cache_bytes == 2**28
     assert plan_engine("tiny", device="cpu", enable_prefix_caching=False).prefix_cache_bytes == 0
+
+
+def test_bench_serve_agent_dataset_runs_off_then_on(served, tmp_path):
+    """`dsv4 bench serve --dataset agent` (a subprocess of the real CLI) against the tiny server:
+    both passes complete, the off pass reuses nothing, the on pass reuses the conversations."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "agent.json"
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--base-url", served.url, "--dataset",
+                        "agent", "--conversations", "2", "--turns", "3", "--system-len", "30", "--turn-len", "6",
+                        "--output-len", "6", "--plot", "", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "TTFT p50 off (ms)" in r.stdout and "caching on / off" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["off"]["completed"] == data["on"]["completed"] == 6
+    assert data["off"]["cached_tokens"] == 0 and data["on"]["hit_rate"] > 0.3
+    assert all(data["on"]["per_turn"][t]["cached_tokens"] > 0 for t in ("2", "3"))

@@ -68,6 +68,11 @@ class Pending:
     tail: tuple[int, ...] = ()
 
 
+def root_key(salt: str | None) -> bytes:
+    """The id every chain starts from: one per cache salt."""
+    return _ROOT if salt is None else hashlib.sha256(_ROOT + b"/salt/" + salt.encode()).digest()
+
+
 def block_keys(tokens: Sequence[int], block: int, n_blocks: int, parent: bytes = _ROOT) -> list[bytes]:
     """The chained ids of the first ``n_blocks`` full blocks of ``tokens``."""
     keys = []
@@ -132,13 +137,13 @@ class PrefixCache:
         self._account()
 
     # ------------------------------------------------------------------ lookups
-    def match(self, tokens: Sequence[int]) -> CachedPrefix | None:
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> CachedPrefix | None:
         """The longest cached boundary at most ``len(tokens) - 1`` in, referenced (evictions spare it)
         until :meth:`unref`; None on a miss. Counts the query in the stats."""
         self.stats.queries += len(tokens)
         usable = (len(tokens) - 1) // self.block
         chain, hit = [], None
-        for key in block_keys(tokens, self.block, usable):
+        for key in block_keys(tokens, self.block, usable, root_key(salt)):
             nd = self.nodes.get(key)
             if nd is None:
                 break
@@ -155,9 +160,9 @@ class PrefixCache:
         return CachedPrefix(hit * self.block, tuple(nd.page for nd in chain), chain[-1].tail,
                             tuple(nd.key for nd in chain))
 
-    def has_tail(self, tokens: Sequence[int], n_blocks: int) -> bool:
+    def has_tail(self, tokens: Sequence[int], n_blocks: int, salt: str | None = None) -> bool:
         """Whether the first ``n_blocks`` blocks of ``tokens`` are cached with a tail at their end."""
-        keys = block_keys(tokens, self.block, n_blocks)
+        keys = block_keys(tokens, self.block, n_blocks, root_key(salt))
         return all(k in self.nodes for k in keys) and bool(keys) and bool(self.nodes[keys[-1]].tail)
 
     def unref(self, cached: CachedPrefix) -> None:
@@ -168,12 +173,13 @@ class PrefixCache:
                 nd.refs -= 1
 
     # ------------------------------------------------------------------ saving
-    def plan_save(self, slot: int, tokens: Sequence[int], n_blocks: int) -> tuple[Save, tuple] | None:
+    def plan_save(self, slot: int, tokens: Sequence[int], n_blocks: int, salt: str | None = None
+                  ) -> tuple[Save, tuple] | None:
         """Plan saving ``slot``'s first ``n_blocks`` blocks of ``tokens`` and its tail at their end
         (the slot holds exactly that many tokens when the save runs). Blocks already cached are
         kept, not copied. Returns the runner's :class:`Save` and what :meth:`publish` takes after
         the step ran, or None when nothing is to be saved or the pages do not fit."""
-        keys = block_keys(tokens, self.block, n_blocks)
+        keys = block_keys(tokens, self.block, n_blocks, root_key(salt))
         have = []
         for key in keys:
             nd = self.nodes.get(key)

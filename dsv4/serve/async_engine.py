@@ -56,6 +56,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -250,7 +251,7 @@ class AsyncEngine:
                 _, rid, req = cmd
                 try:
                     self.engine.add_request(req.prompt_ids, req.params, request_id=rid,
-                                            skip_special_tokens=req.skip_special_tokens)
+                                            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
                 except Exception as e:  # checked before submit; this is a bug, but it fails alone
                     log.exception("request %s could not be added", rid)
                     failed.append((rid, Delta([], "", True, "error", error=f"{type(e).__name__}: {e}")))

@@ -141,7 +141,7 @@ class ChatServing:
         for k in range(req.n):
             params = sampling_params(req, max_tokens, logprobs=logprobs, choice=k, seed=seed)
             check_request(self.ctx, ids, params, "messages")
-            reqs.append(EngineRequest(ids, params, skip_special_tokens=False))
+            reqs.append(EngineRequest(ids, params, skip_special_tokens=False, cache_salt=req.cache_salt))
             parser = StreamingParser(thinking, call_id_prefix=f"call_{secrets.token_hex(8)}_")
             choice = _Choice(k, parser, thinking, stop_ids, tools_allowed, in_reasoning=thinking)
             if req.skip_special_tokens:

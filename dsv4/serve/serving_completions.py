@@ -92,7 +92,8 @@ class CompletionServing:
                 params = sampling_params(req, max(max_tokens, 1), logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                                          choice=k, seed=seed)
                 check_request(self.ctx, ids, params, f"prompt[{p}]" if len(prompts) > 1 else "prompt")
-                reqs.append(EngineRequest(ids, params, skip_special_tokens=req.skip_special_tokens))
+                reqs.append(EngineRequest(ids, params, skip_special_tokens=req.skip_special_tokens,
+                                          cache_salt=req.cache_salt))
                 choices.append(_Choice(len(choices), text, ids, req.echo, max_tokens > 0, stop_ids))
         return reqs, choices
 
