@@ -39,6 +39,7 @@ from .prefix_cache import CacheStats, Pending, PrefixCache
 from .runner import Runner
 from .sampling import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
+from .speculative import SpecStats, ngram_propose
 
 
 @dataclass
@@ -58,6 +59,8 @@ class CompletionOutput:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     error: str | None = None
+    #: speculative decoding: this request's acceptance (verify rows, drafts, accepted, per position)
+    spec_decode: SpecStats | None = None
     #: prompt tokens whose state came from the prefix cache (not prefilled)
     num_cached_tokens: int = 0
 
@@ -154,8 +157,15 @@ class Engine:
                                    prefix_cache=self.prefix_cache)
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
-        self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None]] = []
-        self.overlap = runner.device.type == "cuda"
+        self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None, list[int] | None]] = []
+        #: speculative decoding (the runner's config): verify rows instead of decode rows, and the
+        #: acceptance over all requests
+        self.speculative = runner.speculative
+        self.spec_stats = SpecStats()
+        if self.speculative is not None:
+            self.scheduler.decode_tokens = 1 + self.speculative.k
+        # the next plan needs the host to know this step's tokens when verify rows keep a varying count
+        self.overlap = runner.device.type == "cuda" and self.speculative is None
         self._pinned = _PinnedPool()
 
     # ------------------------------------------------------------------ sizes (read-only)
@@ -252,8 +262,8 @@ class Engine:
         # with overlap, collect the previous step while this one runs on the device
         ready = self._inflight[:-1] if (self.overlap and launched) else self._inflight
         keep = self._inflight[len(ready):]
-        for tracks, sampled, event in ready:
-            outputs += self._collect(tracks, sampled, event)
+        for tracks, sampled, event, emitted in ready:
+            outputs += self._collect(tracks, sampled, event, emitted)
         self._inflight = keep
         return outputs
 
@@ -270,12 +280,17 @@ class Engine:
         queue the sampled ids of the decode rows and of the prompts that completed."""
         rows, tracks, chunks, saves, published = [], [], {}, [], []
         cache = self.prefix_cache
+        spec = self.speculative
+        if spec is not None and spec.disable_by_batch_size is not None and len(plan.decode) > spec.disable_by_batch_size:
+            spec = None
         for req in plan.decode:
-            start = self.runner.lengths[req.slot]
-            rows.append(Row(req.slot, start))
+            row = self._decode_row(req, spec)
+            rows.append(row)
             tracks.append(self.tracks[req.request_id])
-            if cache is not None and (start + 1) % cache.block == 0:
-                saves += self._save_decoded(req, (start + 1) // cache.block)
+            # a verify row's kept length is known after the step: decode-time saves are for plain rows
+            if cache is not None and not row.is_verify and (row.start + 1) % cache.block == 0:
+                saves += self._save_decoded(req, (row.start + 1) // cache.block)
+        mtp = self.speculative is not None and self.speculative.method == "mtp"
         restored = []
         for chunk in plan.prefill:
             req = chunk.request
@@ -296,8 +311,9 @@ class Engine:
             want_logits = req.params.prompt_logprobs is not None
             if want_logits:
                 chunks[len(rows)] = chunk
+            end = chunk.start + len(chunk.token_ids)
             rows.append(Row(req.slot, chunk.start, tuple(chunk.token_ids), sample=chunk.last, logits=want_logits,
-                            new=new))
+                            new=new, next_token=req.prompt_ids[end] if mtp and not chunk.last else None))
             if chunk.last:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
@@ -313,8 +329,31 @@ class Engine:
             _add_prompt_logprobs(self.tracks[chunks[i].request.request_id].out, chunks[i], logits)
         if out.sampled is None:
             return False
-        self._queue(tracks, out.sampled)
+        if out.emitted is not None:
+            sampled_rows = [r for r in rows if r.sample]
+            for track, row, n in zip(tracks, sampled_rows, out.emitted):
+                if row.is_verify:
+                    k = row.num_tokens - 1
+                    self.spec_stats.add(k, n - 1)
+                    if track.out.spec_decode is None:
+                        track.out.spec_decode = SpecStats()
+                    track.out.spec_decode.add(k, n - 1)
+        self._queue(tracks, out.sampled, out.emitted)
         return True
+
+    def _decode_row(self, req: Request, spec) -> Row:
+        """A decode row, or with speculation a verify row of ``k`` drafts when they fit the context
+        and more than one token is still wanted (MTP drafting runs ``k - 1`` positions further)."""
+        start = self.runner.lengths[req.slot]
+        if spec is None or req.params.max_tokens - len(req.output_ids) <= 1 or \
+                start + 2 * spec.k + 1 > self.runner.max_context:
+            return Row(req.slot, start)
+        if spec.method == "mtp":
+            return Row(req.slot, start, device_draft=spec.k)
+        draft = ngram_propose(req.prompt_ids + req.output_ids, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if draft is None:
+            return Row(req.slot, start)
+        return Row(req.slot, start, draft=tuple(draft))
 
     def _save_decoded(self, req, n_blocks: int) -> list:
         """Decoding brings ``req``'s slot to the end of block ``n_blocks``: save the blocks since its
@@ -333,7 +372,7 @@ class Engine:
         req.pending = pend
         return [Save(req.slot, first, tuple(pages[:new]), pend.tail)]
 
-    def _queue(self, tracks: list[_Track], sampled: SampleOutput) -> None:
+    def _queue(self, tracks: list[_Track], sampled: SampleOutput, emitted: list[int] | None = None) -> None:
         """Start the device -> host copy of a step's sampled ids (into pinned buffers, so it runs
         asynchronously); remember whose they are."""
         for t in tracks:
@@ -345,31 +384,46 @@ class Engine:
                                    None if top is None else (self._pinned.copy(top[0]), self._pinned.copy(top[1])))
             event = torch.cuda.Event()
             event.record()
-        self._inflight.append((tracks, sampled, event))
+        self._inflight.append((tracks, sampled, event, emitted))
 
-    def _collect(self, tracks: list[_Track], sampled: SampleOutput, event) -> list[RequestOutput]:
+    def _collect(self, tracks: list[_Track], sampled: SampleOutput, event, emitted: list[int] | None = None
+                 ) -> list[RequestOutput]:
         if event is not None:
             event.synchronize()
         ids = sampled.token_ids.tolist()
         lps = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         tops = None
         if sampled.top_logprobs is not None:
-            tops = [list(zip(i, v)) for i, v in zip(sampled.top_logprobs[0].tolist(),
-                                                     sampled.top_logprobs[1].tolist())]
+            pairs = lambda i, v: list(zip(i, v))     # noqa: E731
+            if emitted is not None:                  # [N, n, t]: per row, per emitted token
+                pairs = lambda i, v: [list(zip(a, b)) for a, b in zip(i, v)]   # noqa: E731
+            tops = [pairs(i, v) for i, v in zip(sampled.top_logprobs[0].tolist(), sampled.top_logprobs[1].tolist())]
         if event is not None:
             self._pinned.release(sampled)
         outputs = []
         for row, track in enumerate(tracks):
             track.pending -= 1
-            if track.request.finished and track.out.finish_reason is not None:
-                continue                      # stopped a step ago: this extra token is dropped
-            try:
-                out = self._take(track, ids[row], lps[row] if lps else None, tops[row] if tops else None)
-            except Exception as e:  # one request's failure ends it alone
-                track.out.error = f"{type(e).__name__}: {e}"
-                out = self._end(track, "error")
-            if out is not None:
-                outputs.append(out)
+            if emitted is None:
+                step = [(ids[row], lps[row] if lps else None, tops[row] if tops else None)]
+            else:      # a verify step: [N, n] ids, the first emitted[row] of them this row's
+                step = [(ids[row][j], lps[row][j] if lps else None, tops[row][j] if tops else None)
+                        for j in range(emitted[row])]
+            merged = None
+            for token, lp, top in step:
+                if track.request.finished and track.out.finish_reason is not None:
+                    break                     # stopped (a step ago, or on an earlier token of this row)
+                try:
+                    out = self._take(track, token, lp, top)
+                except Exception as e:  # one request's failure ends it alone
+                    track.out.error = f"{type(e).__name__}: {e}"
+                    out = self._end(track, "error")
+                if merged is None:
+                    merged = out
+                else:
+                    merged = RequestOutput(out.request_id, merged.new_token_ids + out.new_token_ids,
+                                           merged.new_text + out.new_text, out.finished, out.output)
+            if merged is not None:
+                outputs.append(merged)
         return outputs
 
     def _take(self, track: _Track, token: int, logprob: float | None, top: list | None) -> RequestOutput:

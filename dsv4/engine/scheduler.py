@@ -123,6 +123,8 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_num_seqs))
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
+        #: tokens a decode row takes of the budget (1 + k with speculative decoding)
+        self.decode_tokens = 1
         self.prefix_cache = prefix_cache
 
     # ------------------------------------------------------------------ requests in and out
@@ -218,7 +220,7 @@ class Scheduler:
                 self._start_from_cache(req)
         budget = self.max_num_batched_tokens
         plan.decode = [r for r in self.running if not r.in_prefill]
-        budget -= len(plan.decode)
+        budget -= len(plan.decode) * self.decode_tokens
         for req in self.running:
             if budget <= 0:
                 break

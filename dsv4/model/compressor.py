@@ -62,6 +62,9 @@ class Compressor(nn.Module):
                                   cos, sin, self.rotate)
             return
         gate = gate + self.ape[ctx.positions % m]
+        if state.log_kv is not None and S <= state.log_kv.shape[1]:      # a verify step: rollback reads these
+            state.log_kv[slots, :S] = kv
+            state.log_gate[slots, :S] = gate
 
         # Aligned buffer: row j holds position w0*m + j, w0 = the slot's open window.
         n_win = (m - 1 + S) // m + 1            # windows that can close, +1 for the next open one
