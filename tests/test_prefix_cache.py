@@ -282,3 +282,37 @@ def test_store_save_restore_is_byte_exact(qat, dtype):
         elif p.kind == "window":
             assert torch.equal(p.tensor[2].view(torch.uint8), p.tensor[0].view(torch.uint8)), p.name
     assert store.pool.shape[1] % 16 == 0
+
+
+def test_users_sharing_a_system_prompt_save_where_they_part(model):
+    """The first user saves at the end of its prompt; the second finds the system prompt's blocks
+    cached without a state at their end, so it saves one where the prompts part; every later user
+    starts there."""
+    rng = random.Random(19)
+    system = _tokens(rng, 3 * B + 5)
+    users = [system + _tokens(rng, 20) for _ in range(4)]
+    on = _run(_engine(model), users, together=False)
+    off = _run(_engine(model, None), users, together=False)
+    _same(on, off)
+    assert [c for *_, c in on] == [0, 0, 3 * B, 3 * B]
+
+
+def test_prompt_logprobs_requests_reuse_nothing(model):
+    """A request that asks for its prompt's logprobs needs every position's logits: it is not
+    served from the cache (and gets the same logprobs as the first time)."""
+    rng = random.Random(23)
+    prompt = _tokens(rng, 2 * B + 7)
+    engine = _engine(model)
+    scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    _run(engine, [prompt], scored)
+    assert _run(engine, [prompt])[0][2] == 2 * B            # it is cached, for requests without them
+    outs = []
+    for _ in range(2):
+        rid = engine.add_request(prompt, scored)
+        while engine.has_unfinished:
+            for o in engine.step():
+                if o.finished and o.request_id == rid:
+                    outs.append(o.output)
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert len(outs[1].prompt_logprobs) == len(prompt)
+    assert outs[1].prompt_logprobs[1:] == pytest.approx(outs[0].prompt_logprobs[1:], abs=1e-5)

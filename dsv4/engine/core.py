@@ -318,7 +318,12 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        try:
+            out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        except BaseException:
+            for _, _, blocks, tail in published:      # planned saves that never ran
+                cache.release(list(blocks) + list(tail))
+            raise
         for req in restored:
             if req.cached is not None:
                 cache.unref(req.cached)

@@ -6,8 +6,11 @@ equal ids whatever follows them. A :class:`Node` per cached block holds the page
 compressed entries and indexer keys (append-only state, shared by every longer prefix); a node may
 also hold a *tail*: the window ring and the overlapping compressors' last windows at its end, which
 is what lets a request start there. Tails are saved where a request's prompt reaches its last block
-boundary and where a request's decoding last crossed one (kept when the request ends), so turn k+1
-of a conversation hits everything up to turn k's last full block.
+boundaries, where it parts from cached blocks other requests saved (so the second user of a shared
+system prompt saves a tail at its end, and the third one hits it), and where a request's decoding
+last crossed a boundary (kept when the request ends), so turn k+1 of a conversation hits
+everything up to turn k's last full block. Each save point in a prompt ends a prompt chunk there
+(one more step for the rest of that prompt).
 
 A new request starts from its longest cached boundary at most ``len(prompt) - 1`` tokens in (at
 least one token is run, for the logits of the first output token); only the rest is prefilled.
@@ -159,6 +162,17 @@ class PrefixCache:
         self.stats.hits += hit * self.block
         return CachedPrefix(hit * self.block, tuple(nd.page for nd in chain), chain[-1].tail,
                             tuple(nd.key for nd in chain))
+
+    def shared_length(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """Tokens of the longest chain of cached blocks ``tokens`` starts with (tails or not), up to
+        ``len(tokens) - 1``: where this prompt parts from what other requests sent. A tail saved
+        there serves every later prompt with the same beginning (a shared system prompt)."""
+        n = 0
+        for key in block_keys(tokens, self.block, (len(tokens) - 1) // self.block, root_key(salt)):
+            if key not in self.nodes:
+                break
+            n += 1
+        return n * self.block
 
     def has_tail(self, tokens: Sequence[int], n_blocks: int, salt: str | None = None) -> bool:
         """Whether the first ``n_blocks`` blocks of ``tokens`` are cached with a tail at their end."""

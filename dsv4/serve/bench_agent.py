@@ -1,9 +1,9 @@
 """``dsv4 bench serve --dataset agent``: the agent workload, with prefix caching off and on in one run.
 
 Each of ``--conversations`` users runs a conversation of ``--turns`` turns against the chat endpoint.
-Every conversation starts with the same system prompt (``--system-len`` words: the tool definitions
-and instructions agents resend); each turn resends the whole conversation plus a new user or tool
-message of ``--turn-len`` words, and the model's answer (``--output-len`` tokens) is appended for
+Every conversation starts with the same system prompt (``--system-len`` tokens: the tool
+definitions and instructions agents resend); each turn resends the whole conversation plus a new user
+or tool message of ``--turn-len`` tokens (random words, sized with the server's ``/tokenize``), and the model's answer (``--output-len`` tokens) is appended for
 the next turn. A conversation's turns run one after the other; the conversations run concurrently.
 
 The workload runs twice against the same server, with the same conversations: first with caching
@@ -47,17 +47,33 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-def conversations(args) -> tuple[str, list[list[str]]]:
+def tokens_per_word(base_url: str, headers: dict) -> float:
+    """The server tokenizer's tokens per word of the synthetic text (its ``/tokenize`` route), so
+    that ``--system-len`` and ``--turn-len`` are in tokens whatever the tokenizer."""
+    sample = _words(random.Random(0), 400)
+    try:
+        r = httpx.post(base_url + "/tokenize", json={"prompt": sample}, headers=headers, timeout=60)
+        r.raise_for_status()
+        return max(len(r.json()["tokens"]) / 400, 0.1)
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 1.3          # a BPE tokenizer's usual rate, when the server has no /tokenize
+
+
+def conversations(args, per_word: float = 1.0) -> tuple[str, list[list[str]]]:
     """The shared system prompt and each conversation's new messages, one per turn (fixed by
-    ``--seed``, so both passes send the same text)."""
+    ``--seed``, so both passes send the same text); lengths in tokens at ``per_word`` tokens a word."""
     rng = random.Random(args.seed)
-    system = "You are an agent with these tools and rules. " + _words(rng, args.system_len)
+
+    def words(tokens: int) -> str:
+        return _words(rng, max(1, round(tokens / per_word)))
+
+    system = "You are an agent with these tools and rules. " + words(args.system_len)
     convs = []
     for c in range(args.conversations):
         msgs = []
         for t in range(args.turns):
             head = f"Task {c}: " if t == 0 else ("Tool result: " if t % 2 else "User: ")
-            msgs.append(head + _words(rng, args.turn_len))
+            msgs.append(head + words(args.turn_len))
         convs.append(msgs)
     return system, convs
 
@@ -164,9 +180,9 @@ def print_report(off: dict, on: dict, out=sys.stdout) -> None:
 
 
 def run_agent_bench(args, model: str, headers: dict) -> int:
-    system, convs = conversations(args)
+    system, convs = conversations(args, tokens_per_word(args.base_url, headers))
     print(f"dsv4 bench serve --dataset agent: {len(convs)} conversations x {args.turns} turns, shared system "
-          f"prompt of {args.system_len} words, {args.turn_len} words a turn, {args.output_len} tokens an answer; "
+          f"prompt of ~{args.system_len} tokens, ~{args.turn_len} tokens a turn, {args.output_len} tokens an answer; "
           "caching off, then on", file=sys.stderr)
     results = {}
     for name, caching in (("off", False), ("on", True)):

@@ -129,9 +129,9 @@ def add_bench_parser(sub) -> None:
                    help="--dataset agent: conversations run concurrently (one user each)")
     p.add_argument("--turns", type=positive_int, default=8, help="--dataset agent: turns of each conversation")
     p.add_argument("--system-len", type=positive_int, default=4096,
-                   help="--dataset agent: words of the system prompt every conversation shares")
+                   help="--dataset agent: tokens of the system prompt every conversation shares")
     p.add_argument("--turn-len", type=positive_int, default=1024,
-                   help="--dataset agent: words of each turn's new user or tool message")
+                   help="--dataset agent: tokens of each turn's new user or tool message")
     p.add_argument("--input-len", "--random-input-len", type=positive_int, default=256,
                    help="synthetic prompt length in tokens (mean)")
     p.add_argument("--output-len", "--random-output-len", type=positive_int, default=128,
