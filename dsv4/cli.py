@@ -55,6 +55,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="on a GPU, skip compiling every kernel variant at start-up (the first prompt of each new "
                         "length class then waits for its compiles)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding (vLLM\'s form): \'{"method": "mtp"|"ngram", "num_speculative_tokens": k, '
+                        '"prompt_lookup_min": a, "prompt_lookup_max": b}\' (ngram: drafts from the prompt and '
+                        'output; mtp: the checkpoint\'s MTP block)')
     add_threads_arg(p)
 
 
@@ -130,7 +134,7 @@ def _engine_args(args: argparse.Namespace, **extra) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-                prefix_cache_gib=args.prefix_cache_gib, **extra)
+                prefix_cache_gib=args.prefix_cache_gib, speculative_config=args.speculative_config, **extra)
 
 
 def _llm(args: argparse.Namespace, **extra):
@@ -183,7 +187,8 @@ def _generate(args: argparse.Namespace, llm, prompt, params) -> int:
         print(json.dumps({
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "time_to_first_token_s": round(out.time_to_first_token, 6),
-            "decode_tokens_per_s": None if rate is None else round(rate, 3), "total_s": round(total, 6)}))
+            "decode_tokens_per_s": None if rate is None else round(rate, 3), "total_s": round(total, 6),
+            "spec_decode": None if out.spec_decode is None else out.spec_decode.to_dict()}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -29,6 +29,7 @@ from .runner import Runner
 from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
 from .sampling import SamplingParams
+from .speculative import SpeculativeConfig
 
 #: tokens of one engine step (decode rows + prompt chunks, one forward) unless told otherwise (vLLM's default)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -112,6 +113,7 @@ class EnginePlan:
     state_bytes: int
     has_tokenizer: bool
     prefix_cache_bytes: int = 0
+    speculative: SpeculativeConfig | None = None
 
 
 def plan_engine(model: str | Path | None = None, *, device: str | torch.device = "auto",
@@ -119,8 +121,8 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
                 max_model_len: int | None = None, tensor_parallel_size: int | None = None,
                 max_num_batched_tokens: int | None = None,
                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
-                load_mtp: bool = False, enable_prefix_caching: bool = True,
-                prefix_cache_gib: float | None = None) -> EnginePlan:
+                load_mtp: bool = False, enable_prefix_caching: bool = True, prefix_cache_gib: float | None = None,
+                speculative_config: "str | dict | SpeculativeConfig | None" = None) -> EnginePlan:
     """Check every engine argument against the machine and the checkpoint's config, tokenizer and
     headers, reading no weight: the device, dtype, path, limits and the state's size (see
     :mod:`dsv4.engine.limits`). :class:`LLM` starts with it; ``dsv4 serve`` calls it before it
@@ -144,6 +146,10 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
         raise TokenizerNotFoundError(f"{path} has no tokenizer.json, so text cannot be encoded (without one only "
                                      "token-id prompts work: dsv4 generate --prompt-ids, LLM.generate([[0, 15]]))")
     config = ModelConfig.from_file(path / "config.json")
+    spec = SpeculativeConfig.parse(speculative_config)
+    if spec is not None:
+        spec.check_model(config, config.num_nextn_predict_layers > 0)
+        load_mtp = load_mtp or spec.method == "mtp"
     context = resolve_max_model_len(max_model_len, config)
     sim = resolve_qat_sim(qat_sim, config)
     cache = prefix_cache_budget(enable_prefix_caching, prefix_cache_gib, dev, gpu_memory_utilization)
@@ -162,7 +168,8 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
         if max_num_batched_tokens <= slots:
             raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {max_num_batched_tokens} must "
                              f"exceed max_num_seqs (--max-num-seqs) {slots}")
-    return EnginePlan(path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer, cache)
+    return EnginePlan(path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer,
+                      prefix_cache_bytes=cache, speculative=spec)
 
 
 class LLM:
@@ -202,8 +209,13 @@ class LLM:
         prefix_cache_gib: the prefix cache's memory in GiB (default: on a CUDA device 10% of
             ``gpu_memory_utilization`` of its memory, set aside before the state is sized; 1 GiB on
             the CPU). Least recently used prefixes are evicted when it is full.
-        load_mtp: also load the checkpoint's multi-token-prediction layers (``model.mtp``); generation
-            does not use them (there is no speculative decoding yet).
+        load_mtp: also load the checkpoint's multi-token-prediction layers (``model.mtp``; speculative
+            decoding with ``method: "mtp"`` loads them anyway).
+        speculative_config: speculative decoding, vLLM's form: ``{"method": "mtp" | "ngram",
+            "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}`` (a dict, its
+            JSON text or a :class:`~dsv4.engine.speculative.SpeculativeConfig`); see
+            :mod:`dsv4.engine.speculative`. Greedy requests give exactly the tokens of plain decoding,
+            sampled ones the same distribution.
         progress: print the state size, a loading progress bar and the load summary on stderr.
         threads: torch's CPU threads: ``"auto"`` (the physical cores other processes leave free, or
             ``OMP_NUM_THREADS`` when set; the policy of ``dsv4 --threads auto``, see
@@ -221,15 +233,18 @@ class LLM:
                  tensor_parallel_size: int | None = None, warm_up: bool = True,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
                  threads: int | str | None = "auto", enable_prefix_caching: bool = True,
-                 prefix_cache_gib: float | None = None):
+                 prefix_cache_gib: float | None = None,
+                 speculative_config: "str | dict | SpeculativeConfig | None" = None):
         check_threads(threads, "threads (--threads)")
         plan = plan_engine(model, device=device, dtype=dtype, qat_sim=qat_sim, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                            max_num_batched_tokens=max_num_batched_tokens,
                            gpu_memory_utilization=gpu_memory_utilization, require_tokenizer=require_tokenizer,
                            load_mtp=load_mtp, enable_prefix_caching=enable_prefix_caching,
-                           prefix_cache_gib=prefix_cache_gib)
+                           prefix_cache_gib=prefix_cache_gib, speculative_config=speculative_config)
         self.prefix_cache_bytes = plan.prefix_cache_bytes
+        self.speculative = plan.speculative
+        load_mtp = load_mtp or (plan.speculative is not None and plan.speculative.method == "mtp")
         self.path, self.max_model_len, self.max_num_seqs = plan.path, plan.max_model_len, plan.max_num_seqs
         dev, act_dtype, world, max_num_seqs = plan.device, plan.dtype, plan.world_size, plan.max_num_seqs
         if progress:
@@ -256,11 +271,12 @@ class LLM:
         step_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
                         load_mtp, torch.get_num_threads() if dev.type == "cpu" else None, step_tokens,
-                        self.prefix_cache_bytes)
+                        self.prefix_cache_bytes, self.speculative)
         if world == 1:
             net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
             runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim,
-                            prefill_chunk=step_tokens, prefix_cache_bytes=self.prefix_cache_bytes)
+                            prefill_chunk=step_tokens, prefix_cache_bytes=self.prefix_cache_bytes,
+                            speculative=self.speculative)
         else:
             runner, report = self._start_group(spec, world, progress)
         self.load_report: LoadReport = report
@@ -271,6 +287,8 @@ class LLM:
         self.runner = runner
         if dev.type == "cuda" and not enforce_eager:
             self.runner.capture(progress=progress)
+            if self.speculative is not None and world == 1:
+                self.runner.capture_verify(progress=progress)
         if dev.type == "cuda" and warm_up:     # Triton compiles now, not in the middle of serving
             self.runner.warm_up(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,

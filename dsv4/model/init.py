@@ -15,14 +15,16 @@ from torch import nn
 
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Fill every parameter and buffer of ``model`` from ``seed`` (independent of device), then stack
-    the routed experts (the values are drawn per expert, in the official-name order)."""
+    """Fill every parameter and buffer of ``model`` from ``seed`` (independent of device), in the
+    checkpoint's order and by official name (:func:`~dsv4.weights.names.official_state_dict`): a
+    routed expert is drawn on its own, into its slice of the stacked weight."""
+    from ..weights.names import official_state_dict
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g)
 
-    for name, p in model.named_parameters():
+    for name, p in official_state_dict(dict(model.named_parameters())).items():
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("norm.weight"):
             value = 1.0 + 0.1 * randn(*p.shape)
@@ -46,8 +48,6 @@ def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
             vocab, k = b.shape
             n_experts = _n_experts(model, name)
             b.copy_(torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(vocab)]).to(b.dtype))
-    if hasattr(model, "stack_experts"):
-        model.stack_experts()
     return model
 
 
@@ -83,7 +83,7 @@ def random_sharded(config, dtype: torch.dtype = torch.bfloat16, device: torch.de
     from ..weights.quantize import QuantSpec
     from ..weights.sharding import split_dim
     from .common import Linear
-    from .moe import MoE, StackedExperts
+    from ..weights.names import module_to_official
     from .transformer import Transformer
 
     if experts not in EXPERT_FORMATS or dense not in DENSE_FORMATS:
@@ -93,10 +93,6 @@ def random_sharded(config, dtype: torch.dtype = torch.bfloat16, device: torch.de
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(config, dtype, with_mtp=with_mtp, parallel=tp)
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            first = moe.experts[0]
-            moe.experts = StackedExperts(first.w1.in_features, first.w1.out_features, len(moe.experts),
-                                         config.swiglu_limit, dtype)
     draw = _Draw(seed, device, tp, config.n_routed_experts)
     spec = QuantSpec("mxfp4")    # which linears a release quantizes (attention, indexer.wq_b, shared expert)
     for name, module in model.named_modules():
@@ -115,7 +111,8 @@ def random_sharded(config, dtype: torch.dtype = torch.bfloat16, device: torch.de
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.device.type == "meta" and not name.startswith("inv_freq"):
             owner, leaf = _owner(model, name)
-            value = draw.plain(name, p, split_dim(name))
+            official = module_to_official(name)        # seeded by the checkpoint's name
+            value = draw.plain(official, p, split_dim(official))
             if isinstance(p, nn.Parameter):
                 owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
             else:

@@ -2,7 +2,7 @@
 
 Real geometries are large (one V4-Flash layer holds ~3 GB of MXFP4 experts, 13 GB in BF16), so
 nothing is built on the CPU or in BF16 first: the network is laid out on the ``meta`` device, the
-routed experts are stacked there, and every weight is then made on the device in its target
+routed experts are stacked from the start, and every weight is then made on the device in its target
 format, one expert at a time (:meth:`Fp8BlockWeight.random` and friends). Layouts:
 
 - ``bf16``: every linear BF16 (a plain BF16 checkpoint).
@@ -18,6 +18,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..weights.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from ..weights.names import module_to_official
 from .common import Linear
 from .transformer import Transformer
 
@@ -43,7 +44,6 @@ def build_random_model(config: ModelConfig, layout: str, device: torch.device | 
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(config, dtype, with_mtp=with_mtp)
-    model.stack_experts()
     g = torch.Generator(device=device).manual_seed(seed)
     for name, module in model.named_modules():
         if isinstance(module, Linear):
@@ -51,7 +51,7 @@ def build_random_model(config: ModelConfig, layout: str, device: torch.device | 
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.is_meta:
             owner, leaf = _owner(model, name)
-            value = _random_tensor(name, p, device, g, config)
+            value = _random_tensor(module_to_official(name), p, device, g, config)
             if isinstance(p, nn.Parameter):
                 owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
             else:

@@ -127,6 +127,7 @@ class EngineStats:
     steps: int = 0
     errors: int = 0
     prefix_cache: object = None   # the engine's CacheStats (None: prefix caching off)
+    spec_decode: object | None = None    # SpecStats: speculative decoding's acceptance (None: off)
 
 
 class AsyncEngine:
@@ -276,6 +277,7 @@ class AsyncEngine:
         now, s = self.engine.stats(), self.stats
         s.running, s.waiting, s.slots_used, s.slots_total = now.running, now.waiting, now.slots_used, now.slots_total
         s.prefix_cache = now.prefix_cache
+        s.spec_decode = getattr(now, "spec_decode", None)
         if self.metrics is not None:
             self.metrics.engine_state(s)
 
