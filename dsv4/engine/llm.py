@@ -154,14 +154,16 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
     sim = resolve_qat_sim(qat_sim, config)
     cache = prefix_cache_budget(enable_prefix_caching, prefix_cache_gib, dev, gpu_memory_utilization)
     weights = lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world)   # noqa: E731
+    mtp = spec is not None and spec.method == "mtp"
     try:
         slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization, weights,
-                                 reserve=cache if dev.type == "cuda" else 0)
+                                 reserve=cache if dev.type == "cuda" else 0, include_mtp=mtp)
     except UsageError:
         if prefix_cache_gib is not None or not cache:
             raise
         # the state asked for leaves no room for the default cache: serve without one
-        slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization, weights)
+        slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization, weights,
+                                 include_mtp=mtp)
         cache = 0
     if max_num_batched_tokens is not None:
         check_positive("max_num_batched_tokens (--max-num-batched-tokens)", max_num_batched_tokens)
