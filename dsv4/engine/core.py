@@ -207,16 +207,17 @@ class Engine:
             raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    detokenize: bool = True, skip_special_tokens: bool = True) -> str:
+                    detokenize: bool = True, skip_special_tokens: bool = True, cache_salt: str | None = None) -> str:
         """Queue a tokenized prompt; returns its request id. Raises a ``RequestError`` naming the
         problem (and changes nothing) when the request can never run.
 
         ``skip_special_tokens=False`` keeps special tokens (``</think>``, DSML) in the output text,
-        which the chat parser needs; stop strings are then matched against that text."""
+        which the chat parser needs; stop strings are then matched against that text. ``cache_salt``:
+        the request shares cached prefixes only with requests of the same salt (vLLM's)."""
         ids = [int(t) for t in prompt_ids]
         self._check_ids(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(rid, ids, params)
+        request = Request(rid, ids, params, cache_salt=cache_salt)
         self.scheduler.add(request)
         self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
         if self.speculative is not None:
@@ -308,12 +309,12 @@ class Engine:
                 self.tracks[req.request_id].out.num_cached_tokens = req.num_cached_tokens
             end = chunk.start + len(chunk.token_ids)
             if cache is not None and end in req.save_at:
-                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block)
+                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block, req.cache_salt)
                 if planned is not None:
                     saves.append(planned[0])
                     published.append(planned[1])
                     req.saved_blocks = end // cache.block
-                elif cache.has_tail(req.prompt_ids, end // cache.block):
+                elif cache.has_tail(req.prompt_ids, end // cache.block, req.cache_salt):
                     req.saved_blocks = end // cache.block
             want_logits = req.params.prompt_logprobs is not None
             if want_logits:
@@ -325,7 +326,12 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        try:
+            out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        except BaseException:
+            for _, _, blocks, tail in published:      # planned saves that never ran
+                cache.release(list(blocks) + list(tail))
+            raise
         for req in restored:
             if req.cached is not None:
                 cache.unref(req.cached)
