@@ -21,6 +21,16 @@ from .cpu_threads import apply_threads
 from .errors import Dsv4Error, UsageError
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
     add_device_arg(p)
@@ -36,6 +46,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=positive_int, default=None, metavar="N",
                    help="split the model over N GPUs (cuda:0..N-1, or N CPU processes), one process each; "
                         "under torchrun, its WORLD_SIZE")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the state of earlier prompts' common prefixes, in blocks of 128 tokens on Flash "
+                        "and Pro (the lcm of the window and the compression ratios)")
+    p.add_argument("--prefix-cache-gib", type=_positive_float, default=None, metavar="GIB",
+                   help="memory of the prefix cache (default: on a GPU 10%% of --gpu-memory-utilization of its "
+                        "memory; 1 GiB on the CPU); least recently used prefixes are evicted when it is full")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="on a GPU, skip compiling every kernel variant at start-up (the first prompt of each new "
                         "length class then waits for its compiles)")
@@ -117,7 +133,8 @@ def _engine_args(args: argparse.Namespace, **extra) -> dict:
     """The arguments of :func:`~dsv4.engine.llm.plan_engine` (and of ``LLM``) the flags give."""
     return dict(model=args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config, **extra)
+                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
+                prefix_cache_gib=args.prefix_cache_gib, speculative_config=args.speculative_config, **extra)
 
 
 def _llm(args: argparse.Namespace, **extra):

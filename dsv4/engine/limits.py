@@ -30,6 +30,11 @@ DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # vLLM's default
 DEFAULT_MAX_NUM_SEQS = 8               # sequences when none is given and the device cannot size them (CPU)
 MAX_DERIVED_NUM_SEQS = 256             # at most this many when derived from memory (vLLM's default max_num_seqs)
+# The prefix cache's default byte budget (--prefix-cache-gib): on a CUDA device this share of the
+# engine's memory (gpu_memory_utilization x total), set aside before the state is sized; on the CPU a
+# fixed size (its pages are only touched as they fill).
+DEFAULT_PREFIX_CACHE_SHARE = 0.1
+DEFAULT_CPU_PREFIX_CACHE_BYTES = 1 << 30
 # Kept free within the share for what is not weights or state: one step's activations, the CUDA graph
 # pool (592 MiB for 12 graphs of a Flash slice, bench/RESULTS.md) and Triton's workspaces.
 WORKING_MARGIN_BYTES = 2 << 30
@@ -54,15 +59,16 @@ def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
     return requested
 
 
-def state_bytes(config: ModelConfig, slots: int, context: int, dtype: torch.dtype, qat_sim: bool = False) -> int:
+def state_bytes(config: ModelConfig, slots: int, context: int, dtype: torch.dtype, qat_sim: bool = False,
+                include_mtp: bool = False) -> int:
     """Bytes of the generation state for ``slots`` sequences of ``context`` positions (plus the
     runner's scratch slot), stored as the QAT simulation says (FP8 K=V rows and FP4 indexer keys
-    when on).
+    when on); ``include_mtp``: with the MTP block's layer (speculative decoding with MTP drafts).
 
     Computed by laying the state out on the ``meta`` device, so it is exact for whatever layout
     :class:`~dsv4.engine.state.GenerationState` has, and costs no memory.
     """
-    return GenerationState(config, slots + 1, context, dtype, "meta", qat_sim=qat_sim).nbytes()
+    return GenerationState(config, slots + 1, context, dtype, "meta", include_mtp=include_mtp, qat_sim=qat_sim).nbytes()
 
 
 def check_fraction(name: str, value: object) -> float:
@@ -107,9 +113,9 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_state_fits(config: ModelConfig, slots: int, context: int, dtype: torch.dtype,
-                     device: torch.device, qat_sim: bool = False) -> int:
+                     device: torch.device, qat_sim: bool = False, include_mtp: bool = False) -> int:
     """The state's size in bytes; a :class:`UsageError` when ``device`` has less memory free."""
-    need = state_bytes(config, slots, context, dtype, qat_sim)
+    need = state_bytes(config, slots, context, dtype, qat_sim, include_mtp)
     free = available_bytes(device)
     if free is not None and need > free:
         raise UsageError(f"the generation state for max_num_seqs (--max-num-seqs) {slots} x max_model_len "
@@ -120,7 +126,8 @@ def check_state_fits(config: ModelConfig, slots: int, context: int, dtype: torch
 
 def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torch.dtype, device: torch.device,
                qat_sim: bool, gpu_memory_utilization: float, weight_bytes: Callable[[], int],
-               memory: DeviceMemory | None = None) -> tuple[int, int]:
+               memory: DeviceMemory | None = None, reserve: int = 0, include_mtp: bool = False
+               ) -> tuple[int, int]:
     """``(slots, state bytes)`` for ``context`` positions per sequence on ``device``.
 
     On a CUDA device the engine may use ``gpu_memory_utilization`` of the GPU's total memory (and no
@@ -129,22 +136,24 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
     fit (at most :data:`MAX_DERIVED_NUM_SEQS`); a given ``slots`` whose state does not fit is a
     :class:`UsageError` naming the flags. Elsewhere ``slots=None`` is :data:`DEFAULT_MAX_NUM_SEQS`
     and the state is only checked against the free memory (:func:`check_state_fits`).
-    ``memory`` overrides what the device reports (tests).
+    ``memory`` overrides what the device reports (tests). ``reserve``: bytes of that share kept for
+    the prefix cache; ``include_mtp`` counts the MTP block's state.
     """
     check_fraction("gpu_memory_utilization (--gpu-memory-utilization)", gpu_memory_utilization)
     if device.type != "cuda":
         slots = DEFAULT_MAX_NUM_SEQS if slots is None else slots
-        return slots, check_state_fits(config, slots, context, dtype, device, qat_sim)
+        return slots, check_state_fits(config, slots, context, dtype, device, qat_sim, include_mtp)
     memory = memory or device_memory(device)
     share = int(gpu_memory_utilization * memory.total)
     weights = weight_bytes()
-    room = min(share, memory.free) - weights - WORKING_MARGIN_BYTES
+    room = min(share, memory.free) - weights - WORKING_MARGIN_BYTES - reserve
     where = (f"{gpu_memory_utilization:g} (--gpu-memory-utilization) of {device}'s {format_bytes(memory.total)} "
              f"is {format_bytes(share)}" + (f", {format_bytes(memory.free)} of it free now" if memory.free < share
                                              else ""))
-    layout = f"weights {format_bytes(weights)} + {format_bytes(WORKING_MARGIN_BYTES)} working margin"
+    layout = f"weights {format_bytes(weights)} + {format_bytes(WORKING_MARGIN_BYTES)} working margin" + (
+        f" + {format_bytes(reserve)} prefix cache (--prefix-cache-gib)" if reserve else "")
     if slots is not None:
-        need = state_bytes(config, slots, context, dtype, qat_sim)
+        need = state_bytes(config, slots, context, dtype, qat_sim, include_mtp)
         if need > room:
             raise UsageError(f"the generation state for max_num_seqs (--max-num-seqs) {slots} x max_model_len "
                              f"(--max-model-len) {context:,} needs {format_bytes(need)}, but {where}: {layout} "
@@ -153,10 +162,10 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
         return slots, need
 
     def fits(n: int) -> bool:
-        return state_bytes(config, n, context, dtype, qat_sim) <= room
+        return state_bytes(config, n, context, dtype, qat_sim, include_mtp) <= room
 
     if not fits(1):
-        one = state_bytes(config, 1, context, dtype, qat_sim)
+        one = state_bytes(config, 1, context, dtype, qat_sim, include_mtp)
         raise UsageError(f"not even one sequence fits: its state of max_model_len (--max-model-len) {context:,} "
                          f"needs {format_bytes(one)}, but {where}: {layout} leave {format_bytes(max(room, 0))}; "
                          "lower --max-model-len or raise --gpu-memory-utilization")
@@ -164,7 +173,24 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo, state_bytes(config, lo, context, dtype, qat_sim)
+    return lo, state_bytes(config, lo, context, dtype, qat_sim, include_mtp)
+
+
+def prefix_cache_budget(enabled: bool, gib: float | None, device: torch.device, gpu_memory_utilization: float,
+                        memory: DeviceMemory | None = None) -> int:
+    """The prefix cache's bytes: 0 when off; ``gib`` when given; else on a CUDA device
+    :data:`DEFAULT_PREFIX_CACHE_SHARE` of ``gpu_memory_utilization`` of its memory, elsewhere
+    :data:`DEFAULT_CPU_PREFIX_CACHE_BYTES`."""
+    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0):
+        raise UsageError(f"prefix_cache_gib (--prefix-cache-gib) must be a positive number of GiB, got {gib!r}")
+    if not enabled:
+        return 0
+    if gib is not None:
+        return int(gib * 2**30)
+    if device.type != "cuda":
+        return DEFAULT_CPU_PREFIX_CACHE_BYTES
+    memory = memory or device_memory(device)
+    return int(DEFAULT_PREFIX_CACHE_SHARE * gpu_memory_utilization * memory.total)
 
 
 def format_bytes(n: float) -> str:

@@ -23,8 +23,8 @@ from ..errors import ContextOverflowError, RequestError, UsageError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerNotFoundError
 from ..weights.loader import CheckpointError, LoadReport, load_model, weight_bytes
 from .inputs import check_text, params_list, prompt_list, single_prompt
-from .limits import (DEFAULT_GPU_MEMORY_UTILIZATION, check_positive, format_bytes, resolve_max_model_len,
-                     size_state)
+from .limits import (DEFAULT_GPU_MEMORY_UTILIZATION, check_positive, format_bytes, prefix_cache_budget,
+                     resolve_max_model_len, size_state)
 from .runner import Runner
 from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
@@ -112,6 +112,7 @@ class EnginePlan:
     max_model_len: int
     state_bytes: int
     has_tokenizer: bool
+    prefix_cache_bytes: int = 0
     speculative: SpeculativeConfig | None = None
 
 
@@ -120,7 +121,8 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
                 max_model_len: int | None = None, tensor_parallel_size: int | None = None,
                 max_num_batched_tokens: int | None = None,
                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
-                load_mtp: bool = False, speculative_config: "str | dict | SpeculativeConfig | None" = None) -> EnginePlan:
+                load_mtp: bool = False, enable_prefix_caching: bool = True, prefix_cache_gib: float | None = None,
+                speculative_config: "str | dict | SpeculativeConfig | None" = None) -> EnginePlan:
     """Check every engine argument against the machine and the checkpoint's config, tokenizer and
     headers, reading no weight: the device, dtype, path, limits and the state's size (see
     :mod:`dsv4.engine.limits`). :class:`LLM` starts with it; ``dsv4 serve`` calls it before it
@@ -150,14 +152,26 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
         load_mtp = load_mtp or spec.method == "mtp"
     context = resolve_max_model_len(max_model_len, config)
     sim = resolve_qat_sim(qat_sim, config)
-    slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization,
-                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world))
+    cache = prefix_cache_budget(enable_prefix_caching, prefix_cache_gib, dev, gpu_memory_utilization)
+    weights = lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world)   # noqa: E731
+    mtp = spec is not None and spec.method == "mtp"
+    try:
+        slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization, weights,
+                                 reserve=cache if dev.type == "cuda" else 0, include_mtp=mtp)
+    except UsageError:
+        if prefix_cache_gib is not None or not cache:
+            raise
+        # the state asked for leaves no room for the default cache: serve without one
+        slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization, weights,
+                                 include_mtp=mtp)
+        cache = 0
     if max_num_batched_tokens is not None:
         check_positive("max_num_batched_tokens (--max-num-batched-tokens)", max_num_batched_tokens)
         if max_num_batched_tokens <= slots:
             raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {max_num_batched_tokens} must "
                              f"exceed max_num_seqs (--max-num-seqs) {slots}")
-    return EnginePlan(path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer, spec)
+    return EnginePlan(path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer,
+                      prefix_cache_bytes=cache, speculative=spec)
 
 
 class LLM:
@@ -191,6 +205,12 @@ class LLM:
             may use (weights, state and a working margin); vLLM's name and default (0.9). Ignored on
             the CPU, where the state is checked against the free RAM.
         require_tokenizer: refuse a checkpoint without ``tokenizer.json`` (before reading weights).
+        enable_prefix_caching: keep the state of prompts at block boundaries (128 tokens on Flash and
+            Pro) so that a request starting with a cached prefix prefills only the rest (vLLM's name;
+            on by default). Outputs say how many prompt tokens came from it (``num_cached_tokens``).
+        prefix_cache_gib: the prefix cache's memory in GiB (default: on a CUDA device 10% of
+            ``gpu_memory_utilization`` of its memory, set aside before the state is sized; 1 GiB on
+            the CPU). Least recently used prefixes are evicted when it is full.
         load_mtp: also load the checkpoint's multi-token-prediction layers (``model.mtp``; speculative
             decoding with ``method: "mtp"`` loads them anyway).
         speculative_config: speculative decoding, vLLM's form: ``{"method": "mtp" | "ngram",
@@ -214,21 +234,26 @@ class LLM:
                  enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
                  tensor_parallel_size: int | None = None, warm_up: bool = True,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
-                 threads: int | str | None = "auto",
+                 threads: int | str | None = "auto", enable_prefix_caching: bool = True,
+                 prefix_cache_gib: float | None = None,
                  speculative_config: "str | dict | SpeculativeConfig | None" = None):
         check_threads(threads, "threads (--threads)")
         plan = plan_engine(model, device=device, dtype=dtype, qat_sim=qat_sim, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                            max_num_batched_tokens=max_num_batched_tokens,
                            gpu_memory_utilization=gpu_memory_utilization, require_tokenizer=require_tokenizer,
-                           load_mtp=load_mtp, speculative_config=speculative_config)
+                           load_mtp=load_mtp, enable_prefix_caching=enable_prefix_caching,
+                           prefix_cache_gib=prefix_cache_gib, speculative_config=speculative_config)
+        self.prefix_cache_bytes = plan.prefix_cache_bytes
         self.speculative = plan.speculative
         load_mtp = load_mtp or (plan.speculative is not None and plan.speculative.method == "mtp")
         self.path, self.max_model_len, self.max_num_seqs = plan.path, plan.max_model_len, plan.max_num_seqs
         dev, act_dtype, world, max_num_seqs = plan.device, plan.dtype, plan.world_size, plan.max_num_seqs
         if progress:
+            cache = (f"; prefix cache {format_bytes(plan.prefix_cache_bytes)}" if plan.prefix_cache_bytes
+                     else "; prefix caching off")
             print(f"state: {max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(plan.state_bytes)} "
-                  f"on {dev}", file=sys.stderr)
+                  f"on {dev}{cache}", file=sys.stderr)
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if plan.has_tokenizer else None
         self.qat_sim = plan.qat_sim
         self.tensor_parallel_size = world
@@ -248,11 +273,12 @@ class LLM:
         step_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
                         load_mtp, torch.get_num_threads() if dev.type == "cpu" else None, step_tokens,
-                        self.speculative)
+                        self.prefix_cache_bytes, self.speculative)
         if world == 1:
             net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
             runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim,
-                            prefill_chunk=step_tokens, speculative=self.speculative)
+                            prefill_chunk=step_tokens, prefix_cache_bytes=self.prefix_cache_bytes,
+                            speculative=self.speculative)
         else:
             runner, report = self._start_group(spec, world, progress)
         self.load_report: LoadReport = report

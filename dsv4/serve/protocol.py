@@ -52,10 +52,15 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
 
 
@@ -100,6 +105,8 @@ class _Sampling(_Request):
         None, description="vLLM's extra: json (a schema), regex, choice, grammar (Lark or GBNF) or json_object")
     thinking_token_budget: int | None = Field(
         None, ge=0, description="thinking mode: at most this many reasoning tokens, then </think> is forced")
+    cache_salt: str | None = Field(None, max_length=256, description="vLLM's: the prefix cache is shared only "
+                                   "between requests with the same salt (none: shared by all)")
 
 
 # ------------------------------------------------------------------ /v1/completions
