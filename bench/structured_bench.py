@@ -3,7 +3,7 @@
     python bench/structured_bench.py [--preset flash] [--layers 4] [--format fp8-mxfp4] [--batch 32]
                                      [--share 0 0.5 1] [--tokens 128] [--context 256] [--device cuda|cpu]
 
-Random weights made on the device (``dsv4.model.random_weights``) and the tiny DSV4 tokenizer padded
+Random weights made on the device (``dsv4.random_weights``) and the tiny DSV4 tokenizer padded
 to the preset's vocabulary (129,280 ids for Flash: the grammar's masks have the real width). A batch of
 ``--batch`` seeded sampling requests decodes ``--tokens`` tokens each through the engine; a share of
 them (0, 50%, 100%) must write JSON matching a schema (an object holding an array of objects), so
@@ -30,7 +30,7 @@ from dsv4.engine.core import Engine  # noqa: E402
 from dsv4.engine.grammar import StructuredOutputsParams  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.sampling import SampleFlags, SamplingParams  # noqa: E402
-from dsv4.model.random_weights import build_random_model  # noqa: E402
+from dsv4.random_weights import build_random_model  # noqa: E402
 from dsv4.text.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 from dsv4.text.tokenizer import Tokenizer  # noqa: E402
 
