@@ -107,6 +107,20 @@ def served():
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def served_long():
+    """`dsv4 serve` on the tiny model with a 2048-token context, for prompts that carry tool schemas or
+    a response format (in the tiny tokenizer those take hundreds of tokens)."""
+    from serve_util import ServerProcess
+    server = ServerProcess("--max-num-seqs", "8", "--max-model-len", "2048", "--served-model-name", "tiny",
+                           env={"OMP_NUM_THREADS": "1"})
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
 if os.environ.get("DSV4_REPORT_AT_ONCE"):
     # For device runs under a time limit (bench/gpu_quick.sh): print each failure as it happens,
     # so a run killed at its limit still shows why the tests that failed before it did.

@@ -157,8 +157,8 @@ def test_async_client_concurrent(aclient):
                     {"role": "tool", "tool_call_id": "c1", "content": "r"}]), 400, "messages", "invalid JSON"),
     (dict(messages=[{"role": "user", "content": "word " * 600}]), 400, "messages", "max_model_len is 512"),
     (dict(reasoning_effort="medium"), 400, "reasoning_effort", "'high' or 'max'"),
-    (dict(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice",
-     "supported"),
+    (dict(tool_choice={"type": "function", "function": {"name": "g"}},
+          tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice", "no tool named 'g'"),
 ])
 def test_chat_errors(client, kwargs, status, param, words):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}

@@ -39,22 +39,8 @@ THINKING = {"chat_template_kwargs": {"thinking": True}}
 
 
 @pytest.fixture(scope="module")
-def server():
-    """Its own server: the schema the chat encoding writes into the prompt takes ~500 tiny-tokenizer
-    tokens, more than the shared server's whole context."""
-    from serve_util import ServerProcess
-    server = ServerProcess("--max-num-seqs", "8", "--max-model-len", "2048", "--served-model-name", "tiny",
-                           env={"OMP_NUM_THREADS": "1"})
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+def client(served_long):
+    return openai.OpenAI(base_url=served_long.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def _valid_call(call, tools) -> dict:

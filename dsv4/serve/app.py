@@ -33,12 +33,13 @@ from .. import __version__
 from ..errors import Dsv4Error, RequestError
 from ..text.tokenizer import TokenizerNotFoundError
 from .async_engine import AsyncEngine
-from .errors import APIError, validation_message
+from .errors import ANTHROPIC_PATHS, APIError, validation_message
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse, TokenizerInfo)
 from .serving_chat import ChatServing
+from .serving_messages import MessagesRequest, MessagesServing
 from .serving_common import ServingContext, log_request
 from .serving_completions import CompletionServing
 
@@ -66,6 +67,7 @@ class ServerState:
         self.ctx: ServingContext | None = None
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
+        self.messages: MessagesServing | None = None
         self.llm = None
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
@@ -119,6 +121,7 @@ class ServerState:
         self.ctx = ServingContext(engine, llm.tokenizer, self.model_names, llm.max_model_len, str(llm.path),
                                   self.metrics, seeds)
         self.completions, self.chat = CompletionServing(self.ctx), ChatServing(self.ctx)
+        self.messages = MessagesServing(self.ctx, self.chat)
         self.status = "ready"
         self.ready_event.set()
         log.info("ready: serving %s (max_model_len %d, max_num_seqs %d)", ", ".join(self.model_names),
@@ -179,15 +182,16 @@ class _Gate:
                    "failed": "the model failed to load", "stopped": "the server has stopped"}.get(state.status,
                                                                                                state.status)
             return APIError(503, f"unavailable: {why}; retry later", code=state.status).response(
-                headers={"Retry-After": "5"})
+                headers={"Retry-After": "5"}, anthropic=path in ANTHROPIC_PATHS)
         if state.api_key and path.startswith(KEYED_PREFIXES):
             headers = dict(scope.get("headers") or [])
             auth = headers.get(b"authorization", b"").decode("latin-1")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(
                 "latin-1")
             if not secrets.compare_digest(given.encode("utf-8", "replace"), state.api_key.encode()):
-                return APIError(401, "invalid or missing API key (send the header 'Authorization: Bearer KEY')",
-                                code="invalid_api_key").response(headers={"WWW-Authenticate": "Bearer"})
+                return APIError(401, "invalid or missing API key (send the header 'Authorization: Bearer KEY' or "
+                                "'x-api-key: KEY')", code="invalid_api_key").response(
+                    headers={"WWW-Authenticate": "Bearer"}, anthropic=path in ANTHROPIC_PATHS)
         return None
 
 
@@ -226,7 +230,7 @@ async def _checked_body(scope, receive, path: str):
         except UnicodeDecodeError as e:
             error = APIError(400, f"the body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}); "
                                   "send JSON encoded as UTF-8", code="invalid_encoding")
-    return replay, error.response()
+    return replay, error.response(anthropic=path in ANTHROPIC_PATHS)
 
 
 def create_app(load: Callable[[], Any] | Any, *, model_names: list[str], api_key: str | None = None,
@@ -258,28 +262,34 @@ def _add_exception_handlers(app: FastAPI) -> None:
         if not exc.logged and request.url.path.startswith("/v1/"):
             kind = "chat" if request.url.path.endswith("chat/completions") else request.url.path.rsplit("/", 1)[-1]
             log_request(kind, "-", exc.status, None, 0, 0.0, note=exc.message)
-        return exc.response()
+        return exc.response(anthropic=_anthropic(request))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
-        return APIError(400, message, param).response()
+        return APIError(400, message, param).response(anthropic=_anthropic(request))
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        return APIError(400, str(exc)).response()
+        return APIError(400, str(exc)).response(anthropic=_anthropic(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
                                                                                           str(exc.detail))
-        return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))
+        return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None),
+                                                           anthropic=_anthropic(request))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response(anthropic=_anthropic(request))
+
+
+def _anthropic(request: Request) -> bool:
+    """Errors of Anthropic's routes come in Anthropic's shape."""
+    return request.url.path in ANTHROPIC_PATHS
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -324,6 +334,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _warn_extra(body, "/v1/chat/completions")
         return _json(await state.chat.create(body, request))
+
+    @app.post("/v1/messages", responses={200: {"content": {"application/json": {}, "text/event-stream": {}}},
+                                         **_GEN_ERRORS})
+    async def messages(body: MessagesRequest, request: Request):
+        """Anthropic's Messages API (errors in Anthropic's shape)."""
+        _warn_extra(body, "/v1/messages")
+        return _json(await state.messages.create(body, request))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 503))
     async def tokenize(body: TokenizeRequest):

@@ -1,4 +1,6 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status,
+and the same errors in Anthropic's shape for ``/v1/messages``: ``{"type": "error", "error": {"type",
+"message"}}``.
 
 Handlers raise :class:`APIError` (or let a project error through: a ``RequestError`` or a chat
 ``ChatFormatError`` is a 400 naming the field); the app turns it into the JSON body. Streams that
@@ -12,6 +14,14 @@ from fastapi.responses import JSONResponse
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+
+
+# Anthropic's error types by status (docs.anthropic.com, "Errors"); an unavailable server is its
+# "overloaded_error" (Anthropic answers that with 529; the status here stays the server's 503)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)
 
 
 class APIError(Exception):
@@ -28,8 +38,14 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def anthropic_body(self) -> dict:
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, headers: dict | None = None, anthropic: bool = False) -> JSONResponse:
+        """The JSON response; in Anthropic's shape when ``anthropic`` (the ``/v1/messages`` route)."""
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status,
+                            headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

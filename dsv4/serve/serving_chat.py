@@ -141,6 +141,13 @@ class ChatServing:
         tools = [_tool_dict(t) for t in req.tools] if tools_allowed else None
         fmt = req.response_format
         response_format = fmt.model_dump(exclude_none=True) if fmt is not None and fmt.type != "text" else None
+        structured = structured_outputs(req)
+        forced = self.forced_tool_calls(tools, choice, req.parallel_tool_calls)
+        if forced is not None:
+            if structured is not None:
+                raise bad_request(f"tool_choice {_choice_name(choice)} and {structured.param}: give one of them",
+                                  "tool_choice")
+            structured = forced
         kwargs = req.chat_template_kwargs or {}
         ids = self.prompt(req.messages, thinking=thinking, effort=effort, tools=tools, response_format=response_format,
                           drop_thinking=bool(kwargs.get("drop_thinking", True)))
@@ -154,13 +161,6 @@ class ChatServing:
         stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
         reqs, choices = [], []
         seed = self.ctx.request_seed(req.seed)
-        structured = structured_outputs(req)
-        forced = self.forced_tool_calls(tools, choice, req.parallel_tool_calls)
-        if forced is not None:
-            if structured is not None:
-                raise bad_request(f"tool_choice {_choice_name(choice)} and {structured.param}: give one of them",
-                                  "tool_choice")
-            structured = forced
         for k in range(req.n):
             params = sampling_params(req, max_tokens, logprobs=logprobs, choice=k, seed=seed, structured=structured)
             check_request(self.ctx, ids, params, "messages")
