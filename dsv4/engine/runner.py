@@ -12,6 +12,11 @@ from there, so sampled ids never travel device -> host -> device), and the per-s
   batch of slots at their own positions. With CUDA graphs on (:meth:`capture`), it is one graph
   replay per batch bucket (1, 2, 4, ...): the batch is padded with the scratch slot, whose state
   nobody reads.
+- Speculative decoding (``speculative``, :mod:`dsv4.engine.speculative`): a verify row feeds a
+  slot's last token plus ``k`` drafts (from the host, or the MTP block's in ``drafts``); verify rows
+  of one length form one group of the varlen forward, then acceptance and the rollback of every
+  layer to the kept length. A step of verify rows only replays a verify graph per batch bucket
+  (:meth:`capture_verify`). The host learns each row's kept count at the end of the step (one sync).
 
 The host keeps its own count of each slot's length (it issued every token), which it uses to refuse
 a context overflow before touching any state.
