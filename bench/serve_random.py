@@ -40,14 +40,15 @@ def load(args) -> SimpleNamespace:
     config = preset(args.preset, num_layers=args.layers)
     model = build_random_model(config, args.format, args.device)
     qat = args.format != "bf16"
-    runner = Runner(model, max_slots=args.max_num_seqs, max_context=args.max_model_len, qat_sim=qat)
+    runner = Runner(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, qat_sim=qat,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
     if runner.device.type == "cuda" and not args.enforce_eager:
         runner.capture()
     if runner.device.type == "cuda":
         runner.warm_up()      # as LLM does: no Triton compile while serving
     tok_dir = Path(tempfile.mkdtemp(prefix="dsv4-random-tok-"))
     tokenizer = Tokenizer.from_dir(write_tiny_tokenizer(tok_dir, config.vocab_size, pad=True))
-    engine = Engine(runner, tokenizer, config.eos_token_id, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(runner, tokenizer, config.eos_token_id)
     print(f"random {args.preset} x{args.layers} {args.format} on {runner.device} in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return SimpleNamespace(engine=engine, tokenizer=tokenizer, max_model_len=args.max_model_len,
@@ -62,7 +63,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

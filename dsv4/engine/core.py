@@ -18,7 +18,7 @@ alone with reason ``error``; the others keep going.
 
 What a front end (the server's engine thread) may use is the public part: ``check``,
 ``add_request``, ``abort``, ``step``, ``has_unfinished``, ``fail_all``, ``stats`` and the read-only
-sizes ``vocab_size``, ``max_slots``, ``max_model_len``. The scheduler, the per-request output
+sizes ``vocab_size``, ``max_num_seqs``, ``max_model_len``. The scheduler, the per-request output
 state and the steps in flight are the engine's own.
 """
 
@@ -134,14 +134,14 @@ class Engine:
     """Continuous batching over one model: ``max_num_seqs`` slots of ``max_model_len`` positions."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer | None, eos_id: int, *,
-                 max_num_batched_tokens: int | None = None):
+                 long_prefill_token_threshold: int = 0):
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
-        # one step's tokens (decode rows + prompt chunks) run as one forward: by default as many as
-        # the runner takes in one forward; one prompt's chunk may fill what decodes leave
-        budget = max_num_batched_tokens or runner.prefill_chunk
-        if budget <= runner.max_slots:
-            raise ValueError(f"max_num_batched_tokens ({budget}) must exceed max_num_seqs ({runner.max_slots})")
-        self.scheduler = Scheduler(runner.max_slots, runner.max_context, budget, min(budget, runner.prefill_chunk))
+        # one step's tokens (decode rows + prompt chunks) run as one forward of at most the runner's
+        # max_num_batched_tokens; one prompt's chunk may fill what decodes leave, or the threshold
+        budget = runner.max_num_batched_tokens
+        if budget <= runner.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must exceed max_num_seqs ({runner.max_num_seqs})")
+        self.scheduler = Scheduler(runner.max_num_seqs, runner.max_model_len, budget, long_prefill_token_threshold)
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None]] = []
@@ -154,14 +154,14 @@ class Engine:
         return self.runner.model.config.vocab_size
 
     @property
-    def max_slots(self) -> int:
+    def max_num_seqs(self) -> int:
         """Requests that can run at once (``max_num_seqs``)."""
-        return self.runner.max_slots
+        return self.runner.max_num_seqs
 
     @property
     def max_model_len(self) -> int:
         """Positions per request, prompt and output together."""
-        return self.runner.max_context
+        return self.runner.max_model_len
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -225,8 +225,8 @@ class Engine:
     def stats(self) -> EngineStats:
         """Running and waiting requests and slots in use, now (from the thread that steps)."""
         sched = self.scheduler
-        return EngineStats(len(sched.running), len(sched.waiting), self.max_slots - len(sched.free_slots),
-                           self.max_slots)
+        return EngineStats(len(sched.running), len(sched.waiting), self.max_num_seqs - len(sched.free_slots),
+                           self.max_num_seqs)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()

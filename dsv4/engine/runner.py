@@ -1,6 +1,6 @@
 """Runs the network over generation slots: one step (:meth:`Runner.run`) at a time.
 
-The runner owns the fixed-shape state (:class:`GenerationState`, ``max_slots`` slots plus one
+The runner owns the fixed-shape state (:class:`GenerationState`, ``max_num_seqs`` slots plus one
 scratch slot), each slot's last sampled token (on the device: a decode step reads its input ids
 from there, so sampled ids never travel device -> host -> device), and the per-slot sampling rows
 (:class:`SlotSampling`). It knows slots and token ids, never requests (DESIGN decision 5).
@@ -76,25 +76,27 @@ class _SlotUpload:
 
 
 class Runner:
-    """One model + its fixed-shape state for ``max_slots`` sequences of ``max_context`` positions."""
+    """One model + its fixed-shape state for ``max_num_seqs`` sequences of ``max_model_len`` positions,
+    run in steps of at most ``max_num_batched_tokens`` tokens (the names of
+    :class:`~dsv4.engine.config.EngineConfig`; the engine passes its resolved values)."""
 
-    def __init__(self, model: Transformer, max_slots: int = 4, max_context: int = 4096,
-                 qat_sim: bool = False, prefill_chunk: int = 8192):
-        if prefill_chunk <= 0:
-            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
-        self.model, self.qat_sim, self.prefill_chunk = model, qat_sim, prefill_chunk
+    def __init__(self, model: Transformer, max_num_seqs: int = 4, max_model_len: int = 4096,
+                 qat_sim: bool = False, max_num_batched_tokens: int = 8192):
+        if max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+        self.model, self.qat_sim, self.max_num_batched_tokens = model, qat_sim, max_num_batched_tokens
         self.device = model.embed.weight.device
         #: tensor-parallel group of the model: every rank runs the sampler, rank 0's ids win
         self.tp = getattr(model, "tp", SINGLE)
-        self.state = GenerationState(model.config, max_slots + 1, max_context, model.dtype, self.device,
+        self.state = GenerationState(model.config, max_num_seqs + 1, max_model_len, model.dtype, self.device,
                                      qat_sim=qat_sim)
-        self.scratch = max_slots                      # padding rows of a graph bucket run here
-        self.lengths = [0] * max_slots                # host mirror of state.positions
-        self.tokens = torch.zeros(max_slots + 1, dtype=torch.int64, device=self.device)
-        self.sampling = SlotSampling(max_slots + 1, model.config.vocab_size, self.device)
+        self.scratch = max_num_seqs                   # padding rows of a graph bucket run here
+        self.lengths = [0] * max_num_seqs             # host mirror of state.positions
+        self.tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        self.sampling = SlotSampling(max_num_seqs + 1, model.config.vocab_size, self.device)
         self.graphs: dict[tuple[int, SampleFlags], _Graph] = {}
         #: eager steps read compressed entries up to the batch's longest context; a graph reads up
-        #: to ``max_context`` (its shapes are fixed). True makes eager steps do the same, so eager
+        #: to ``max_model_len`` (its shapes are fixed). True makes eager steps do the same, so eager
         #: and replay compute bit-identical steps (tests).
         self.full_bound = False
         self.graph_pool = None
@@ -103,11 +105,11 @@ class Runner:
         self.graph_pool_bytes = 0
 
     @property
-    def max_slots(self) -> int:
+    def max_num_seqs(self) -> int:
         return self.scratch
 
     @property
-    def max_context(self) -> int:
+    def max_model_len(self) -> int:
         return self.state.max_context
 
     @property
@@ -128,15 +130,15 @@ class Runner:
         self.sampling.assign(slot, params, prompt_ids)
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_slots:
-            raise IndexError(f"slot {slot} out of range (max_slots={self.max_slots})")
+        if not 0 <= slot < self.max_num_seqs:
+            raise IndexError(f"slot {slot} out of range (max_num_seqs={self.max_num_seqs})")
 
     def _reserve(self, slot: int, n: int) -> int:
         self._check_slot(slot)
         start = self.lengths[slot]
-        if start + n > self.max_context:
+        if start + n > self.max_model_len:
             raise ContextOverflowError(
-                f"slot {slot}: {start} + {n} tokens exceed max_context={self.max_context}")
+                f"slot {slot}: {start} + {n} tokens exceed max_model_len={self.max_model_len}")
         return start
 
     # ------------------------------------------------------------------ one step
@@ -162,9 +164,9 @@ class Runner:
                 raise ValueError(f"slot {r.slot}: row starts at {r.start}, the slot holds {have} tokens")
             if r.token_ids is not None and not r.token_ids:
                 raise ValueError(f"slot {r.slot}: a row needs at least one token")
-            if r.start + r.num_tokens > self.max_context:
+            if r.start + r.num_tokens > self.max_model_len:
                 raise ContextOverflowError(f"slot {r.slot}: {r.start} + {r.num_tokens} tokens exceed "
-                                           f"max_context={self.max_context}")
+                                           f"max_model_len={self.max_model_len}")
         for r in rows:
             if r.new is not None:
                 self.start(r.slot, r.new.params, r.new.prompt_ids)
@@ -203,7 +205,7 @@ class Runner:
             ids = ids.index_copy(0, dec_at, self.tokens[dec_slot])
         groups = []
         if k:
-            bound = self.max_context if self.full_bound else max(r.start for r in singles) + 1
+            bound = self.max_model_len if self.full_bound else max(r.start for r in singles) + 1
             groups.append((one_slot, one_start, 1, bound))
         groups += [(parts[3 + 2 * j], parts[4 + 2 * j], r.num_tokens, r.start + r.num_tokens)
                    for j, r in enumerate(longer)]
@@ -244,7 +246,7 @@ class Runner:
         bucket = next((b for b in self._buckets() if b >= n), None) if self.use_graphs else None
         if bucket is None:
             idx = upload_ints(slots, self.device)
-            bound = self.max_context if self.full_bound else max(self.lengths[s] for s in slots) + 1
+            bound = self.max_model_len if self.full_bound else max(self.lengths[s] for s in slots) + 1
             out = self._step(idx, flags, bound)
         else:
             graph = self.graphs.get((bucket, flags)) or self._capture_one(bucket, flags)
@@ -291,9 +293,9 @@ class Runner:
         Prints the time taken and the pool's size."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
-        buckets = sorted(buckets) if buckets else batch_buckets(max_batch or self.max_slots)
-        if buckets[-1] > self.max_slots:
-            raise ValueError(f"graph bucket {buckets[-1]} exceeds max_slots={self.max_slots}")
+        buckets = sorted(buckets) if buckets else batch_buckets(max_batch or self.max_num_seqs)
+        if buckets[-1] > self.max_num_seqs:
+            raise ValueError(f"graph bucket {buckets[-1]} exceeds max_num_seqs={self.max_num_seqs}")
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
         todo = [(b, f) for b in sorted(buckets, reverse=True) for f in flag_sets]
@@ -313,7 +315,7 @@ class Runner:
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
         idx = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
-        bound = self.max_context
+        bound = self.max_model_len
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), ops.sync_free():

@@ -93,15 +93,16 @@ class Scheduler:
     """FCFS continuous batching over ``max_num_seqs`` slots of ``max_model_len`` positions.
 
     ``max_num_batched_tokens`` bounds the tokens of one step (decodes + prompt chunks);
-    ``prefill_chunk`` bounds one prompt chunk.
+    ``long_prefill_token_threshold`` (when > 0) bounds one prompt's chunk.
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 512,
-                 prefill_chunk: int = 512):
-        if min(max_num_seqs, max_model_len, max_num_batched_tokens, prefill_chunk) <= 0:
+                 long_prefill_token_threshold: int = 0):
+        if min(max_num_seqs, max_model_len, max_num_batched_tokens) <= 0 or long_prefill_token_threshold < 0:
             raise ValueError("scheduler sizes must be positive")
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.max_num_batched_tokens, self.prefill_chunk = max_num_batched_tokens, prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -178,13 +179,14 @@ class Scheduler:
             req.slot, req.status = self.free_slots.pop(0), Status.RUNNING
             self.running.append(req)
         budget = self.max_num_batched_tokens
+        chunk = self.long_prefill_token_threshold or budget       # the most tokens of one prompt in a step
         plan.decode = [r for r in self.running if not r.in_prefill]
         budget -= len(plan.decode)
         for req in self.running:
             if budget <= 0:
                 break
             if req.in_prefill:
-                n = min(budget, self.prefill_chunk, len(req.prompt_ids) - req.num_prefilled)
+                n = min(budget, chunk, len(req.prompt_ids) - req.num_prefilled)
                 start = req.num_prefilled
                 plan.prefill.append(PrefillChunk(req, start, req.prompt_ids[start:start + n]))
                 req.num_prefilled += n
