@@ -49,7 +49,8 @@ from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noq
 #: small tile configs for the interpreter: few programs, still several N tiles and K steps
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "dot": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
-         "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1))}
+         "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
+         "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 128, 4, 1, 2))}
 
 
 @pytest.fixture(autouse=True)
@@ -210,6 +211,20 @@ def test_ragged_tiny_model_shapes():
     _run("nvfp4", 1, 2, 8, 64, 256, True)
     _run("mxfp4", 3, 2, 8, 64, 32, True)
     _run("nvfp4", 1, 2, 8, 64, 32, True)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_grouped_mxfp4_act_quant_on_dequantized_operands(monkeypatch, pow2):
+    """Prefill, MXFP4, act-quant: with power-of-two scales the grouped GEMMs multiply the
+    dequantized ``x̂`` and ``e2m1 * 2^(s-127)`` (exact in fp32 / bf16) in one dot per K tile; with
+    fp32 scales they keep the e4m3 values and the scales on the partial sums. In fp32 both agree
+    with the reference to summation order, far tighter than the shared tolerance."""
+    monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
+    assert M._exact_dequantized(M.FormatCode.MXFP4, pow2, torch.float32) == pow2
+    assert not M._exact_dequantized(M.FormatCode.MXFP4, True, torch.float16)
+    assert not M._exact_dequantized(M.FormatCode.NVFP4, True, torch.bfloat16)
+    got, exp = _run("mxfp4", 37, 2, 4, 256, 128, True, pow2=pow2, dtype=torch.float32)
+    _check(got, exp, 1e-5)
 
 
 def test_fp32_scale_rounding_and_no_limit():
@@ -424,7 +439,7 @@ PRO = dict(E=384, D=7168, I=3072, k=6)
 @cuda_only
 @pytest.mark.parametrize("geo", ["flash", "pro"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8e"])
-@pytest.mark.parametrize("T", [1, 8, 32, 300])
+@pytest.mark.parametrize("T", [1, 8, 32, 300, 2048])
 def test_gpu_real_shapes_bf16(geo, fmt, T):
     g = FLASH if geo == "flash" else PRO
     E = g["E"] if T == 1 else 64               # all experts once (offsets past 2^31), else a subset

@@ -353,11 +353,11 @@ def _decode_run(comp, state, hidden, rotate, steps, step_fn, seed, chunk: bool =
 def _step_module(comp, state, x, ctx, inv, rotate):
     from dsv4.ops import reference as r
 
-    def finish(entry, pos):
-        cos, sin = r.rope_cos_sin(pos, inv)
-        e = r.apply_rope(entry, cos, sin)
-        return r.hadamard(e) if rotate else e
-    comp(x, ctx, state, finish)
+    from dsv4.model.compressor import store_entries
+    entries, pos = comp(x, ctx, state)
+    cos, sin = r.rope_cos_sin(pos, inv)
+    e = r.apply_rope(entries, cos, sin)
+    store_entries(state, ctx, r.hadamard(e) if rotate else e, pos)
 
 
 def _step_fused(impl):

@@ -15,12 +15,37 @@ from .sampling import SampleOutput, SamplingParams
 
 
 @dataclass(frozen=True)
+class CachedPrefix:
+    """A prefix-cache hit (:mod:`dsv4.engine.prefix_cache`): the first ``length`` tokens' state is
+    in the cache's pages, ``blocks`` (one per block, in order) and ``tail``; ``keys`` are the
+    blocks' ids (host bookkeeping)."""
+
+    length: int
+    blocks: tuple[int, ...]
+    tail: tuple[int, ...]
+    keys: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class Save:
+    """Copy ``slot``'s state into prefix-cache pages after the step's forward: the entries of blocks
+    ``first_block ..`` into ``blocks`` (one page each) and, with ``tail``, the window pieces."""
+
+    slot: int
+    first_block: int
+    blocks: tuple[int, ...]
+    tail: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class NewSequence:
     """A row that starts a sequence: the slot is emptied and takes these sampling parameters (the
-    whole prompt is needed for the repetition penalties)."""
+    whole prompt is needed for the repetition penalties). ``cached``: the slot first gets this
+    cached prefix's state, and the row starts at its end."""
 
     params: SamplingParams
     prompt_ids: tuple[int, ...]
+    cached: CachedPrefix | None = None
 
 
 @dataclass(frozen=True)
@@ -40,21 +65,32 @@ class Row:
     sample: bool = True
     logits: bool = False
     new: NewSequence | None = None
+    #: a verify row (speculative decoding): a decode row that also feeds these draft tokens (host)...
+    draft: tuple[int, ...] = ()
+    #: ... or this many drafts from the runner's device buffer (the MTP block's)
+    device_draft: int = 0
+    #: speculative MTP: the prompt token after a chunk that does not sample (the MTP block's input)
+    next_token: int | None = None
 
     @property
     def num_tokens(self) -> int:
-        return 1 if self.token_ids is None else len(self.token_ids)
+        return 1 + len(self.draft) + self.device_draft if self.token_ids is None else len(self.token_ids)
 
     @property
     def is_decode(self) -> bool:
         return self.token_ids is None
 
+    @property
+    def is_verify(self) -> bool:
+        return self.token_ids is None and self.num_tokens > 1
+
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """The rows of one step, each slot at most once."""
+    """The rows of one step, each slot at most once; ``saves`` run after its forward."""
 
     rows: tuple[Row, ...]
+    saves: tuple[Save, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +99,8 @@ class ScheduledBatch:
     @property
     def decode_only(self) -> bool:
         """Every row is a sampled decode row without logits: the step a captured graph replays."""
-        return all(r.is_decode and r.sample and not r.logits and r.new is None for r in self.rows)
+        return all(r.is_decode and not r.is_verify and r.sample and not r.logits and r.new is None
+                   for r in self.rows)
 
 
 @dataclass
@@ -74,3 +111,7 @@ class StepOutput:
 
     sampled: SampleOutput | None
     logits: dict[int, object]
+    #: a step with verify rows: how many tokens each sampled row emits (host ints, in row order);
+    #: ``sampled`` then holds ``[N, n]`` ids (logprobs ``[N, n]``, top ``[N, n, t]``), the first
+    #: ``emitted[i]`` of row ``i`` valid
+    emitted: list[int] | None = None

@@ -24,6 +24,7 @@ state and the steps in flight are the engine's own.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -33,10 +34,12 @@ import torch
 
 from ..errors import ContextOverflowError, RequestError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
-from .batch import NewSequence, Row, ScheduledBatch
+from .batch import NewSequence, Row, Save, ScheduledBatch
+from .prefix_cache import CacheStats, Pending, PrefixCache
 from .runner import Runner
 from .sampling import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
+from .speculative import SpecStats, ngram_propose
 
 
 @dataclass
@@ -56,6 +59,10 @@ class CompletionOutput:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     error: str | None = None
+    #: speculative decoding: this request's acceptance (verify rows, drafts, accepted, per position)
+    spec_decode: SpecStats | None = None
+    #: prompt tokens whose state came from the prefix cache (not prefilled)
+    num_cached_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -87,6 +94,7 @@ class EngineStats:
     waiting: int          # requests queued for a slot
     slots_used: int
     slots_total: int
+    prefix_cache: CacheStats | None = None   # None: prefix caching off
 
 
 class _Track:
@@ -141,11 +149,23 @@ class Engine:
         budget = runner.max_num_batched_tokens
         if budget <= runner.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({budget}) must exceed max_num_seqs ({runner.max_num_seqs})")
-        self.scheduler = Scheduler(runner.max_num_seqs, runner.max_model_len, budget, long_prefill_token_threshold)
+        store = runner.prefix_store
+        #: the prefix cache's index (None: caching off); its pages live in the runner
+        self.prefix_cache = (PrefixCache(store.block, store.num_pages, store.tail_pages, store.page_bytes)
+                             if store is not None else None)
+        self.scheduler = Scheduler(runner.max_num_seqs, runner.max_model_len, budget, long_prefill_token_threshold,
+                                   prefix_cache=self.prefix_cache)
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
-        self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None]] = []
-        self.overlap = runner.device.type == "cuda"
+        self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None, list[int] | None]] = []
+        #: speculative decoding (the runner's config): verify rows instead of decode rows, and the
+        #: acceptance over all requests
+        self.speculative = runner.speculative
+        self.spec_stats = SpecStats()
+        if self.speculative is not None:
+            self.scheduler.decode_tokens = 1 + self.speculative.k
+        # the next plan needs the host to know this step's tokens when verify rows keep a varying count
+        self.overlap = runner.device.type == "cuda" and self.speculative is None
         self._pinned = _PinnedPool()
 
     # ------------------------------------------------------------------ sizes (read-only)
@@ -225,8 +245,9 @@ class Engine:
     def stats(self) -> EngineStats:
         """Running and waiting requests and slots in use, now (from the thread that steps)."""
         sched = self.scheduler
+        cache = None if self.prefix_cache is None else dataclasses.replace(self.prefix_cache.stats)
         return EngineStats(len(sched.running), len(sched.waiting), self.max_num_seqs - len(sched.free_slots),
-                           self.max_num_seqs)
+                           self.max_num_seqs, cache)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -240,8 +261,8 @@ class Engine:
         # with overlap, collect the previous step while this one runs on the device
         ready = self._inflight[:-1] if (self.overlap and launched) else self._inflight
         keep = self._inflight[len(ready):]
-        for tracks, sampled, event in ready:
-            outputs += self._collect(tracks, sampled, event)
+        for tracks, sampled, event, emitted in ready:
+            outputs += self._collect(tracks, sampled, event, emitted)
         self._inflight = keep
         return outputs
 
@@ -256,31 +277,101 @@ class Engine:
     def _launch(self, plan: StepPlan) -> bool:
         """Run the plan as one runner step (decode rows first, then prompt chunks in arrival order);
         queue the sampled ids of the decode rows and of the prompts that completed."""
-        rows, tracks, chunks = [], [], {}
+        rows, tracks, chunks, saves, published = [], [], {}, [], []
+        cache = self.prefix_cache
+        spec = self.speculative
+        if spec is not None and spec.disable_by_batch_size is not None and len(plan.decode) > spec.disable_by_batch_size:
+            spec = None
         for req in plan.decode:
-            rows.append(Row(req.slot, self.runner.lengths[req.slot]))
+            row = self._decode_row(req, spec)
+            rows.append(row)
             tracks.append(self.tracks[req.request_id])
+            # a verify row's kept length is known after the step: decode-time saves are for plain rows
+            if cache is not None and not row.is_verify and (row.start + 1) % cache.block == 0:
+                saves += self._save_decoded(req, (row.start + 1) // cache.block)
+        mtp = self.speculative is not None and self.speculative.method == "mtp"
+        restored = []
         for chunk in plan.prefill:
             req = chunk.request
-            new = NewSequence(req.params, tuple(req.prompt_ids)) if chunk.start == 0 else None
+            new = None
+            if chunk.first:
+                new = NewSequence(req.params, tuple(req.prompt_ids), req.cached)
+                restored.append(req)
+                self.tracks[req.request_id].out.num_cached_tokens = req.num_cached_tokens
+            end = chunk.start + len(chunk.token_ids)
+            if cache is not None and end in req.save_at:
+                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block)
+                if planned is not None:
+                    saves.append(planned[0])
+                    published.append(planned[1])
+                    req.saved_blocks = end // cache.block
+                elif cache.has_tail(req.prompt_ids, end // cache.block):
+                    req.saved_blocks = end // cache.block
             want_logits = req.params.prompt_logprobs is not None
             if want_logits:
                 chunks[len(rows)] = chunk
+            end = chunk.start + len(chunk.token_ids)
             rows.append(Row(req.slot, chunk.start, tuple(chunk.token_ids), sample=chunk.last, logits=want_logits,
-                            new=new))
+                            new=new, next_token=req.prompt_ids[end] if mtp and not chunk.last else None))
             if chunk.last:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        out = self.runner.run(ScheduledBatch(tuple(rows)))
+        out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        for req in restored:
+            if req.cached is not None:
+                cache.unref(req.cached)
+                req.cached = None
+        for p in published:
+            cache.publish(*p)
         for i, logits in out.logits.items():
             _add_prompt_logprobs(self.tracks[chunks[i].request.request_id].out, chunks[i], logits)
         if out.sampled is None:
             return False
-        self._queue(tracks, out.sampled)
+        if out.emitted is not None:
+            sampled_rows = [r for r in rows if r.sample]
+            for track, row, n in zip(tracks, sampled_rows, out.emitted):
+                if row.is_verify:
+                    k = row.num_tokens - 1
+                    self.spec_stats.add(k, n - 1)
+                    if track.out.spec_decode is None:
+                        track.out.spec_decode = SpecStats()
+                    track.out.spec_decode.add(k, n - 1)
+        self._queue(tracks, out.sampled, out.emitted)
         return True
 
-    def _queue(self, tracks: list[_Track], sampled: SampleOutput) -> None:
+    def _decode_row(self, req: Request, spec) -> Row:
+        """A decode row, or with speculation a verify row of ``k`` drafts when they fit the context
+        and more than one token is still wanted (MTP drafting runs ``k - 1`` positions further)."""
+        start = self.runner.lengths[req.slot]
+        if spec is None or req.params.max_tokens - len(req.output_ids) <= 1 or \
+                start + 2 * spec.k + 1 > self.runner.max_model_len:
+            return Row(req.slot, start)
+        if spec.method == "mtp":
+            return Row(req.slot, start, device_draft=spec.k)
+        draft = ngram_propose(req.prompt_ids + req.output_ids, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if draft is None:
+            return Row(req.slot, start)
+        return Row(req.slot, start, draft=tuple(draft))
+
+    def _save_decoded(self, req, n_blocks: int) -> list:
+        """Decoding brings ``req``'s slot to the end of block ``n_blocks``: save the blocks since its
+        last save and the tail there (entered into the cache when the request ends, when the host
+        knows every token; the previous decode-time tail is given back)."""
+        cache = self.prefix_cache
+        pend = req.pending or Pending(req.saved_blocks)
+        new = n_blocks - pend.first_block - len(pend.pages)
+        pages = cache.reserve(new + cache.tail_pages) if new > 0 else None
+        if pages is None:
+            return []
+        first = pend.first_block + len(pend.pages)
+        cache.release(list(pend.tail))
+        pend.pages += pages[:new]
+        pend.tail = tuple(pages[new:])
+        req.pending = pend
+        return [Save(req.slot, first, tuple(pages[:new]), pend.tail)]
+
+    def _queue(self, tracks: list[_Track], sampled: SampleOutput, emitted: list[int] | None = None) -> None:
         """Start the device -> host copy of a step's sampled ids (into pinned buffers, so it runs
         asynchronously); remember whose they are."""
         for t in tracks:
@@ -292,31 +383,46 @@ class Engine:
                                    None if top is None else (self._pinned.copy(top[0]), self._pinned.copy(top[1])))
             event = torch.cuda.Event()
             event.record()
-        self._inflight.append((tracks, sampled, event))
+        self._inflight.append((tracks, sampled, event, emitted))
 
-    def _collect(self, tracks: list[_Track], sampled: SampleOutput, event) -> list[RequestOutput]:
+    def _collect(self, tracks: list[_Track], sampled: SampleOutput, event, emitted: list[int] | None = None
+                 ) -> list[RequestOutput]:
         if event is not None:
             event.synchronize()
         ids = sampled.token_ids.tolist()
         lps = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         tops = None
         if sampled.top_logprobs is not None:
-            tops = [list(zip(i, v)) for i, v in zip(sampled.top_logprobs[0].tolist(),
-                                                     sampled.top_logprobs[1].tolist())]
+            pairs = lambda i, v: list(zip(i, v))     # noqa: E731
+            if emitted is not None:                  # [N, n, t]: per row, per emitted token
+                pairs = lambda i, v: [list(zip(a, b)) for a, b in zip(i, v)]   # noqa: E731
+            tops = [pairs(i, v) for i, v in zip(sampled.top_logprobs[0].tolist(), sampled.top_logprobs[1].tolist())]
         if event is not None:
             self._pinned.release(sampled)
         outputs = []
         for row, track in enumerate(tracks):
             track.pending -= 1
-            if track.request.finished and track.out.finish_reason is not None:
-                continue                      # stopped a step ago: this extra token is dropped
-            try:
-                out = self._take(track, ids[row], lps[row] if lps else None, tops[row] if tops else None)
-            except Exception as e:  # one request's failure ends it alone
-                track.out.error = f"{type(e).__name__}: {e}"
-                out = self._end(track, "error")
-            if out is not None:
-                outputs.append(out)
+            if emitted is None:
+                step = [(ids[row], lps[row] if lps else None, tops[row] if tops else None)]
+            else:      # a verify step: [N, n] ids, the first emitted[row] of them this row's
+                step = [(ids[row][j], lps[row][j] if lps else None, tops[row][j] if tops else None)
+                        for j in range(emitted[row])]
+            merged = None
+            for token, lp, top in step:
+                if track.request.finished and track.out.finish_reason is not None:
+                    break                     # stopped (a step ago, or on an earlier token of this row)
+                try:
+                    out = self._take(track, token, lp, top)
+                except Exception as e:  # one request's failure ends it alone
+                    track.out.error = f"{type(e).__name__}: {e}"
+                    out = self._end(track, "error")
+                if merged is None:
+                    merged = out
+                else:
+                    merged = RequestOutput(out.request_id, merged.new_token_ids + out.new_token_ids,
+                                           merged.new_text + out.new_text, out.finished, out.output)
+            if merged is not None:
+                outputs.append(merged)
         return outputs
 
     def _take(self, track: _Track, token: int, logprob: float | None, top: list | None) -> RequestOutput:

@@ -29,12 +29,16 @@ from tqdm import tqdm
 
 from .. import ops
 from ..errors import ContextOverflowError
+from ..model.cache import block_size
 from ..model.transformer import Transformer
 from ..parallel import SINGLE
 from .batch import Row, ScheduledBatch, StepOutput
 from .h2d import upload_ints, upload_parts
-from .sampling import SampleOutput, SamplingParams
-from .sampling import SampleFlags, SlotSampling
+from .prefix_store import PrefixStore
+from .sampling import SampleFlags, SampleOutput, SamplingParams, SlotSampling
+from .speculative import SpeculativeConfig, mtp_drafts
+from .speculative import rollback as spec_rollback
+from .speculative import verify as verify_tokens
 from .state import GenerationState
 
 
@@ -81,15 +85,26 @@ class Runner:
     :class:`~dsv4.engine.config.EngineConfig`; the engine passes its resolved values)."""
 
     def __init__(self, model: Transformer, max_num_seqs: int = 4, max_model_len: int = 4096,
-                 qat_sim: bool = False, max_num_batched_tokens: int = 8192):
+                 qat_sim: bool = False, max_num_batched_tokens: int = 8192, prefix_cache_bytes: int = 0,
+                 speculative: SpeculativeConfig | dict | str | None = None):
         if max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
         self.model, self.qat_sim, self.max_num_batched_tokens = model, qat_sim, max_num_batched_tokens
         self.device = model.embed.weight.device
         #: tensor-parallel group of the model: every rank runs the sampler, rank 0's ids win
         self.tp = getattr(model, "tp", SINGLE)
+        #: speculative decoding (verify rows, rollback; MTP drafts into ``drafts``), or None
+        self.speculative = spec = SpeculativeConfig.parse(speculative)
+        if spec is not None:
+            spec.check_model(model.config, hasattr(model, "mtp"))
         self.state = GenerationState(model.config, max_num_seqs + 1, max_model_len, model.dtype, self.device,
-                                     qat_sim=qat_sim)
+                                     include_mtp=spec is not None and spec.method == "mtp", qat_sim=qat_sim)
+        if spec is not None:
+            for layer in self.state.layers:
+                for comp in (layer.compressor, layer.indexer):
+                    if comp is not None:
+                        comp.enable_log(spec.k + 1)
+        self.drafts = torch.zeros(max_num_seqs + 1, spec.k if spec else 1, dtype=torch.int64, device=self.device)
         self.scratch = max_num_seqs                   # padding rows of a graph bucket run here
         self.lengths = [0] * max_num_seqs             # host mirror of state.positions
         self.tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
@@ -103,6 +118,9 @@ class Runner:
         self._uploads: dict[int, _SlotUpload] = {}
         self.capture_seconds = 0.0
         self.graph_pool_bytes = 0
+        #: the prefix cache's pages (``prefix_cache_bytes`` of them; None: caching off)
+        self.prefix_store = (PrefixStore(self.state, block_size(model.config), prefix_cache_bytes)
+                             if prefix_cache_bytes > 0 else None)
 
     @property
     def max_num_seqs(self) -> int:
@@ -159,7 +177,9 @@ class Runner:
             raise ValueError(f"a step got a slot twice: {slots}")
         for r in rows:
             self._check_slot(r.slot)
-            have = 0 if r.new is not None else self.lengths[r.slot]
+            if r.new is not None and r.new.cached is not None and self.prefix_store is None:
+                raise ValueError(f"slot {r.slot}: a cached prefix to restore, but prefix caching is off")
+            have = self.lengths[r.slot] if r.new is None else r.new.cached.length if r.new.cached else 0
             if r.start != have:
                 raise ValueError(f"slot {r.slot}: row starts at {r.start}, the slot holds {have} tokens")
             if r.token_ids is not None and not r.token_ids:
@@ -167,57 +187,180 @@ class Runner:
             if r.start + r.num_tokens > self.max_model_len:
                 raise ContextOverflowError(f"slot {r.slot}: {r.start} + {r.num_tokens} tokens exceed "
                                            f"max_model_len={self.max_model_len}")
+        ends = {r.slot: r.start + r.num_tokens for r in rows}
+        for sv in batch.saves:
+            self._check_slot(sv.slot)
+            end = (sv.first_block + len(sv.blocks)) * self.prefix_store.block if self.prefix_store else -1
+            if self.prefix_store is None or (sv.tail and ends.get(sv.slot, self.lengths[sv.slot]) != end):
+                raise ValueError(f"slot {sv.slot}: cannot save {len(sv.blocks)} blocks from block {sv.first_block} "
+                                 f"(prefix caching {'on' if self.prefix_store else 'off'})")
         for r in rows:
             if r.new is not None:
                 self.start(r.slot, r.new.params, r.new.prompt_ids)
-        if batch.decode_only:
-            return StepOutput(self.decode_step(slots), {})
-        return self._run_varlen(rows)
+                if r.new.cached is not None:
+                    self._restore(r.slot, r.new.cached)
+        out = StepOutput(self.decode_step(slots), {}) if batch.decode_only else self._run_varlen(rows)
+        for sv in batch.saves:
+            self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
+        return out
+
+    def _restore(self, slot: int, cached) -> None:
+        """Start ``slot`` from a cached prefix: its state copied in from the cache's pages (device
+        copies only), its length that of the prefix."""
+        self.prefix_store.restore(slot, cached.blocks, cached.tail)
+        self.lengths[slot] = cached.length
+        self.state.positions[slot].fill_(cached.length)
 
     def _run_varlen(self, rows: Sequence[Row]) -> StepOutput:
         singles = [r for r in rows if r.num_tokens == 1]
-        order = singles + [r for r in rows if r.num_tokens > 1]          # the flattened token order
+        verify: dict[int, list[Row]] = {}                                  # verify rows by length
+        for r in rows:
+            if r.is_verify:
+                verify.setdefault(r.num_tokens, []).append(r)
+        vrows = [r for S in sorted(verify) for r in verify[S]]
+        order = singles + vrows + [r for r in rows if r.num_tokens > 1 and not r.is_verify]   # flattened order
         ids_host, offset, lo = [], {}, 0
         for r in order:
-            ids_host += [0] if r.token_ids is None else list(r.token_ids)
+            ids_host += ([0] * (1 + r.device_draft) + list(r.draft)) if r.token_ids is None else list(r.token_ids)
             offset[r.slot] = lo
             lo += r.num_tokens
-        decode = [r.slot for r in singles if r.token_ids is None]
-        sample_slots = [r.slot for r in rows if r.sample]                  # sampled in the caller's row order
-        logit_rows = [offset[r.slot] + r.num_tokens - 1 for r in rows if r.sample]
+        decode = [r.slot for r in order if r.token_ids is None]            # first token from ``tokens``
+        plain = [r for r in rows if r.sample and not r.is_verify]          # sampled by the sampler
+        sample_slots = [r.slot for r in plain]
+        logit_rows = [offset[r.slot] + r.num_tokens - 1 for r in plain]
+        logit_rows += [offset[r.slot] + i for r in vrows for i in range(r.num_tokens)]
         wanted = {}
         for i, r in enumerate(rows):
             if r.logits:
                 wanted[i] = (len(logit_rows), r.num_tokens)
                 logit_rows += range(offset[r.slot], offset[r.slot] + r.num_tokens)
+        dev_draft = [(offset[r.slot] + 1 + j, r.slot, j) for r in vrows for j in range(r.device_draft)]
         # one host -> device copy of everything, each part 16-byte aligned (upload_parts): ids; the
-        # one-token rows' slots and starts; each longer row's slot and start; every row's end; the
-        # decode rows' token index and slot; the sampled slots; the logit rows
+        # one-token rows' slots and starts; each verify group's and each longer row's slots and
+        # starts; every row's slot and end; the decode rows' token index and slot; the sampled
+        # slots; the logit rows; the device drafts' token index, slot and column
         D, N, k = len(decode), len(sample_slots), len(singles)
-        longer = order[k:]
-        parts = upload_parts([ids_host, [r.slot for r in singles], [r.start for r in singles]]
-                             + [x for r in longer for x in ([r.slot], [r.start])]
-                             + [[r.slot for r in order], [r.start + r.num_tokens for r in order],
-                                [offset[s] for s in decode], decode, sample_slots, logit_rows], self.device)
+        longer = [verify[S] for S in sorted(verify)] + [[r] for r in order[k + len(vrows):]]
+        lists = ([ids_host, [r.slot for r in singles], [r.start for r in singles]]
+                 + [x for g in longer for x in ([r.slot for r in g], [r.start for r in g])]
+                 + [[r.slot for r in order], [r.start + r.num_tokens for r in order],
+                    [offset[s] for s in decode], decode, sample_slots, logit_rows])
+        if dev_draft:
+            lists += [list(x) for x in zip(*dev_draft)]
+        parts = upload_parts(lists, self.device)
         ids, one_slot, one_start = parts[:3]
-        slot_t, end_t, dec_at, dec_slot, sample_t, rows_t = parts[3 + 2 * len(longer):]
+        g_at = 3 + 2 * len(longer)
+        slot_t, end_t, dec_at, dec_slot, sample_t, rows_t = parts[g_at:g_at + 6]
         if D:
             ids = ids.index_copy(0, dec_at, self.tokens[dec_slot])
+        if dev_draft:
+            at, dslot, col = parts[g_at + 6:g_at + 9]
+            ids = ids.index_copy(0, at, self.drafts[dslot, col])
         groups = []
         if k:
             bound = self.max_model_len if self.full_bound else max(r.start for r in singles) + 1
             groups.append((one_slot, one_start, 1, bound))
-        groups += [(parts[3 + 2 * j], parts[4 + 2 * j], r.num_tokens, r.start + r.num_tokens)
-                   for j, r in enumerate(longer)]
-        logits = self.model.forward_varlen(ids, groups, self.state.layers, rows_t, self.qat_sim)
+        for j, g in enumerate(longer):
+            bound = self.max_model_len if self.full_bound and g[0].is_verify else max(r.start + r.num_tokens for r in g)
+            groups.append((parts[3 + 2 * j], parts[4 + 2 * j], g[0].num_tokens, bound))
+        # verify groups: what their tokens overwrite, for the rollback (``groups`` index 1.. when k)
+        vgroups = [(groups[int(bool(k)) + j], verify[S]) for j, S in enumerate(sorted(verify))]
+        saved = [[layer.save(g[0], g[1], g[2]) for layer in self.state.layers] for g, _ in vgroups]
+        mtp = self.speculative is not None and self.speculative.method == "mtp"
+        res = self.model.forward_varlen(ids, groups, self.state.layers, rows_t, self.qat_sim, streams=mtp)
+        logits, h, ctx = res if mtp else (res, None, None)
         self.state.positions.index_copy_(0, slot_t, end_t)
-        for r in order:
-            self.lengths[r.slot] = r.start + r.num_tokens
         out = None
         if N:
             out = self._agree(self.sampling.sample(logits[:N], sample_t, self.sampling.flags(sample_slots)))
             self.tokens[sample_t] = out.token_ids
-        return StepOutput(out, {i: logits[a:a + n] for i, (a, n) in wanted.items()})
+        if not vgroups:
+            if mtp:
+                self._mtp_step(rows, offset, ids, h, ctx, out, [])
+            for r in order:
+                self.lengths[r.slot] = r.start + r.num_tokens
+            return StepOutput(out, {i: logits[a:a + n] for i, (a, n) in wanted.items()})
+        # verify rows: accept, roll every layer back to the kept length, the last emitted id is the next input
+        at, vouts = N, []
+        for ((vslot, vstart, S, _), g), sv in zip(vgroups, saved):
+            vlog = logits[at:at + len(g) * S].view(len(g), S, -1)
+            at += len(g) * S
+            drafts = ids[offset[g[0].slot]:offset[g[0].slot] + len(g) * S].view(len(g), S)[:, 1:]
+            vo, kept = verify_tokens(self.sampling, vlog, vslot, drafts, self.sampling.flags([r.slot for r in g]))
+            vo = vo._replace(token_ids=self._agree(SampleOutput(vo.token_ids, None, None)).token_ids)
+            kept = (vo.token_ids >= 0).sum(1)
+            spec_rollback(self.state.layers, sv, vslot, vstart, S, kept)
+            self.state.positions[vslot] = vstart + kept
+            self.tokens[vslot] = vo.token_ids.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+            vouts.append((g, vo, kept, vslot, vstart))
+        if mtp:
+            self._mtp_step(rows, offset, ids, h, ctx, out, vouts)
+        kept_host = torch.cat([kv for _, _, kv, _, _ in vouts]).tolist()         # the host learns the lengths
+        n_kept = dict(zip([r.slot for g, *_ in vouts for r in g], kept_host))
+        for r in order:
+            self.lengths[r.slot] = r.start + (n_kept[r.slot] if r.is_verify else r.num_tokens)
+        return self._spec_output(rows, out, vouts, n_kept, {i: logits[a:a + n] for i, (a, n) in wanted.items()})
+
+    def _spec_output(self, rows: Sequence[Row], out: SampleOutput | None, vouts: list, n_kept: dict[int, int],
+                     logits: dict) -> StepOutput:
+        """The step's sampled rows in row order as ``[N, n]`` ids (logprobs, top logprobs): a plain
+        row's one token in column 0, a verify row's emitted tokens."""
+        n = max(vo.token_ids.shape[1] for _, vo, *_ in vouts)
+        pad = lambda t, fill: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=fill)   # noqa: E731
+        pad3 = lambda t: torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[1]))              # noqa: E731
+        ids, lps, tops, where = [], [], [], {}
+        if out is not None:
+            ids.append(pad(out.token_ids.unsqueeze(1), -1))
+            lps.append(None if out.logprobs is None else pad(out.logprobs.unsqueeze(1), 0.0))
+            tops.append(None if out.top_logprobs is None else tuple(pad3(t.unsqueeze(1)) for t in out.top_logprobs))
+            where.update({r.slot: i for i, r in enumerate(r for r in rows if r.sample and not r.is_verify)})
+        for g, vo, *_ in vouts:
+            where.update({r.slot: len(where) + i for i, r in enumerate(g)})
+            ids.append(pad(vo.token_ids, -1))
+            lps.append(None if vo.logprobs is None else pad(vo.logprobs, 0.0))
+            tops.append(None if vo.top_logprobs is None else tuple(pad3(t) for t in vo.top_logprobs))
+        sampled = [r for r in rows if r.sample]
+        perm = upload_ints([where[r.slot] for r in sampled], self.device)
+        token_ids = torch.cat(ids).index_select(0, perm)
+        logprobs = top = None
+        if all(x is not None for x in lps):
+            logprobs = torch.cat(lps).index_select(0, perm)
+        if all(x is not None for x in tops):
+            w = min(t[0].shape[-1] for t in tops)
+            top = tuple(torch.cat([t[i][..., :w] for t in tops]).index_select(0, perm) for i in range(2))
+        emitted = [n_kept[r.slot] if r.is_verify else 1 for r in sampled]
+        return StepOutput(SampleOutput(token_ids, logprobs, top), logits, emitted)
+
+    def _mtp_step(self, rows: Sequence[Row], offset: dict[int, int], ids: torch.Tensor, h: torch.Tensor, ctx,
+                  out: SampleOutput | None, vouts: list) -> None:
+        """Speculative MTP: the block takes every position of the step (its input at position ``t``
+        is the main streams there and token ``t + 1``: the next fed token, the sampled or emitted
+        one, or a chunk's ``next_token``), then drafts ``k`` tokens for every row that sampled, into
+        the draft buffer (the next step's verify rows read them)."""
+        plain = [r for r in rows if r.sample and not r.is_verify]        # the sampler's rows, in ``out`` order
+        chunks = [r for r in rows if not r.sample and r.next_token is not None]
+        lists = [[offset[r.slot] + r.num_tokens - 1 for r in chunks], [r.next_token for r in chunks],
+                 [offset[r.slot] + r.num_tokens - 1 for r in plain], [r.slot for r in plain],
+                 [r.start + r.num_tokens for r in plain]] + [[offset[r.slot] for r in g] for g, *_ in vouts]
+        parts = upload_parts(lists, self.device)
+        c_at, c_id, p_last, p_slot, p_len = parts[:5]
+        nxt = torch.roll(ids, -1)
+        if chunks:
+            nxt = nxt.index_copy(0, c_at, c_id)
+        sel, slots, length = [p_last], [p_slot], [p_len]
+        if plain:
+            nxt = nxt.index_copy(0, p_last, out.token_ids)
+        for (g, vo, kept, vslot, vstart), first in zip(vouts, parts[5:]):
+            S = vo.token_ids.shape[1]
+            at = (first.unsqueeze(1) + torch.arange(S, device=self.device)).flatten()
+            nxt = nxt.index_copy(0, at, vo.token_ids.clamp(min=0).flatten())
+            sel.append(first + kept - 1)
+            slots.append(vslot)
+            length.append(vstart + kept)
+        sel, slots, length = torch.cat(sel), torch.cat(slots), torch.cat(length)
+        drafts = mtp_drafts(self.model, self.state.layers, h, nxt, ctx, sel, slots, length, self.speculative.k,
+                            self.qat_sim, self.max_model_len)
+        self.drafts[slots] = drafts
 
     def _agree(self, out: SampleOutput) -> SampleOutput:
         """Tensor parallel: every rank holds the same full-vocab logits and samples, but rank 0's ids

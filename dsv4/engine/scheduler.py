@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..errors import ContextOverflowError, RequestError
+from .batch import CachedPrefix
+from .prefix_cache import Pending, PrefixCache, block_keys
 from .sampling import SamplingParams
 
 
@@ -47,6 +49,11 @@ class Request:
     slot: int | None = None
     num_prefilled: int = 0           # prompt tokens already in the slot's state
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    num_cached_tokens: int = 0       # prompt tokens restored from the prefix cache
+    cached: CachedPrefix | None = None   # the hit to restore with the first chunk (until it ran)
+    save_at: tuple[int, ...] = ()    # block boundaries in the prompt where its state is saved
+    saved_blocks: int = 0            # blocks of this request known to be in the cache
+    pending: Pending | None = None   # state saved while decoding, entered when the request ends
 
     @property
     def in_prefill(self) -> bool:
@@ -73,6 +80,11 @@ class PrefillChunk:
         """True when the chunk ends the prompt (its logits give the first output token)."""
         return self.start + len(self.token_ids) == len(self.request.prompt_ids)
 
+    @property
+    def first(self) -> bool:
+        """True when the chunk starts the sequence (after its cached prefix, if any)."""
+        return self.start == self.request.num_cached_tokens
+
 
 @dataclass
 class StepPlan:
@@ -93,11 +105,14 @@ class Scheduler:
     """FCFS continuous batching over ``max_num_seqs`` slots of ``max_model_len`` positions.
 
     ``max_num_batched_tokens`` bounds the tokens of one step (decodes + prompt chunks);
-    ``long_prefill_token_threshold`` (when > 0) bounds one prompt's chunk.
+    ``long_prefill_token_threshold`` (when > 0) bounds one prompt's chunk. With ``prefix_cache``, an
+    admitted request starts from its longest cached prefix, and a prompt chunk that would cross one
+    of the prompt's save boundaries (``Request.save_at``) ends there instead (the slot's state is
+    saved there).
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 512,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, prefix_cache: PrefixCache | None = None):
         if min(max_num_seqs, max_model_len, max_num_batched_tokens) <= 0 or long_prefill_token_threshold < 0:
             raise ValueError("scheduler sizes must be positive")
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -109,6 +124,9 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_num_seqs))
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
+        #: tokens a decode row takes of the budget (1 + k with speculative decoding)
+        self.decode_tokens = 1
+        self.prefix_cache = prefix_cache
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -151,6 +169,26 @@ class Scheduler:
             self.free_slots.append(request.slot)
             self.free_slots.sort()
         self.requests.pop(request.request_id, None)
+        self._leave_cache(request, reason)
+
+    def _leave_cache(self, request: Request, reason: str) -> None:
+        """A restore that never ran frees its nodes; what was saved while decoding is entered (for
+        the next turn of a conversation), unless the request failed."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        if request.cached is not None:
+            cache.unref(request.cached)
+            request.cached = None
+        pend, request.pending = request.pending, None
+        if pend is None:
+            return
+        tokens = request.prompt_ids + request.output_ids
+        n = pend.first_block + len(pend.pages)
+        if reason == "error" or len(tokens) < n * cache.block:
+            cache.release(pend.pages + list(pend.tail))
+        else:
+            cache.publish(block_keys(tokens, cache.block, n), pend.first_block, pend.pages, pend.tail)
 
     def append_token(self, request: Request, token_id: int) -> None:
         """Record a sampled token; a request at ``max_tokens`` finishes with reason ``length``."""
@@ -178,17 +216,34 @@ class Scheduler:
             req = self.waiting.popleft()
             req.slot, req.status = self.free_slots.pop(0), Status.RUNNING
             self.running.append(req)
+            if self.prefix_cache is not None:
+                self._start_from_cache(req)
         budget = self.max_num_batched_tokens
         chunk = self.long_prefill_token_threshold or budget       # the most tokens of one prompt in a step
         plan.decode = [r for r in self.running if not r.in_prefill]
-        budget -= len(plan.decode)
+        budget -= len(plan.decode) * self.decode_tokens
         for req in self.running:
             if budget <= 0:
                 break
             if req.in_prefill:
                 n = min(budget, chunk, len(req.prompt_ids) - req.num_prefilled)
                 start = req.num_prefilled
+                for q in req.save_at:
+                    if start < q < start + n:
+                        n = q - start                # end at the boundary, whose state is saved
                 plan.prefill.append(PrefillChunk(req, start, req.prompt_ids[start:start + n]))
                 req.num_prefilled += n
                 budget -= n
         return plan
+
+    def _start_from_cache(self, req: Request) -> None:
+        cache = self.prefix_cache
+        hit = cache.match(req.prompt_ids)
+        if hit is not None:
+            req.cached = hit
+            req.num_prefilled = req.num_cached_tokens = hit.length
+        req.saved_blocks = req.num_cached_tokens // cache.block
+        # the prompt's last boundary (where the next turn of a conversation continues) and the last
+        # one before its final token (all that the same prompt sent again can reuse: one token runs)
+        L, b = len(req.prompt_ids), cache.block
+        req.save_at = tuple(sorted(q for q in {(L - 1) // b * b, L // b * b} if q > req.num_cached_tokens))

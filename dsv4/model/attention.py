@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
 from .cache import LayerCache
 from .common import ForwardContext, GroupedLinear, Linear, RMSNorm, fp32_param
-from .compressor import Compressor
+from .compressor import Compressor, store_entries
 from .indexer import Indexer
 
 
@@ -101,12 +101,12 @@ class Attention(nn.Module):
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments
         of :func:`dsv4.ops.sparse_attention`: the store and the indexer's picks (CSA) or each
         query's visible length (HCA)."""
-        def finish(entry: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            cos, sin = ctx.rope_at("compress", pos)
-            return ops.apply_rope(entry, cos, sin)
-
         comp = cache.compressor
-        self.compressor(x, ctx, comp, finish)
+        new = self.compressor(x, ctx, comp)
+        if new is not None:                     # a chunk: RoPE at each window's first position, then store
+            entries, pos = new
+            cos, sin = ctx.rope_at("compress", pos)
+            store_entries(comp, ctx, ops.apply_rope(entries, cos, sin), pos)
         bound = ctx.entry_bound(self.ratio, comp.max_entries)
         if self.kind == "csa":
             return dict(comp=comp.entries, comp_idx=self.indexer(x, qr, ctx, cache.indexer))

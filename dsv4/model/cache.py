@@ -31,6 +31,19 @@ saves a slot and speculative decoding can roll one back:
   last closed window).
 - ``open``: a compressor's open window; at a boundary every window has just closed, so it holds
   nothing that will be read (its rows are rewritten before the next window closes).
+
+Speculative decoding rolls a slot back to *any* position (:meth:`LayerCache.save` before a verify
+step of ``S`` tokens at ``start``, :meth:`LayerCache.rollback` once the device knows how many were
+kept), leaving exactly what plain decoding of the kept tokens leaves, by device-side masks:
+
+- ring (``window``): the ``S`` rows the step overwrites (``S <= window``, each row once) are saved
+  and put back for the rejected positions.
+- ``entries``: nothing to undo. A rejected token only writes rows at or above the kept length's
+  ``pos // ratio``, which no query reads before the window closes again and rewrites them.
+- open window and last closed window (``open``, ``window``): a verify step saves both windows and
+  logs its ``S`` new rows (``log_kv``/``log_gate``, written by the compressor); rollback rebuilds
+  each row by position from the log, the saved copy, or zero (a window that closed is cleared), see
+  :meth:`CompressorState.rollback`.
 """
 
 from __future__ import annotations
@@ -180,6 +193,10 @@ class CompressorState:
     win_gate: torch.Tensor
     prev_kv: torch.Tensor | None
     prev_gate: torch.Tensor | None
+    #: speculative decoding (:meth:`enable_log`): a multi-token forward's new window rows ``[slots,
+    #: S_max, width]`` fp32 (``C`` and ``Z + ape``), row ``i`` = the step's position ``start + i``
+    log_kv: torch.Tensor | None = None
+    log_gate: torch.Tensor | None = None
 
     @property
     def max_entries(self) -> int:
@@ -213,6 +230,48 @@ class CompressorState:
         if self.prev_gate is not None:
             self.prev_gate.index_fill_(0, slots, float("-inf"))
 
+    def enable_log(self, max_tokens: int) -> None:
+        """Keep the window rows of forwards of up to ``max_tokens`` tokens (speculative verify)."""
+        slots, _, width = self.win_kv.shape
+        self.log_kv = self.win_kv.new_zeros(slots, max_tokens, width)
+        self.log_gate = self.win_gate.new_zeros(slots, max_tokens, width)
+
+    def save(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of the windows a forward may rewrite (a multi-token forward writes the whole new
+        open window), for :meth:`rollback`."""
+        out = (self.win_kv[slots], self.win_gate[slots])
+        if self.prev_kv is not None:
+            out += (self.prev_kv[slots], self.prev_gate[slots])
+        return out
+
+    def rollback(self, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor, S: int,
+                 kept: torch.Tensor) -> None:
+        """After a forward of ``S >= 2`` tokens at ``start [B]`` (logged, see :meth:`enable_log`),
+        keep its first ``kept [B]`` (0..S) positions: the windows become what plain decoding of those
+        positions leaves. Plain decoding (``compressor_step``) writes row ``pos % ratio`` and clears
+        the window when it closes, so row ``r`` holds position ``length // ratio * ratio + r`` if that
+        is below the length, else zero if a window closed during the kept positions, else what it held."""
+        m, dev = self.ratio, start.device
+        sl, st = slots.unsqueeze(1), start.unsqueeze(1)
+        length = (start + kept).unsqueeze(1)                                  # [B, 1]
+        base = torch.div(length, m, rounding_mode="floor") * m                # the open window's first position
+        closed = (base > st).unsqueeze(-1)                                    # a window closed at a kept position
+        q = base + torch.arange(m, device=dev)                                # [B, m] row r's position
+        from_log = ((q < length) & (q >= st)).unsqueeze(-1)
+        lj = (q - st).clamp(0, S - 1)
+        if self.prev_kv is not None:
+            # the window that closed last at a kept position: its rows from the log, or (positions
+            # before the step) from the window as it was
+            d = self.prev_kv.shape[-1]
+            pq = q - m
+            pj = (pq - st).clamp(0, S - 1)
+            for prev, log, win, old in ((self.prev_kv, self.log_kv, saved[0], saved[2]),
+                                        (self.prev_gate, self.log_gate, saved[1], saved[3])):
+                rows = torch.where((pq >= st).unsqueeze(-1), log[sl, pj], win)[..., :d]
+                prev[slots] = torch.where(closed, rows, old)
+        for t, log, old in ((self.win_kv, self.log_kv, saved[0]), (self.win_gate, self.log_gate, saved[1])):
+            t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
+
 
 @dataclass
 class LayerCache:
@@ -228,6 +287,26 @@ class LayerCache:
             if comp is not None:
                 out += comp.tensors()
         return out
+
+    def save(self, slots: torch.Tensor, start: torch.Tensor, S: int) -> list:
+        """What a forward of ``S`` tokens at ``start [B]`` in ``slots [B]`` may overwrite, for
+        :meth:`rollback` (``S <= window``; compressors must have :meth:`CompressorState.enable_log`)."""
+        rows = (start.unsqueeze(1) + torch.arange(S, device=start.device)) % self.ring.rows
+        ring = tuple(t[slots.unsqueeze(1), rows] for t in self.ring.tensors())
+        return [ring] + [c.save(slots) if c is not None else None for c in (self.compressor, self.indexer)]
+
+    def rollback(self, saved: list, slots: torch.Tensor, start: torch.Tensor, S: int, kept: torch.Tensor) -> None:
+        """Keep the first ``kept [B]`` of the ``S`` positions a forward wrote since :meth:`save`:
+        the state becomes what plain decoding of them leaves (device ops only: capturable)."""
+        sl = slots.unsqueeze(1)
+        i = torch.arange(S, device=start.device)
+        rows = (start.unsqueeze(1) + i) % self.ring.rows
+        undo = (i >= kept.unsqueeze(1)).unsqueeze(-1)                      # [B, S, 1] rejected
+        for t, old in zip(self.ring.tensors(), saved[0]):
+            t[sl, rows] = torch.where(undo, old, t[sl, rows])
+        for comp, s in zip((self.compressor, self.indexer), saved[1:]):
+            if comp is not None:
+                comp.rollback(s, slots, start, S, kept)
 
     def pieces(self) -> list[StatePiece]:
         """Every buffer with its kind, in :meth:`tensors` order."""

@@ -14,8 +14,6 @@ sink row). No host read of positions, fixed shapes for a given ``(B, S)``.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
@@ -28,8 +26,8 @@ from .common import ForwardContext, Linear, RMSNorm, fp32_param
 class Compressor(nn.Module):
     """Parameters ``wkv``, ``wgate`` ``[width, D]``, ``ape [m, width]``, ``norm [dim]`` (official names).
 
-    ``rotate``: entries get the indexer's Hadamard rotation after RoPE (what its ``finish`` does),
-    for the fused decode step.
+    ``rotate``: entries get the indexer's Hadamard rotation after RoPE (what the indexer does to
+    the entries this module returns), for the fused decode step.
     """
 
     def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype,
@@ -42,13 +40,16 @@ class Compressor(nn.Module):
         self.ape = fp32_param(ratio, width)
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: CompressorState,
-                finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        """Consume ``x [B, S, D]`` at ``ctx.positions``; write closed windows' entries into ``state``.
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: CompressorState
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Consume ``x [B, S, D]`` at ``ctx.positions``: update the open window in ``state`` and
+        return ``(entries [B, W, dim] fp32, positions [B, W])``, the normed entry of every window
+        the chunk touches and its window's first position; the caller rotates them (RoPE at that
+        position, and the indexer's Hadamard) and stores them with :func:`store_entries` (windows
+        still open go to the sink row).
 
-        ``finish(entry [B, W, dim] fp32, window_start_pos [B, W]) -> entry`` applies RoPE (and the
-        indexer's rotation); the entry store then rounds the entry as it keeps it (FP8 / FP4 under
-        the QAT simulation).
+        Decode (``S == 1``) runs the fused step instead, which also rotates (``rotate``) and stores
+        the closing entry, and returns None.
         """
         m, slots = self.ratio, ctx.slots
         B, S, _ = x.shape
@@ -61,6 +62,9 @@ class Compressor(nn.Module):
                                   cos, sin, self.rotate)
             return
         gate = gate + self.ape[ctx.positions % m]
+        if state.log_kv is not None and S <= state.log_kv.shape[1]:      # a verify step: rollback reads these
+            state.log_kv[slots, :S] = kv
+            state.log_gate[slots, :S] = gate
 
         # Aligned buffer: row j holds position w0*m + j, w0 = the slot's open window.
         n_win = (m - 1 + S) // m + 1            # windows that can close, +1 for the next open one
@@ -80,15 +84,9 @@ class Compressor(nn.Module):
         entry = ops.compress_windows(win_kv, win_gate, prev_kv, prev_gate)   # [B, n_win, dim] fp32
         entry = self.norm(entry)
         index = w0.unsqueeze(1) + torch.arange(n_win, device=x.device)       # [B, n_win] entry index
-        entry = finish(entry, index * m)
-
-        # Write closed windows; the others land on the sink row (max_entries).
-        n_closed = (offset + S) // m                                          # [B]
-        closed = torch.arange(n_win, device=x.device).unsqueeze(0) < n_closed.unsqueeze(1)
-        target = torch.where(closed, index, torch.full_like(index, state.max_entries))
-        fused.store_rows(state.entries, slots.unsqueeze(1), target, entry)
 
         # The new open window is window n_closed of the buffer; the last closed one feeds the overlap.
+        n_closed = (offset + S) // m                                          # [B]
         pick = n_closed.view(B, 1, 1, 1).expand(-1, 1, m, win_kv.shape[-1])
         state.win_kv[slots] = win_kv.gather(1, pick).squeeze(1)
         state.win_gate[slots] = win_gate.gather(1, pick).squeeze(1)
@@ -99,6 +97,7 @@ class Compressor(nn.Module):
                                                state.prev_kv[slots])
             state.prev_gate[slots] = torch.where(any_closed, win_gate[..., :self.dim].gather(1, last).squeeze(1),
                                                  state.prev_gate[slots])
+        return entry, index * m
 
     @staticmethod
     def _aligned(window_rows: torch.Tensor, length: int) -> torch.Tensor:
@@ -106,3 +105,16 @@ class Compressor(nn.Module):
         B, m, w = window_rows.shape
         pad = window_rows.new_zeros(B, length - m, w)
         return torch.cat([window_rows, pad], dim=1)
+
+
+def store_entries(state: CompressorState, ctx: ForwardContext, entries: torch.Tensor, positions: torch.Tensor
+                  ) -> None:
+    """Store ``entries [B, W, dim]`` (rotated, from :meth:`Compressor.forward`) of the windows that
+    start at ``positions [B, W]``: a window that closed within the chunk (its last position
+    ``pos + m - 1`` reached) at row ``pos // m``, the others on the sink row ``max_entries`` (a
+    write with no host branch). The store rounds them as it keeps them (FP8 / FP4 under the QAT
+    simulation)."""
+    m = state.ratio
+    closed = positions + m <= ctx.positions[:, -1:] + 1                       # [B, W]
+    rows = torch.where(closed, positions // m, torch.full_like(positions, state.max_entries))
+    fused.store_rows(state.entries, ctx.slots.unsqueeze(1), rows, entries)

@@ -18,7 +18,7 @@ from ..ops import fused
 from ..config import ModelConfig
 from .cache import CompressorState
 from .common import ForwardContext, Linear
-from .compressor import Compressor
+from .compressor import Compressor, store_entries
 
 
 class Indexer(nn.Module):
@@ -43,11 +43,11 @@ class Indexer(nn.Module):
         """
         rope = ctx.rope["compress"]
 
-        def finish(entry: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        new = self.compressor(x, ctx, state)
+        if new is not None:                     # a chunk: RoPE, the Hadamard rotation, then store
+            entries, pos = new
             cos, sin = ctx.rope_at("compress", pos)
-            return ops.hadamard(ops.apply_rope(entry, cos, sin))   # the key store rounds to FP4 (QAT)
-
-        self.compressor(x, ctx, state, finish)
+            store_entries(state, ctx, ops.hadamard(ops.apply_rope(entries, cos, sin)), pos)  # FP4 under QAT
 
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))
         q = fused.rope_hadamard(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2), ctx.qat_sim)  # [B, S, nI, d]

@@ -33,16 +33,17 @@ class MTPBlock(Block):
         add_head_params(self, c.hc_mult, c.hidden_size)
 
     def predict(self, h: torch.Tensor, next_embed: torch.Tensor, ctx: ForwardContext, cache: LayerCache,
-                head_weight: object) -> tuple[torch.Tensor, torch.Tensor]:
+                head_weight: object, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``h [B, S, nc, D]`` main streams at ``ctx.positions``, ``next_embed [B, S, D]`` embedding of
         the next tokens -> (fp32 logits ``[B, S, vocab]`` for token ``t + 2``, MTP streams).
 
         ``head_weight``: the shared head's weight, or under tensor parallel the model's
-        :meth:`~dsv4.model.transformer.Transformer.project_head` (local vocab slice + all-gather)."""
+        :meth:`~dsv4.model.transformer.Transformer.project_head` (local vocab slice + all-gather).
+        ``rows [R]``: logits of these flattened positions only (``[R, vocab]``; speculative drafts)."""
         e = self.e_proj(self.enorm(next_embed))
         x = self.h_proj(self.hnorm(h)) + e.unsqueeze(2)
         x = super().forward(x, ctx, cache)
-        y = self.norm(collapse_head(self, x, self.config))
-        if callable(head_weight):
-            return head_weight(y), x
-        return ops.linear(y, head_weight, out_dtype=torch.float32), x
+        y = x if rows is None else x.flatten(0, 1).index_select(0, rows).unsqueeze(0)
+        y = self.norm(collapse_head(self, y, self.config))
+        logits = head_weight(y) if callable(head_weight) else ops.linear(y, head_weight, out_dtype=torch.float32)
+        return (logits if rows is None else logits[0]), x

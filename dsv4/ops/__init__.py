@@ -94,9 +94,10 @@ def _load_cuda_kernels() -> None:
     _CUDA_KERNELS_LOADED = True
     from . import triton as kernels
     if kernels.enabled() and kernels.available():
+        from .triton.runtime import triton_cache_dir
+        cache = triton_cache_dir()         # before anything compiles
         kernels.register_all("cuda")
         # nothing else says why the first steps take seconds (long work shows progress)
-        cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
         print(f"dsv4: GPU kernels compile on first use of each shape class (cached in {cache}); "
               "LLM and dsv4 serve compile them all at start-up (warm-up)", file=sys.stderr)
 

@@ -30,8 +30,10 @@ registers, no spill, 96 / 148 KB of shared memory with 1 / 2 stages on sm_90; se
 
 Grid ``(B*S, ceil(H / BH), SPLITS)``. A query's key blocks (``ceil(W / BN)`` window blocks, then
 ``ceil(NC / BN)`` compressed ones, ``NC`` = top-k or ``comp_bound``) are cut into ``SPLITS``
-contiguous ranges so that decode fills the SMs (flash decoding; prefill has one split and finishes
-in-kernel). With several splits, each program writes its unnormalized ``acc`` and ``(max, sum)``,
+contiguous ranges so that decode fills the SMs (flash decoding). When the queries fill the GPU with
+one split (a prefill), :func:`_attn_rows_kernel` runs instead: the same walk over plain ``[64 heads,
+hd]`` x ``[BN, hd]`` tiles, so each product is one tensor-core GEMM with ``K = hd``, and the softmax
+finishes in-kernel. With several splits, each program writes its unnormalized ``acc`` and ``(max, sum)``,
 and ``_attn_combine_kernel`` (grid ``(B*S, H)``) merges them in split order with the sink. With at
 most :data:`FUSED_MAX_SPLITS` splits the last program of a (query, head block) to finish (an
 atomic counter, re-armed by that program) does that merge itself, saving the launch; in split
@@ -130,8 +132,7 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
                  ROPE_ALIGNED: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                  R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
                  HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
-                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, MULTI: tl.constexpr,
-                 FUSED: tl.constexpr, PREC: tl.constexpr):
+                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_sp = tl.program_id(2)
@@ -191,34 +192,135 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
                          C_LAYOUT, HD, NOPE, NCH, CH, ROPE_ALIGNED, C_NSC, C_E8M0, dt)
             m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
 
-    if not MULTI:
-        sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_f = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_f)
-        f = alpha / (l_i * alpha + tl.exp2(sink - m_f))
-        o = acc * f[None, :, None]
-        tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3, o.to(out_ptr.dtype.element_ty),
-                 mask=hm3 & dm3)
+    part = (pid_q.to(tl.int64) * H + h) * n_splits + pid_sp                    # [BH]
+    tl.store(pml_ptr + part * 2, m_i, mask=hm)
+    tl.store(pml_ptr + part * 2 + 1, l_i, mask=hm)
+    # a split that saw no key leaves its acc unwritten: the combine never reads it (l = 0)
+    live3 = (hm & (l_i > 0))[None, :, None]
+    tl.store(pacc_ptr + part[None, :, None] * HD + d3, acc, mask=live3 & dm3)
+    if FUSED:
+        # the last of the SPLITS programs of this (query, head block) merges them all, in
+        # split order (deterministic whichever finishes last), then re-arms the counter
+        cnt = cnt_ptr + pid_q * tl.num_programs(1) + pid_h
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if done == n_splits - 1:
+            o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * n_splits, h, hm, d3,
+                              dm3, HD, NCH, CH, BH, n_splits)
+            tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3,
+                     o.to(out_ptr.dtype.element_ty), mask=hm3 & dm3)
+            tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _load_kv_rows(data_ptr, scale_ptr, rope_ptr, row, ok, LAYOUT: tl.constexpr, HD: tl.constexpr,
+                  NOPE: tl.constexpr, DP: tl.constexpr, NSC: tl.constexpr, E8M0: tl.constexpr, OUT: tl.constexpr):
+    """:func:`_load_kv` as a plain ``[BN, DP]`` tile (the prefill kernel's dot operand): rows ``row``
+    of a K=V store, equal to ``RowStore.read``, zeros where ``~ok`` or past ``HD``."""
+    d = tl.arange(0, DP)[None, :]
+    r = row[:, None]
+    okm = ok[:, None]
+    if LAYOUT == 0:
+        return tl.load(data_ptr + r * HD + d, mask=okm & (d < HD), other=0.0).to(OUT)
     else:
-        part = (pid_q.to(tl.int64) * H + h) * n_splits + pid_sp                    # [BH]
-        tl.store(pml_ptr + part * 2, m_i, mask=hm)
-        tl.store(pml_ptr + part * 2 + 1, l_i, mask=hm)
-        # a split that saw no key leaves its acc unwritten: the combine never reads it (l = 0)
-        live3 = (hm & (l_i > 0))[None, :, None]
-        tl.store(pacc_ptr + part[None, :, None] * HD + d3, acc, mask=live3 & dm3)
-        if FUSED:
-            # the last of the SPLITS programs of this (query, head block) merges them all, in
-            # split order (deterministic whichever finishes last), then re-arms the counter
-            cnt = cnt_ptr + pid_q * tl.num_programs(1) + pid_h
-            tl.debug_barrier()
-            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            tl.debug_barrier()
-            if done == n_splits - 1:
-                o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * n_splits, h, hm, d3,
-                                  dm3, HD, NCH, CH, BH, n_splits)
-                tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3,
-                         o.to(out_ptr.dtype.element_ty), mask=hm3 & dm3)
-                tl.atomic_xchg(cnt, 0)
+        ROPE: tl.constexpr = HD - NOPE
+        nm = okm & (d < NOPE)
+        x = tl.load(data_ptr + r * NOPE + d, mask=nm, other=0.0).to(tl.float32)
+        sc = tl.load(scale_ptr + r * NSC + d // 64, mask=nm, other=0)
+        if E8M0:
+            sf = e8m0_to_f32(sc)
+        else:
+            sf = sc.to(tl.float32)
+        v = (x * sf).to(OUT)
+        ro = tl.load(rope_ptr + r * ROPE + (d - NOPE), mask=okm & (d >= NOPE) & (d < HD), other=0.0)
+        return tl.where(d < NOPE, v, ro.to(OUT))
+
+
+@triton.jit
+def _softmax_rows(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """:func:`_softmax_step` on plain tiles: ``q [BH, DP]``, ``k [BN, DP]``, ``acc [BH, DP]``."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)                                    # [BH, BN]
+    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None], input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["NC"])
+def _attn_rows_kernel(q_ptr, kvn_ptr, out_ptr, sink_ptr, slots_ptr, start_ptr,
+                      ring_data, ring_scale, ring_rope, comp_data, comp_scale, comp_rope, idx_ptr, len_ptr,
+                      S, H, ring_rows, comp_rows, NC, qk_scale,
+                      sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h,
+                      W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, DP: tl.constexpr,
+                      BH: tl.constexpr, BN: tl.constexpr,
+                      R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
+                      HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
+                      C_NSC: tl.constexpr, C_E8M0: tl.constexpr, PREC: tl.constexpr):
+    """The unsplit (prefill) attention: what :func:`_attn_kernel` computes with one split, on plain
+    ``[BH heads, hd]`` x ``[BN keys, hd]`` tiles, so that each product is one tensor-core GEMM of
+    ``K = hd`` (the chunk-major tiles of the decode kernel are batched ``K = 64`` products that keep
+    registers low for few heads but reach ~25 TFLOP/s on a prefill)."""
+    pid_q = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = pid_q // S
+    s = pid_q % S
+    dt = q_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    start = tl.load(start_ptr + b).to(tl.int64)
+    t = start + s
+    h = pid_h * BH + tl.arange(0, BH)
+    hm = h < H
+    d = tl.arange(0, DP)
+    dm = d < HD
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :],
+                mask=hm[:, None] & dm[None, :], other=0.0)
+    m_i = tl.full([BH], -1.0e30, tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, DP], tl.float32)
+    n_wb: tl.constexpr = (W + BN - 1) // BN
+
+    first = tl.maximum(W - 1 - t, 0) // BN
+    for blk in range(first, n_wb):
+        i = blk * BN + tl.arange(0, BN)
+        pos = t - W + 1 + i
+        ok = (i < W) & (pos >= 0)
+        in_ring = ok & (pos < start)
+        in_new = ok & (pos >= start)
+        k = _load_kv_rows(ring_data, ring_scale, ring_rope, slot * ring_rows + tl.where(in_ring, pos % W, 0), in_ring,
+                          R_LAYOUT, HD, NOPE, DP, R_NSC, R_E8M0, dt)
+        new_row = b.to(tl.int64) * skv_b + tl.where(in_new, pos - start, 0) * skv_s
+        x = tl.load(kvn_ptr + new_row[:, None] + d[None, :], mask=in_new[:, None] & dm[None, :], other=0.0)
+        k = tl.where(in_new[:, None], x.to(dt), k)
+        m_i, l_i, acc = _softmax_rows(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
+
+    if HAS_COMP:
+        n_cb = tl.cdiv(NC, BN)
+        if DENSE:
+            clen = tl.load(len_ptr + pid_q).to(tl.int32)
+            n_cb = tl.cdiv(tl.minimum(clen, NC), BN)
+        for cb in range(0, n_cb):
+            c = cb * BN + tl.arange(0, BN)
+            if DENSE:
+                ok = (c < clen) & (c < NC)
+                row = c.to(tl.int64)
+            else:
+                row = tl.load(idx_ptr + pid_q.to(tl.int64) * NC + c, mask=c < NC, other=-1).to(tl.int64)
+                ok = row >= 0
+            k = _load_kv_rows(comp_data, comp_scale, comp_rope, slot * comp_rows + tl.where(ok, row, 0), ok,
+                              C_LAYOUT, HD, NOPE, DP, C_NSC, C_E8M0, dt)
+            m_i, l_i, acc = _softmax_rows(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
+
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_f = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_f)
+    f = alpha / (l_i * alpha + tl.exp2(sink - m_f))
+    o = acc * f[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h[:, None] * so_h + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
 
 
 @triton.jit
@@ -306,6 +408,15 @@ def _attn_config(H: int, hd: int, n_queries: int, itemsize: int = 2) -> tuple[in
     # one); 64 heads would need 128 KB of fp32 accumulators per program. fp32 tiles take twice the
     # shared memory: two stages at hd 512 asked for 320 KB (H100: 227 KB), so they get one
     return bh, 32, 8, 1 if itemsize * hd > 1024 else 2
+
+
+def _rows_config(H: int, hd: int, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """``(BH heads, BN keys, num_warps, num_stages)`` of the prefill kernel :func:`_attn_rows_kernel`."""
+    if runtime.interpreting():
+        return max(16, min(32, triton.next_power_of_2(H))), 16, 4, 1
+    if itemsize * hd > 1024:          # fp32 at hd 512: [BH, hd] fp32 queries and keys in shared memory
+        return max(16, min(32, triton.next_power_of_2(H))), 16, 8, 1
+    return max(16, min(64, triton.next_power_of_2(H))), 32, 8, 1
 
 
 def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
@@ -397,14 +508,24 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     bh, bn, warps, stages = _attn_config(H, hd, B * S, q.element_size())
     n_blocks = triton.cdiv(window, bn) + (triton.cdiv(nc, bn) if has_comp else 0)
     splits, bps = _splits(n_blocks, B * S * triton.cdiv(H, bh), _target_programs or runtime.sm_count(dev))
-    fused = splits > 1 and (splits <= FUSED_MAX_SPLITS if _merge is None else _merge == "fused")
-    cnt = _counters(dev) if fused else out      # may refuse (first use inside a graph capture)
-    if splits > 1:
-        pacc = runtime.empty((B * S, H, splits, hd), torch.float32, dev)
-        pml = runtime.empty((B * S, H, splits, 2), torch.float32, dev)
-    else:
-        pacc = pml = out
     (rd, rs, rr, r_layout, _, r_nsc, r_e8m0), (cd, cs, cr, c_layout, _, c_nsc, c_e8m0) = ring_p, comp_p
+    if splits == 1:
+        # a prefill (enough queries to fill the GPU unsplit): plain tiles, one GEMM of K = hd a product
+        rbh, rbn, rwarps, rstages = _rows_config(H, hd, q.element_size())
+        _attn_rows_kernel[(B * S, triton.cdiv(H, rbh))](
+            q, kv_new, out, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
+            S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E,
+            q.stride(0), q.stride(1), q.stride(2), kv_new.stride(0), kv_new.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            W=window, HD=hd, NOPE=nope, DP=dp, BH=rbh, BN=rbn,
+            R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
+            C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0,
+            PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=rwarps, num_stages=rstages)
+        return out
+    fused = splits <= FUSED_MAX_SPLITS if _merge is None else _merge == "fused"
+    cnt = _counters(dev) if fused else out      # may refuse (first use inside a graph capture)
+    pacc = runtime.empty((B * S, H, splits, hd), torch.float32, dev)
+    pml = runtime.empty((B * S, H, splits, 2), torch.float32, dev)
     _attn_kernel[(B * S, triton.cdiv(H, bh), splits)](
         q, kv_new, out, pacc, pml, cnt, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
         S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E, splits, bps,
@@ -413,9 +534,9 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
         W=window, HD=hd, NOPE=nope, NCH=dp // ch, CH=ch, ROPE_ALIGNED=nope % ch == 0 and hd - nope == ch == dp - nope,
         BH=bh, BN=bn,
         R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
-        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, MULTI=splits > 1, FUSED=fused,
+        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, FUSED=fused,
         PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
-    if splits > 1 and not fused:
+    if not fused:
         _attn_combine_kernel[(B * S, triton.cdiv(H, bh))](
             pacc, pml, sink, out, S, H, splits, out.stride(0), out.stride(1), out.stride(2),
             HD=hd, NCH=dp // ch, CH=ch, BH=bh, num_warps=8)

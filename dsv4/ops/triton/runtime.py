@@ -26,6 +26,28 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels: ``$TRITON_CACHE_DIR`` when set, else
+    ``$DSV4_CACHE/triton`` (default ``~/.cache/dsv4/triton``), set into the environment here so
+    every compile of this process (and of the tensor-parallel workers it starts) uses it: a second
+    start of ``dsv4 serve`` compiles nothing, and one ``DSV4_CACHE`` holds all of dsv4's caches.
+    Falls back to Triton's own default, with a warning, when that directory cannot be created."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return os.environ["TRITON_CACHE_DIR"]
+    from ...tiny import cache_dir
+    path = cache_dir() / "triton"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        import warnings
+        warnings.warn(f"dsv4: cannot create {path} for Triton's kernel cache ({e.strerror or e}); "
+                      "using Triton's default", stacklevel=2)
+        from triton import knobs
+        return str(knobs.cache.dir)
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    return str(path)
+
+
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 #: the activation dtypes the kernels take
 FLOAT_DTYPES = tuple(_TL_DTYPES)

@@ -1,0 +1,101 @@
+"""The prefix cache's device memory: fixed-size pages that hold slot state at block boundaries.
+
+DESIGN decision 7. The generation state at a block boundary (:func:`dsv4.model.cache.block_size`)
+is the ``entries`` rows before it plus the ``window`` pieces (:data:`dsv4.model.cache.PIECE_KINDS`;
+the ``open`` pieces hold nothing then). So the cache keeps two things, in pages of one byte pool:
+
+- a **block**: one page with the ``entries`` rows of ``block_size`` positions of every layer
+  (append-only state, shared by every prefix that contains the block);
+- a **tail**: the ``window`` pieces of one slot at one boundary, over as many pages as it needs.
+
+Saving and restoring are device copies only, one indexed copy per state buffer whatever the number
+of blocks (page numbers go host -> device; nothing comes back). The runner owns this pool and
+executes what the host-side index (:mod:`dsv4.engine.prefix_cache`) plans, so under tensor
+parallel every rank copies its own state the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..model.cache import StatePiece
+from .h2d import upload_ints
+from .state import GenerationState
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, ``[..., last * itemsize]`` uint8 (a view)."""
+    return t.view(torch.uint8)
+
+
+class PrefixStore:
+    """``num_pages`` pages of ``page_bytes`` each, for ``state``'s slots (``block`` positions a block)."""
+
+    def __init__(self, state: GenerationState, block: int, budget_bytes: int):
+        self.state, self.block = state, block
+        pieces = state.pieces()
+        self.entries = [p for p in pieces if p.kind == "entries"]
+        self.window = [p for p in pieces if p.kind == "window"]
+        for p in self.entries:
+            if block % p.ratio:
+                raise ValueError(f"block {block} is not a multiple of the compression ratio {p.ratio}")
+        # a block page: each entries piece's block rows back to back
+        self._entry_spans, off = [], 0
+        for p in self.entries:
+            n = block // p.ratio * p.nbytes_per_row()
+            self._entry_spans.append((off, n))
+            off += n
+        self.block_bytes = off
+        self.tail_bytes = sum(p.nbytes_per_slot() for p in self.window)
+        self.page_bytes = max(self.block_bytes, 1)
+        self.tail_pages = -(-self.tail_bytes // self.page_bytes)
+        self.num_pages = int(budget_bytes // self.page_bytes)
+        if self.num_pages < self.tail_pages + 1:
+            raise ValueError(f"a prefix cache of {budget_bytes / 2**20:.1f} MiB cannot hold one cached prefix "
+                             f"({(self.tail_pages + 1) * self.page_bytes / 2**20:.1f} MiB); give more memory or "
+                             "turn prefix caching off")
+        self.pool = torch.zeros(self.num_pages, self.page_bytes, dtype=torch.uint8, device=state.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel()
+
+    def _rows(self, p: StatePiece, slot: int, first_block: int, n_blocks: int) -> torch.Tensor:
+        r = self.block // p.ratio
+        return p.tensor[slot, first_block * r:(first_block + n_blocks) * r]
+
+    # ------------------------------------------------------------------ slot -> pages
+    def save(self, slot: int, first_block: int, blocks: Sequence[int], tail: Sequence[int]) -> None:
+        """Copy ``slot``'s entry rows of blocks ``first_block ..`` into pages ``blocks`` (one page a
+        block, in order) and, with ``tail``, its window pieces into those pages."""
+        dev = self.state.device
+        if blocks:
+            pages = upload_ints(list(blocks), dev)
+            for p, (off, n) in zip(self.entries, self._entry_spans):
+                src = _bytes(self._rows(p, slot, first_block, len(blocks))).reshape(len(blocks), n)
+                self.pool[:, off:off + n].index_copy_(0, pages, src)
+        if tail:
+            flat = torch.cat([_bytes(p.tensor[slot]).reshape(-1) for p in self.window])
+            flat = torch.nn.functional.pad(flat, (0, len(tail) * self.page_bytes - flat.numel()))
+            self.pool.index_copy_(0, upload_ints(list(tail), dev), flat.view(len(tail), self.page_bytes))
+
+    # ------------------------------------------------------------------ pages -> slot
+    def restore(self, slot: int, blocks: Sequence[int], tail: Sequence[int]) -> None:
+        """Make ``slot`` hold the prefix of ``len(blocks)`` blocks: entry rows from ``blocks`` (block
+        0 first) and the window pieces from ``tail``. The caller sets the slot's length."""
+        dev = self.state.device
+        pages = upload_ints(list(blocks) + list(tail), dev)
+        if blocks:
+            chosen = self.pool.index_select(0, pages[:len(blocks)])
+            for p, (off, n) in zip(self.entries, self._entry_spans):
+                dst = self._rows(p, slot, 0, len(blocks))
+                dst.copy_(chosen[:, off:off + n].contiguous().view(p.tensor.dtype).view(dst.shape))
+        flat = self.pool.index_select(0, pages[len(blocks):]).view(-1)
+        off = 0
+        for p in self.window:
+            dst = p.tensor[slot]
+            n = p.nbytes_per_slot()
+            dst.copy_(flat[off:off + n].view(p.tensor.dtype).view(dst.shape))
+            off += n

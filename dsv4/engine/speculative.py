@@ -1,0 +1,260 @@
+"""Speculative decoding: drafts from the request's own tokens (n-gram) or the checkpoint's MTP block,
+verified in one step, rejected drafts rolled back (DESIGN decisions 6 and 7).
+
+A verify row feeds a slot's last sampled token plus ``k`` drafts at positions ``p .. p + k``; the
+step's forward gives the target's logits at every one of them. :func:`verify` keeps the longest
+accepted prefix of the drafts plus one token drawn from the target (the correction where a draft was
+rejected, else the bonus token after the last draft), and the state of every layer is rolled back to
+the kept length (:meth:`dsv4.model.cache.LayerCache.rollback`), so the slot holds exactly what plain
+decoding of the kept tokens leaves.
+
+Acceptance is standard rejection sampling with a one-hot draft distribution (both drafters propose
+one token, the argmax for MTP): draft ``d`` at a position whose target distribution is ``p`` (after
+penalties, temperature, top-k/p, min-p) is kept with probability ``p(d)``; on rejection the token
+is drawn from ``p`` without ``d``, renormalised (``(p - q)+`` for ``q = onehot(d)``). The emitted
+tokens are then distributed exactly as the target's. Greedy rows keep a draft iff it is the argmax,
+so their tokens are exactly plain decoding's. Penalties see the drafts before each position; the
+draws use the request's counter-based noise at draw counter ``step + i`` (uniform of the accept
+test on a salted stream), so a seeded request is reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import UsageError
+from .sampling import SampleOutput, SamplingBatch, apply_penalties, apply_top_k_top_p_min_p, gumbel_noise, uniform_noise
+
+METHODS = ("ngram", "mtp")
+_ACCEPT_SALT = 0x5BD1E995          # the accept test's uniforms: a stream apart from the draws'
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` fields that apply here."""
+
+    method: str
+    """``"ngram"`` (drafts from the request's own prompt and output) or ``"mtp"`` (the checkpoint's
+    multi-token-prediction block, applied recursively for k > 1)."""
+    num_speculative_tokens: int
+    """Drafts per step, k >= 1 (a verify row is 1 + k tokens)."""
+    prompt_lookup_min: int = 1
+    """n-gram: the shortest suffix of the tokens that is looked up earlier in them."""
+    prompt_lookup_max: int = 4
+    """n-gram: the longest suffix looked up (the longest earlier match wins)."""
+    disable_by_batch_size: int | None = None
+    """Decode plainly while more than this many requests decode (verification costs compute that
+    large batches no longer have to spare); None: always speculate."""
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> UsageError:
+            return UsageError(f"speculative config: {msg}")
+        if self.method not in METHODS:
+            raise bad(f"method must be one of {list(METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(f"{name} must be an int >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise bad(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                      f"({self.prompt_lookup_max})")
+        v = self.disable_by_batch_size
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise bad(f"disable_by_batch_size must be an int >= 1 or null, got {v!r}")
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From the JSON text of ``--speculative-config``, a dict, or a config (None: off). Any problem
+        is one :class:`~dsv4.errors.UsageError` naming it."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"speculative config: not valid JSON ({e.msg} at character {e.pos}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise UsageError(f"speculative config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise UsageError(f"speculative config: unknown field(s) {unknown}; known: {sorted(known)}")
+        for need in ("method", "num_speculative_tokens"):
+            if need not in value:
+                raise UsageError(f"speculative config: {need!r} is required")
+        return cls(**value)
+
+    def check_model(self, config: Any, has_mtp: bool) -> None:
+        """Refuse what this model cannot do: MTP without the block, a verify row longer than the
+        sliding window (rollback restores each window row once)."""
+        if self.method == "mtp" and not has_mtp:
+            raise UsageError("speculative config: method 'mtp' needs the checkpoint's MTP block (mtp.0), "
+                             "which this model does not have")
+        if self.k + 1 > config.sliding_window:
+            raise UsageError(f"speculative config: num_speculative_tokens ({self.k}) + 1 exceeds the sliding "
+                             f"window ({config.sliding_window})")
+
+
+def ngram_propose(tokens: Sequence[int], k: int, nmin: int, nmax: int) -> list[int] | None:
+    """The ``k`` tokens after the latest earlier occurrence of the longest suffix of ``tokens`` of
+    ``nmin..nmax`` tokens (padded with its last token when the continuation is shorter), or None."""
+    L = len(tokens)
+    for n in range(min(nmax, L - 1), nmin - 1, -1):
+        suffix = list(tokens[L - n:])
+        for i in range(L - n - 1, -1, -1):
+            if list(tokens[i:i + n]) == suffix:
+                cont = list(tokens[i + n:i + n + k])
+                return cont + [cont[-1]] * (k - len(cont))
+    return None
+
+
+@dataclass
+class SpecStats:
+    """Acceptance counts (vLLM's ``spec_decode`` metrics): verify rows run, drafts proposed, drafts
+    accepted, and accepted per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] | None = None
+
+    def add(self, k: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += accepted
+        if self.accepted_per_pos is None or len(self.accepted_per_pos) < k:
+            self.accepted_per_pos = (self.accepted_per_pos or []) + [0] * (k - len(self.accepted_per_pos or []))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify row (accepted drafts + 1)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def to_dict(self) -> dict:
+        per = self.accepted_per_pos or []
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "mean_accepted_length": round(self.mean_accepted_length, 4),
+                "acceptance_rate": round(self.num_accepted_tokens / self.num_draft_tokens, 4)
+                if self.num_draft_tokens else 0.0,
+                "acceptance_per_position": [round(a / self.num_drafts, 4) for a in per] if self.num_drafts else []}
+
+
+# ----------------------------------------------------------------------------- verification
+
+
+def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flags: Any
+           ) -> tuple[SampleOutput, Tensor]:
+    """Accept drafts by rejection sampling (module docstring). ``logits [b, S, V]`` fp32 at the verify
+    positions of ``slot_idx [b]``, ``drafts [b, S - 1]``; ``sampling`` the runner's
+    :class:`~dsv4.engine.sampling.SlotSampling`, whose rows (draw counters, penalty counts)
+    advance by the emitted tokens. Returns the emitted ids ``[b, S]`` (the first ``kept`` valid, the
+    rest -1) with their logprobs, and ``kept [b]`` (1..S). Device ops only (capturable)."""
+    b, S, V = logits.shape
+    k = S - 1
+    rows = sampling.rows
+    idx = slot_idx.repeat_interleave(S)                                          # [b*S]
+    pos = torch.arange(S, device=logits.device)
+    batch = SamplingBatch.__new__(SamplingBatch)
+    batch.vocab_size, batch.device = V, logits.device
+    batch.params = [None] * (b * S)
+    for name in ("greedy", "temperature", "top_k", "top_p", "min_p", "log_min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed_lo", "seed_hi", "step"):
+        setattr(batch, name, getattr(rows, name).index_select(0, idx))
+    batch.step = batch.step + pos.repeat(b)
+    batch.counts = batch.prompt_mask = None
+    if flags.penalties:
+        # position i has seen the drafts d_1..d_i as generated tokens
+        seen = torch.zeros(b, S, V, dtype=rows.counts.dtype, device=logits.device)
+        seen[:, 1:].scatter_add_(2, drafts.unsqueeze(-1), torch.ones_like(drafts, dtype=seen.dtype).unsqueeze(-1))
+        seen = seen.cumsum(1, dtype=seen.dtype)
+        batch.counts = (rows.counts.index_select(0, slot_idx).unsqueeze(1) + seen).flatten(0, 1)
+        batch.prompt_mask = (rows.prompt_mask.index_select(0, slot_idx).unsqueeze(1) | (seen > 0)).flatten(0, 1)
+    batch.all_greedy, batch.use_top_p, batch.use_min_p = flags.all_greedy, flags.top_p, flags.min_p
+    batch.use_top_k = flags.top_k and not flags.top_p
+    batch.max_top_k = flags.max_top_k or V
+
+    pen = apply_penalties(logits.flatten(0, 1).float(), batch)                    # [b*S, V]
+    target = pen.argmax(-1)
+    padded = torch.cat([drafts, drafts.new_zeros(b, 1)], 1)                       # [b, S]: no draft after d_k
+    if flags.all_greedy:
+        accept, alt = drafts == target.view(b, S)[:, :k], target
+    else:
+        scaled = apply_top_k_top_p_min_p(pen / batch.temperature[:, None], batch)
+        d = padded.flatten().unsqueeze(1)
+        p_d = torch.softmax(scaled, -1).gather(1, d).squeeze(1)
+        u = uniform_noise(batch.seed_lo ^ _ACCEPT_SALT, batch.seed_hi, batch.step, 1).squeeze(1)
+        has_draft = (pos < k).repeat(b)
+        residual = torch.where(has_draft.unsqueeze(1), scaled.scatter(1, d, -math.inf), scaled)
+        drawn = (residual + gumbel_noise(batch.seed_lo, batch.seed_hi, batch.step, V)).argmax(-1)
+        accept = torch.where(batch.greedy.view(b, S)[:, :k], drafts == target.view(b, S)[:, :k],
+                             (u < p_d).view(b, S)[:, :k])
+        alt = torch.where(batch.greedy, target, drawn)
+    n_acc = accept.to(torch.int64).cumprod(1).sum(1)                              # [b] accepted drafts
+    kept = n_acc + 1
+    tokens = torch.where(pos < n_acc.unsqueeze(1), padded, alt.view(b, S))
+    tokens = torch.where(pos < kept.unsqueeze(1), tokens, -1)
+    rows.step.index_copy_(0, slot_idx, rows.step.index_select(0, slot_idx) + kept)
+    if flags.penalties:
+        valid = (pos < kept.unsqueeze(1)).to(rows.counts.dtype)
+        counts = rows.counts.index_select(0, slot_idx).scatter_add(1, tokens.clamp(min=0), valid)
+        rows.counts.index_copy_(0, slot_idx, counts)
+        mask = rows.prompt_mask.index_select(0, slot_idx) | (counts > 0)
+        rows.prompt_mask.index_copy_(0, slot_idx, mask)
+    if flags.logprobs is None:
+        return SampleOutput(tokens, None, None), kept
+    logp = torch.log_softmax(pen, -1)
+    chosen = logp.gather(1, tokens.clamp(min=0).flatten().unsqueeze(1)).view(b, S)
+    top = None
+    if flags.logprobs:
+        t = logp.topk(flags.logprobs, dim=-1)
+        top = (t.indices.view(b, S, -1), t.values.view(b, S, -1))
+    return SampleOutput(tokens, chosen, top), kept
+
+
+def rollback(layers: Sequence[Any], saved: Sequence[Any], slots: Tensor, start: Tensor, S: int, kept: Tensor) -> None:
+    """Every layer keeps the first ``kept [b]`` of the ``S`` positions written since ``saved``."""
+    for layer, s in zip(layers, saved):
+        layer.rollback(s, slots, start, S, kept)
+
+
+# ----------------------------------------------------------------------------- MTP drafts
+
+
+def mtp_drafts(model: Any, layers: Sequence[Any], h: Tensor, next_ids: Tensor, ctx: Any, sel: Tensor,
+               slots: Tensor, length: Tensor, k: int, qat_sim: bool, bound: int) -> Tensor:
+    """Run the MTP block over a forward's tokens and draft ``k`` tokens for some of its rows.
+
+    ``h [1, T, nc, D]`` the main model's final streams, ``next_ids [T]`` each position's next token;
+    the block's state (``layers[-1]``) takes every position. ``sel [R]``: the flattened index of the
+    last kept position of each drafting row (slot ``slots [R]``, new length ``length [R]``). Draft 1
+    is the block's argmax there; drafts 2..k apply it again on its own streams at positions
+    ``length ..``, whose rows of its state are put back afterwards. Returns ``[R, k]``."""
+    mtp, cache = model.mtp[0], layers[-1]
+    head = model.project_head if model.tp.parallel else model.head.w
+    logits, x = mtp.predict(h, model.embed(next_ids).unsqueeze(0), ctx, cache, head, rows=sel)
+    token = logits.argmax(-1)                                                    # [R]
+    out = [token]
+    if k > 1:
+        x = x.flatten(0, 1).index_select(0, sel).unsqueeze(1)                    # [R, 1, nc, D]
+        saved = cache.save(slots, length, k - 1)
+        for j in range(k - 1):
+            ids = token.unsqueeze(1)
+            c = model.context(ids, slots, length + j, qat_sim, bound)
+            logits, x = mtp.predict(x, model.embed(ids), c, cache, head)
+            token = logits[:, 0].argmax(-1)
+            out.append(token)
+        cache.rollback(saved, slots, length, k - 1, torch.zeros_like(length))
+    return torch.stack(out, 1)

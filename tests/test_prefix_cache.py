@@ -1,0 +1,206 @@
+"""Automatic prefix caching (dsv4/engine/prefix_cache.py, prefix_store.py): in fp32 on the CPU a
+request gives the same greedy tokens and logprobs with caching on as off, and ``cached_tokens`` is
+what the block arithmetic says.
+
+The geometry is the tiny model's kind (window 8, CSA ratio 4, HCA ratio 16): block 16 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import parity_config, random_model
+from dsv4.engine.core import Engine
+from dsv4.engine.prefix_cache import PrefixCache
+from dsv4.engine.runner import Runner
+from dsv4.engine.sampling import SamplingParams
+from dsv4.model.cache import block_size
+
+B = 16
+CONTEXT = 256
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = random_model(parity_config(), seed=21)
+    assert block_size(m.config) == B
+    return m
+
+
+def _engine(model, cache_bytes: int | None = 4 << 20, slots=3, chunk=64, budget=None) -> Engine:
+    runner = Runner(model, max_num_seqs=slots, max_model_len=CONTEXT, max_num_batched_tokens=budget or chunk,
+                    prefix_cache_bytes=cache_bytes or 0)
+    return Engine(runner, None, eos_id=1, long_prefill_token_threshold=chunk)
+
+
+def _params(n=6):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _run(engine: Engine, prompts, params=None, together=True):
+    """Run ``prompts`` (all queued at once, or one after the other); returns each request's
+    (tokens, logprobs, cached_tokens)."""
+    results = []
+
+    def drain(ids):
+        done = {}
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    outs = []
+    if together:
+        outs = drain([engine.add_request(p, params or _params()) for p in prompts])
+    else:
+        for p in prompts:
+            outs += drain([engine.add_request(p, params or _params())])
+    for o in outs:
+        results.append((o.output.token_ids, o.output.logprobs, o.output.num_cached_tokens))
+    return results
+
+
+def _same(on, off):
+    for (t1, lp1, _), (t2, lp2, _) in zip(on, off, strict=True):
+        assert t1 == t2
+        assert max(abs(a - b) for a, b in zip(lp1, lp2)) <= LOGPROB_TOL
+
+
+def _tokens(rng, n):
+    return [rng.randrange(2, 512) for _ in range(n)]
+
+
+def _expected_hit(cached_len: int, prompt_len: int) -> int:
+    """The block arithmetic: a boundary saved at ``cached_len`` serves a prompt that has at least one
+    token after it."""
+    return cached_len if cached_len <= prompt_len - 1 else 0
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, 5])
+@pytest.mark.parametrize("base_blocks", [1, 3])
+def test_shared_prefix_at_every_alignment(model, base_blocks, extra):
+    """A second prompt that shares the first one's prompt, ending one before, on, one after and
+    well after a block boundary, hits exactly the boundary arithmetic and equals caching off."""
+    rng = random.Random(base_blocks * 10 + extra)
+    first = _tokens(rng, base_blocks * B + 3)
+    second = first[:base_blocks * B + extra] if extra <= 0 else first[:base_blocks * B] + _tokens(rng, extra)
+    prompts = [first, second]
+    on = _run(_engine(model), prompts, together=False)
+    off = _run(_engine(model, None), prompts, together=False)
+    _same(on, off)
+    assert on[0][2] == 0
+    assert on[1][2] == _expected_hit(base_blocks * B, len(second)), (len(second), on[1][2])
+    assert all(c == 0 for *_, c in off)
+
+
+def test_prompt_shorter_than_a_block_and_exact_blocks(model):
+    rng = random.Random(3)
+    short = _tokens(rng, B - 3)
+    exact = _tokens(rng, 2 * B)
+    prompts = [short, short, exact, exact, exact + _tokens(rng, 1)]
+    on = _run(_engine(model), prompts, together=False)
+    off = _run(_engine(model, None), prompts, together=False)
+    _same(on, off)
+    # a prompt of exactly 2 blocks saves at 16 and 32: sent again it reuses 16 (one token must
+    # run), one token longer it reuses all 32
+    assert [c for *_, c in on] == [0, 0, 0, B, 2 * B]
+
+
+def test_multi_turn_conversation_hits_the_last_turns_full_blocks(model):
+    """Each turn resends the conversation: the previous prompt, the model's answer and a new
+    message. With caching on, turn k+1 starts at turn k's last full block (prompt and answer)."""
+    rng = random.Random(5)
+    params = SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True, logprobs=0)
+    on_engine, off_engine = _engine(model), _engine(model, None)
+    convo = _tokens(rng, 23)
+    for turn in range(5):
+        on = _run(on_engine, [convo], params)
+        off = _run(off_engine, [convo], params)
+        _same(on, off)
+        if turn:
+            # the state was saved where the previous turn ended: prompt + answer, less the last
+            # sampled token (never fed), down to a block boundary
+            assert on[0][2] == _expected_hit(prev_end // B * B, len(convo)), (turn, on[0][2])
+        prev_end = len(convo) + len(on[0][0]) - 1
+        convo = convo + on[0][0] + _tokens(rng, 7 + 4 * turn)
+
+
+def test_same_new_prefix_twice_in_one_step_and_many_users(model):
+    """Requests admitted in the same step with the same new prefix both prefill it (nothing is
+    cached yet); later users with the same system prompt hit it."""
+    rng = random.Random(8)
+    system = _tokens(rng, 3 * B + 2)
+    prompts = [system + _tokens(rng, 9) for _ in range(3)]
+    later = [system + _tokens(rng, 9) for _ in range(3)]
+    on_engine = _engine(model, slots=3, budget=512)
+    on = _run(on_engine, prompts) + _run(on_engine, later)
+    off = _run(_engine(model, None, slots=3, budget=512), prompts + later)
+    _same(on, off)
+    assert [c for *_, c in on] == [0, 0, 0, 3 * B, 3 * B, 3 * B]
+    stats = on_engine.stats().prefix_cache
+    assert stats.hits == 9 * B and stats.queries == sum(len(p) for p in prompts + later)
+
+
+def test_eviction_keeps_results_and_cached_tokens_follow_what_is_left(model):
+    """A cache of a few pages: saving new prefixes evicts old ones (least recently used first);
+    every result still equals caching off, and nothing a scheduled request reads is evicted."""
+    probe = _engine(model)
+    store = probe.runner.prefix_store
+    pages = 2 * (store.tail_pages + 3)          # two 3-block prefixes with their tails
+    rng = random.Random(9)
+    a, b, c = (_tokens(rng, 3 * B + 4) for _ in range(3))
+    prompts = [a, b, a + [7], c, a + [9], b + [5]]
+    engine = _engine(model, cache_bytes=pages * store.page_bytes)
+    on = _run(engine, prompts, together=False)
+    off = _run(_engine(model, None), prompts, together=False)
+    _same(on, off)
+    cached = [x for *_, x in on]
+    assert cached[:3] == [0, 0, 3 * B]           # a still there
+    assert cached[3] == 0 and cached[5] == 0     # c evicted b (LRU); b's prompt was evicted
+    assert engine.stats().prefix_cache.evictions > 0
+    assert engine.stats().prefix_cache.used_bytes <= pages * store.page_bytes
+    # with all of them queued together, a cache that fits one prefix still gives the same results
+    tight = _engine(model, cache_bytes=(store.tail_pages + 4) * store.page_bytes)
+    _same(_run(tight, prompts), off)
+
+
+def test_abort_mid_prefill_saves_nothing_half_written(model):
+    rng = random.Random(11)
+    prompt = _tokens(rng, 5 * B + 3)
+    engine = _engine(model, chunk=B, budget=B + 4)   # a chunk of one block per step
+    rid = engine.add_request(prompt, _params())
+    engine.step()
+    engine.step()                                   # two of five blocks prefilled
+    engine.abort(rid)
+    while engine.has_unfinished:
+        engine.step()
+    assert not engine.prefix_cache.nodes            # the save is at the prompt's end only
+    on = _run(engine, [prompt, prompt], together=False)
+    _same(on, _run(_engine(model, None), [prompt, prompt], together=False))
+    assert [c for *_, c in on] == [0, 5 * B]
+
+
+def test_caching_off_and_the_index_alone():
+    cache = PrefixCache(block=4, num_pages=10, tail_pages=2, page_bytes=100)
+    toks = list(range(20))
+    assert cache.match(toks) is None
+    save, pub = cache.plan_save(0, toks, 3)
+    assert save.first_block == 0 and len(save.blocks) == 3 and len(save.tail) == 2
+    cache.publish(*pub)
+    hit = cache.match(toks[:13])
+    assert hit.length == 12 and hit.blocks == save.blocks and hit.tail == save.tail
+    assert cache.match(toks[:12]) is None             # boundary 12 needs a 13th token; 8 has no tail
+    assert cache.match([99] + toks[1:]) is None       # a different first block: nothing matches after it
+    cache.unref(hit)
+    assert cache.stats.used_bytes == 500
+    # a referenced prefix is never evicted: a save that needs its pages fails instead
+    hit = cache.match(toks)
+    assert cache.plan_save(1, [50 + t for t in toks], 4) is None
+    cache.unref(hit)
+    assert cache.plan_save(1, [50 + t for t in toks], 4) is not None
+    assert cache.stats.evictions >= 1
