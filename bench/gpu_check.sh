@@ -5,6 +5,7 @@
 #   bash bench/gpu_check.sh decode     # the decode step: reference/kernels, eager/graph, transformers, floor
 #   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves, prefill profile
 #   bash bench/gpu_check.sh serve      # dsv4 serve on the Flash x4 slice + dsv4 bench serve
+#   bash bench/gpu_check.sh spec       # speculative decoding: verify cost, simulated acceptance, MTP / n-gram
 #   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
 # Expects transformers>=5.23 (and its newer deps: huggingface_hub, tokenizers, httpx2, httpcore2, truststore)
 # as wheels in .whl/ when the image's are older; humming-kernels as a wheel for the MoE peer; for the
@@ -67,6 +68,10 @@ if want engine; then
     python3 bench/profile_prefill.py --layers 4 --format fp8-mxfp4
   step "prefill through the engine vs the FLOP floor and transformers (one forward per step)" tee_to prefill_bench.txt \
     python3 bench/prefill_bench.py --layers 4 --format fp8-mxfp4 --budget 8192
+fi
+if want spec; then
+  step "speculative decoding vs plain decoding (Flash x4 slice, FP8 + MXFP4, QAT on, graphs)" tee_to spec_bench.txt \
+    python3 bench/spec_bench.py --layers 4 --batch 1 8 32 --k 3 --accept 0.5 0.7 0.9 --tokens 128 --context 1024
 fi
 if want serve; then
   start_random_server 64 300

@@ -31,7 +31,7 @@ engine) for x in throughput throughput32 serve decode; do run_step $x; done ;;
 warmup) pt 300 warmup.log -s tests/test_gpu_warmup.py tests/test_gpu_no_stall.py ;;
 small) pt 150 small_attn_tests.log tests/test_triton_numerics.py tests/test_triton_small.py \
   tests/test_triton_attention.py ;;
-graphs) pt 200 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py tests/test_gpu_batched_step.py ;;
+graphs) pt 420 graphs.log tests/test_cuda_graph_capture.py tests/test_cuda_graphs_engine.py tests/test_gpu_batched_step.py ;;
 moe) pt 150 moe_tests.log tests/test_triton_moe.py ;;
 linear) pt 580 linear_tests.log tests/test_triton_linear.py ;;   # cold Triton cache: ~10 s a test
 linear_fp4) pt 330 linear_fp4_tests.log tests/test_triton_linear.py -k "fp4 or cuda_graph" ;;

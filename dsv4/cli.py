@@ -139,7 +139,8 @@ def _generate(args: argparse.Namespace, llm, prompt, params) -> int:
         print(json.dumps({
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "time_to_first_token_s": round(out.time_to_first_token, 6),
-            "decode_tokens_per_s": None if rate is None else round(rate, 3), "total_s": round(total, 6)}))
+            "decode_tokens_per_s": None if rate is None else round(rate, 3), "total_s": round(total, 6),
+            "spec_decode": None if out.spec_decode is None else out.spec_decode.to_dict()}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()

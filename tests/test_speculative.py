@@ -151,13 +151,16 @@ def _generate(engine, requests):
 
 
 def _greedy_requests(seed: int, n: int = 3, max_tokens: int = 160):
-    """Prompts with repeats (the n-gram drafter finds matches), greedy with logprobs."""
+    """Prompts with repeats (the n-gram drafter finds matches), greedy with logprobs; the third with
+    repetition, frequency and presence penalties (each verify position sees the drafts before it)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         base = [rng.randrange(2, 512) for _ in range(rng.randint(3, 9))]
         prompt = (base * 4)[:rng.randint(5, 40)]
-        out.append((prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)))
+        penalties = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2) if i == 2 else {}
+        out.append((prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True,
+                                           **penalties)))
     return out
 
 
@@ -197,3 +200,125 @@ def test_speculation_with_prefix_caching(model, plain_outputs):
             assert g.token_ids == w.token_ids
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
     assert sum(g.num_cached_tokens for g in got) > 0
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token outside the target's support was emitted"
+    probs = probs.double()[keep]
+    expected = probs / probs.sum() * counts.sum().double()
+    return float(chisquare(counts[keep].double().numpy(), expected.numpy()).pvalue)
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+def test_rejection_sampling_keeps_the_target_distribution(knobs):
+    """Verify rows over fixed logits on an 8-token vocabulary, 6000 seeds: the first emitted token
+    follows the target at position 0 whatever the draft (a likely one and an unlikely one), and the
+    second, where the first draft was kept, the target at position 1 (chi-square, fixed seeds)."""
+    from dsv4.engine.sampling import SampleFlags, SlotSampling
+    from dsv4.engine.speculative import verify
+    V, b, S = 8, 6000, 3
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(S, V, generator=gen) * 1.5
+    sampling = SlotSampling(b, V, "cpu")
+    params = [SamplingParams(seed=i, **knobs) for i in range(b)]
+    for i, p in enumerate(params):
+        sampling.assign(i, p, [1])
+    flags = SampleFlags.of(params, V)
+
+    def target(row: torch.Tensor) -> torch.Tensor:     # the sampler's pipeline on one row, independently
+        scaled = row / knobs["temperature"]
+        p = torch.softmax(scaled, -1)
+        if knobs.get("top_k"):
+            p = torch.where(scaled >= scaled.topk(knobs["top_k"]).values[-1], p, 0.0)
+            p = p / p.sum()
+        if knobs.get("top_p", 1.0) < 1:
+            order = p.argsort(descending=True)
+            before = p[order].cumsum(0) - p[order]
+            drop = torch.zeros(V, dtype=torch.bool)
+            drop[order] = before >= knobs["top_p"]
+            p = torch.where(drop, 0.0, p)
+            p = p / p.sum()
+        return p
+
+    p0, p1 = target(logits[0]), target(logits[1])
+    likely, unlikely = int(p0.argsort()[-2]), int(p0.argsort()[0])
+    drafts = torch.tensor([[likely if i % 2 else unlikely, int(p1.argmax())] for i in range(b)])
+    out, kept = verify(sampling, logits.expand(b, S, V), torch.arange(b), drafts, flags)
+    tokens = out.token_ids
+    assert ((tokens >= 0).sum(1) == kept).all()
+    for half in (0, 1):                                 # each draft choice on its own
+        first = tokens[half::2, 0]
+        assert _chi2_pvalue(torch.bincount(first, minlength=V), p0) > 1e-3
+    second = tokens[kept >= 2, 1]
+    assert second.numel() > 500
+    assert _chi2_pvalue(torch.bincount(second, minlength=V), p1) > 1e-3
+    # the draw counters advanced by the emitted tokens (the next step draws fresh noise)
+    assert torch.equal(sampling.rows.step[:b], kept)
+
+
+def test_speculative_sampling_matches_plain_sampling_distribution(model):
+    """Through the engine (MTP drafts, k = 3): the distribution of the
+    second generated token, given the first, is the model's (chi-square over 1500 seeded requests
+    against the exact conditional probabilities)."""
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    engine = _engine(model, {"method": "mtp", "num_speculative_tokens": 3}, slots=64, budget=1024)
+    reqs = [(prompt, SamplingParams(temperature=1.0, top_k=4, seed=i, max_tokens=3, ignore_eos=True))
+            for i in range(1500)]
+    outs = _generate(engine, reqs)
+    assert engine.spec_stats.num_drafts > 0
+    # the exact conditional distribution of token 2 given token 1, from plain forwards
+    firsts = sorted({o.token_ids[0] for o in outs})
+    plain = Runner(model, max_slots=1, max_context=64)
+    cond = {}
+    for t in firsts:
+        ids = prompt + [t]
+        logits = plain.run(ScheduledBatch((Row(0, 0, tuple(ids), sample=False, logits=True,
+                                               new=NewSequence(reqs[0][1], tuple(ids))),))).logits[0][-1]
+        kth = logits.topk(4).values[-1]
+        cond[t] = torch.softmax(torch.where(logits >= kth, logits, -torch.inf), -1)
+    expected = sum(cond[o.token_ids[0]] for o in outs)
+    counts = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=expected.numel())
+    assert _chi2_pvalue(counts, expected / expected.sum()) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_verify_step_of_the_graph_equals_the_varlen_step(model, method):
+    """``Runner._verify_step`` (what a verify graph captures, run eagerly here) against the varlen
+    step the CPU runs: the same emitted tokens, kept counts, logprobs and state, batch of 3 at
+    different lengths, 12 steps, drafts right up to a random depth (n-gram) or the MTP block's."""
+    from dsv4.engine.sampling import SampleFlags
+    k = 3
+    spec = {"method": method, "num_speculative_tokens": k}
+    greedy = SamplingParams(temperature=0.0, max_tokens=1000, logprobs=0)
+    rng = random.Random(3)
+    runners = [Runner(model, max_slots=3, max_context=CONTEXT, speculative=spec) for _ in range(2)]
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 17, 30)]
+    for r in runners:
+        for s, p in enumerate(prompts):
+            _first(r, s, p, greedy)
+    varlen, graph = runners
+    for _ in range(12):
+        lengths = list(varlen.lengths[:3])
+        assert lengths == graph.lengths[:3]
+        drafts = [[rng.randrange(2, 512) for _ in range(k)] for _ in range(3)]
+        rows = tuple(Row(s, lengths[s], draft=tuple(drafts[s])) if method == "ngram" else
+                     Row(s, lengths[s], device_draft=k) for s in range(3))
+        want = varlen.run(ScheduledBatch(rows))
+        idx = torch.arange(3)
+        host = torch.tensor(drafts) if method == "ngram" else None
+        out, kept = graph._verify_step(idx, host, SampleFlags(logprobs=0), graph.max_context)
+        assert kept.tolist() == want.emitted
+        for s in range(3):
+            graph.lengths[s] += kept[s].item()
+        assert torch.equal(out.token_ids, want.sampled.token_ids)
+        torch.testing.assert_close(out.logprobs, want.sampled.logprobs, rtol=0, atol=1e-5)
+        for s in range(3):
+            _state_equal(varlen, graph, s, varlen.lengths[s])
+        assert torch.equal(varlen.tokens, graph.tokens)
+        if method == "mtp":
+            assert torch.equal(varlen.drafts, graph.drafts)

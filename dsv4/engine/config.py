@@ -15,7 +15,8 @@ generated from the fields by :func:`add_engine_flags` (``--max-num-seqs`` for ``
 
 To add a knob, add it here and nowhere else to get it everywhere: a field with its default, a
 docstring under it (first sentence: what it is; the rest: its default's meaning), and its rule in
-``_RULES`` (the check and what the value must be). The flag, its type (from the annotation: ``bool``
+``_RULES`` (the check and what the value must be; a value given as text to parse further, such as
+JSON, also gets a ``_CONVERT`` entry). The flag, its type (from the annotation: ``bool``
 gives ``--x/--no-x``), ``LLM(x=...)`` and the error messages follow. Extra flag spellings go in
 ``_ALIASES``; a command whose default differs passes it to :func:`add_engine_flags`. Then read it
 where it is used (``config.x`` in :class:`~dsv4.engine.llm.LLM` or :func:`plan_engine`).
@@ -32,9 +33,12 @@ import os
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from .speculative import SpeculativeConfig
 
 # no torch import here: the CLI builds its flags from this module and must start fast
 #: activation dtypes by name (``auto``: bf16 on CUDA, fp32 elsewhere); LLM also takes a torch dtype of these
@@ -87,13 +91,21 @@ class EngineConfig:
     """CPU threads for torch: auto (the physical cores other processes leave free; OMP_NUM_THREADS
     when set), a number, or (LLM only) None to leave torch's setting alone."""
     load_mtp: bool = False
-    """Also load the checkpoint's multi-token-prediction layers (generation does not use them yet)."""
+    """Also load the checkpoint's multi-token-prediction layers (speculative decoding with method mtp
+    loads them anyway)."""
+    speculative_config: SpeculativeConfig | str | dict | None = None
+    """Speculative decoding, vLLM's form: '{"method": "mtp"|"ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": a, "prompt_lookup_max": b}' (ngram: drafts from the prompt and output; mtp:
+    the checkpoint's MTP block). JSON text or a dict, kept as a SpeculativeConfig; unset: off."""
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in _CONVERT:
+                value = _convert(f.name, value, UsageError)
+                setattr(self, f.name, value)
             ok, want = _RULES[f.name]
             if not ok(value):
                 raise UsageError(f"{describe(f.name)} must be {want}, got {value!r}")
@@ -159,13 +171,36 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                and math.isfinite(v) and 0 < v <= 1, "a fraction in (0, 1]"),
     "threads": (lambda v: v is None or v == "auto" or _is_int(v, 1), "auto, an int >= 1 or None"),
     "load_mtp": (lambda v: isinstance(v, bool), "a bool"),
+    "speculative_config": (lambda v: v is None or type(v).__name__ == "SpeculativeConfig",
+                           "None or a speculative config"),
 }
+
+def _speculative(value: object) -> object:
+    from .speculative import SpeculativeConfig     # lazily: it imports torch
+    try:
+        return SpeculativeConfig.parse(value)
+    except UsageError as e:     # said without its own "speculative config" prefix: _convert names the field
+        raise UsageError(str(e).removeprefix("speculative config: ").removeprefix("speculative config ")) from None
+
+
+#: fields whose value is parsed into another form first (JSON text -> a config object); a problem is
+#: a UsageError describing the value, which the message prefixes with the field and its flag
+_CONVERT: dict[str, Callable[[Any], Any]] = {"speculative_config": _speculative}
+
+
+def _convert(name: str, value: Any, error: type[Exception]) -> Any:
+    try:
+        return _CONVERT[name](value)
+    except UsageError as e:
+        raise error(f"{describe(name) if error is UsageError else 'invalid value'}: {e}") from None
+
 
 #: extra spellings of a field's flag (vLLM's short forms)
 _ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("-tp",)}
 
 #: metavars of flags whose value is not a plain number
-_METAVARS: dict[str, str] = {"model": "MODEL", "device": "DEVICE", "dtype": "DTYPE", "qat_sim": "{auto,on,off}",
+_METAVARS: dict[str, str] = {"speculative_config": "JSON", "model": "MODEL", "device": "DEVICE", "dtype": "DTYPE",
+                             "qat_sim": "{auto,on,off}",
                              "threads": "THREADS", "tensor_parallel_size": "N", "gpu_memory_utilization": "FRACTION"}
 
 
@@ -213,7 +248,7 @@ def _parser_of(annotation: str) -> Callable[[str], Any] | None:
         return _parse_int
     if kinds == {"float"}:
         return _parse_float
-    if kinds == {"str"}:
+    if "str" in kinds:           # text, parsed further by the field's _CONVERT entry
         return str
     raise TypeError(f"EngineConfig: no flag type for the annotation {annotation!r}")
 
@@ -224,6 +259,8 @@ def _checked(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
     def convert(text: str) -> Any:
         value = parse(text)
+        if name in _CONVERT:
+            value = _convert(name, value, argparse.ArgumentTypeError)
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
         return value

@@ -95,6 +95,7 @@ class EngineStats:
     slots_used: int
     slots_total: int
     prefix_cache: CacheStats | None = None   # None: prefix caching off
+    spec_decode: SpecStats | None = None      # None: speculative decoding off
 
 
 class _Track:
@@ -215,6 +216,8 @@ class Engine:
         request = Request(rid, ids, params)
         self.scheduler.add(request)
         self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
+        if self.speculative is not None:
+            self.tracks[rid].out.spec_decode = SpecStats()
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -246,8 +249,10 @@ class Engine:
         """Running and waiting requests and slots in use, now (from the thread that steps)."""
         sched = self.scheduler
         cache = None if self.prefix_cache is None else dataclasses.replace(self.prefix_cache.stats)
+        spec = None if self.speculative is None else dataclasses.replace(
+            self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos or []))
         return EngineStats(len(sched.running), len(sched.waiting), self.max_num_seqs - len(sched.free_slots),
-                           self.max_num_seqs, cache)
+                           self.max_num_seqs, cache, spec)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -334,8 +339,6 @@ class Engine:
                 if row.is_verify:
                     k = row.num_tokens - 1
                     self.spec_stats.add(k, n - 1)
-                    if track.out.spec_decode is None:
-                        track.out.spec_decode = SpecStats()
                     track.out.spec_decode.add(k, n - 1)
         self._queue(tracks, out.sampled, out.emitted)
         return True

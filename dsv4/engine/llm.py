@@ -30,6 +30,7 @@ from .runner import Runner
 from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
 from .sampling import SamplingParams
+from .speculative import SpeculativeConfig
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "EnginePlan",
            "plan_engine", "resolve_qat_sim"]
@@ -112,6 +113,8 @@ class EnginePlan:
     max_model_len: int
     state_bytes: int
     has_tokenizer: bool
+    load_mtp: bool                               # asked for, or needed by speculative decoding
+    speculative: SpeculativeConfig | None = None
 
 
 def plan_engine(engine: EngineConfig, *, require_tokenizer: bool = False) -> EnginePlan:
@@ -136,14 +139,19 @@ def plan_engine(engine: EngineConfig, *, require_tokenizer: bool = False) -> Eng
         raise TokenizerNotFoundError(f"{path} has no tokenizer.json, so text cannot be encoded (without one only "
                                      "token-id prompts work: dsv4 generate --prompt-ids, LLM.generate([[0, 15]]))")
     config = ModelConfig.from_file(path / "config.json")
+    spec = engine.speculative_config
+    if spec is not None:
+        spec.check_model(config, config.num_nextn_predict_layers > 0)
+    load_mtp = engine.load_mtp or (spec is not None and spec.method == "mtp")
     context = resolve_max_model_len(engine.max_model_len, config)
     sim = resolve_qat_sim(engine.qat_sim, config)
     slots, size = size_state(config, engine.max_num_seqs, context, act_dtype, dev, sim, engine.gpu_memory_utilization,
-                             lambda: weight_bytes(path, act_dtype, load_mtp=engine.load_mtp, world_size=world))
+                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world))
     if engine.max_num_batched_tokens <= slots:      # max_num_seqs None: checked once it is sized
         raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {engine.max_num_batched_tokens} must "
                          f"exceed max_num_seqs (--max-num-seqs) {slots}")
-    return EnginePlan(engine, path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer)
+    return EnginePlan(engine, path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer,
+                      load_mtp, spec)
 
 
 class LLM:
@@ -153,7 +161,9 @@ class LLM:
     :class:`~dsv4.engine.config.EngineConfig` (each documented there, and checked when it is built):
     ``device``, ``dtype``, ``qat_sim``, ``max_num_seqs``, ``max_model_len``,
     ``max_num_batched_tokens``, ``long_prefill_token_threshold``, ``tensor_parallel_size``,
-    ``enforce_eager``, ``warm_up``, ``gpu_memory_utilization``, ``threads``, ``load_mtp``; the CLI's
+    ``enforce_eager``, ``warm_up``, ``gpu_memory_utilization``, ``threads``, ``load_mtp``,
+    ``speculative_config`` (see :mod:`dsv4.engine.speculative`: greedy requests give exactly the tokens
+    of plain decoding, sampled ones the same distribution); the CLI's
     flags of the same names set the same fields. ``model`` is a checkpoint directory, or ``None`` /
     ``"tiny"`` / ``"tiny:nvfp4"`` / ``"tiny:bf16"`` for the embedded tiny model. The config is
     ``self.engine_config``.
@@ -189,6 +199,7 @@ class LLM:
                   f"on {dev}", file=sys.stderr)
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if plan.has_tokenizer else None
         self.qat_sim = plan.qat_sim
+        self.speculative = plan.speculative
         self.tensor_parallel_size = plan.world_size
         self.device, self.threads = dev, engine.threads
         self._group = None
@@ -209,12 +220,13 @@ class LLM:
         """Load the weights (this rank's, or start the group), capture, warm up, build the engine."""
         engine, dev = plan.engine, plan.device
         spec = RankSpec(str(self.path), dev.type, plan.dtype, self.qat_sim, self.max_num_seqs, self.max_model_len,
-                        engine.load_mtp, torch.get_num_threads() if dev.type == "cpu" else None,
-                        engine.max_num_batched_tokens)
+                        plan.load_mtp, torch.get_num_threads() if dev.type == "cpu" else None,
+                        engine.max_num_batched_tokens, self.speculative)
         if plan.world_size == 1:
-            net, report = load_model(self.path, dev, plan.dtype, load_mtp=engine.load_mtp, progress=progress)
+            net, report = load_model(self.path, dev, plan.dtype, load_mtp=plan.load_mtp, progress=progress)
             runner = Runner(net, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                            qat_sim=self.qat_sim, max_num_batched_tokens=engine.max_num_batched_tokens)
+                            qat_sim=self.qat_sim, max_num_batched_tokens=engine.max_num_batched_tokens,
+                            speculative=self.speculative)
         else:
             runner, report = self._start_group(spec, plan.world_size, progress)
         self.load_report: LoadReport = report
@@ -225,6 +237,8 @@ class LLM:
         self.runner = runner
         if dev.type == "cuda" and not engine.enforce_eager:
             self.runner.capture(progress=progress)
+            if self.speculative is not None and plan.world_size == 1:
+                self.runner.capture_verify(progress=progress)
         if dev.type == "cuda" and engine.warm_up:     # Triton compiles now, not in the middle of serving
             self.runner.warm_up(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,

@@ -57,6 +57,8 @@ class _Graph:
     slots: torch.Tensor          # static input [bucket]
     out: SampleOutput            # static outputs
     loaded: tuple[int, ...] = ()  # the slot list ``slots`` holds now (host copy)
+    drafts: torch.Tensor | None = None   # verify graphs with host drafts: static input [bucket, k]
+    kept: torch.Tensor | None = None     # verify graphs: static output, tokens kept per row [bucket]
 
 
 class _SlotUpload:
@@ -110,6 +112,8 @@ class Runner:
         self.tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.sampling = SlotSampling(max_num_seqs + 1, model.config.vocab_size, self.device)
         self.graphs: dict[tuple[int, SampleFlags], _Graph] = {}
+        #: speculative verify steps captured like decode steps: (bucket, flags, host drafts?) -> graph
+        self.verify_graphs: dict[tuple[int, SampleFlags, bool], _Graph] = {}
         #: eager steps read compressed entries up to the batch's longest context; a graph reads up
         #: to ``max_model_len`` (its shapes are fixed). True makes eager steps do the same, so eager
         #: and replay compute bit-identical steps (tests).
@@ -133,6 +137,14 @@ class Runner:
     @property
     def use_graphs(self) -> bool:
         return bool(self.graphs)
+
+    @staticmethod
+    def _verify_only(rows: Sequence[Row]) -> bool:
+        """Every row a sampled verify row of the same length, drafts all from the host or all from
+        the device: the step a captured verify graph replays."""
+        r0 = rows[0]
+        return all(r.is_verify and r.sample and not r.logits and r.new is None and r.num_tokens == r0.num_tokens
+                   and bool(r.draft) == bool(r0.draft) for r in rows)
 
     # ------------------------------------------------------------------ slots
     def reset(self, slots: Sequence[int]) -> None:
@@ -199,7 +211,12 @@ class Runner:
                 self.start(r.slot, r.new.params, r.new.prompt_ids)
                 if r.new.cached is not None:
                     self._restore(r.slot, r.new.cached)
-        out = StepOutput(self.decode_step(slots), {}) if batch.decode_only else self._run_varlen(rows)
+        if batch.decode_only:
+            out = StepOutput(self.decode_step(slots), {})
+        elif self.verify_graphs and self._verify_only(rows):
+            out = self._verify_replay(rows)
+        else:
+            out = self._run_varlen(rows)
         for sv in batch.saves:
             self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
         return out
@@ -428,6 +445,91 @@ class Runner:
     # ------------------------------------------------------------------ CUDA graphs
     def _buckets(self) -> list[int]:
         return sorted({b for b, _ in self.graphs})
+
+    # ------------------------------------------------------------------ verify steps (speculative)
+    def _verify_step(self, idx: torch.Tensor, drafts: torch.Tensor | None, flags: SampleFlags, bound: int
+                     ) -> tuple[SampleOutput, torch.Tensor]:
+        """A verify step as device work only (what a verify graph captures): each slot of ``idx``
+        feeds its last token and ``k`` drafts (``drafts [B, k]``, or the draft buffer), one forward,
+        acceptance, rollback of every layer to the kept length, the next inputs and (MTP) drafts.
+        Returns the emitted ids ``[B, 1 + k]`` (with logprobs) and the kept counts ``[B]``."""
+        k = self.speculative.k
+        S = k + 1
+        positions = self.state.positions
+        start = positions[idx]
+        drafts = self.drafts[idx] if drafts is None else drafts
+        ids = torch.cat([self.tokens[idx].unsqueeze(1), drafts], 1)                  # [B, S]
+        saved = [layer.save(idx, start, S) for layer in self.state.layers]
+        ctx = self.model.context(ids, idx, start, self.qat_sim, bound)
+        h = self.model.hidden_streams(ctx, self.state.layers)
+        logits = self.model.logits(h)                                                # [B, S, V]
+        out, _ = verify_tokens(self.sampling, logits, idx, drafts, flags)
+        tokens = self._agree(SampleOutput(out.token_ids, None, None)).token_ids
+        kept = (tokens >= 0).sum(1)
+        spec_rollback(self.state.layers, saved, idx, start, S, kept)
+        positions[idx] = start + kept
+        self.tokens[idx] = tokens.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+        if self.speculative.method == "mtp":
+            sel = torch.arange(idx.shape[0], device=idx.device) * S + kept - 1
+            self.drafts[idx] = mtp_drafts(self.model, self.state.layers, h, tokens.clamp(min=0), ctx, sel, idx,
+                                          start + kept, k, self.qat_sim, bound)
+        positions.narrow(0, self.scratch, 1).zero_()     # padding rows never move the scratch slot along
+        return out._replace(token_ids=tokens), kept
+
+    def _verify_replay(self, rows: Sequence[Row]) -> StepOutput:
+        """Replay the verify graph of the batch's bucket (captured on first use)."""
+        n, slots = len(rows), [r.slot for r in rows]
+        flags = self.sampling.flags(slots)
+        host = bool(rows[0].draft)
+        bucket = next(b for b in sorted({b for b, *_ in self.verify_graphs}) + [self.max_slots] if b >= n)
+        graph = self.verify_graphs.get((bucket, flags, host)) or self._capture_verify(bucket, flags, host)
+        padded = tuple(slots) + (self.scratch,) * (bucket - n)
+        if padded != graph.loaded:
+            graph.slots.copy_(torch.tensor(padded, dtype=torch.int64))
+            graph.loaded = padded
+        if host:
+            k = self.speculative.k
+            graph.drafts.copy_(torch.tensor([list(r.draft) for r in rows] + [[0] * k] * (bucket - n)))
+        graph.graph.replay()
+        kept = graph.kept[:n].tolist()                   # the host learns the lengths (one sync)
+        for r, c in zip(rows, kept):
+            self.lengths[r.slot] = r.start + c
+        o = graph.out
+        out = SampleOutput(o.token_ids[:n], None if o.logprobs is None else o.logprobs[:n],
+                           None if o.top_logprobs is None else tuple(t[:n] for t in o.top_logprobs))
+        return StepOutput(out, {}, kept)
+
+    def capture_verify(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
+                       buckets: Sequence[int] | None = None, progress: bool = True) -> None:
+        """Capture the speculative verify step per batch bucket and flag set (as :meth:`capture`
+        does the decode step): host drafts (n-gram) or the draft buffer (MTP)."""
+        if self.speculative is None:
+            raise RuntimeError("verify graphs need speculative decoding on")
+        buckets = sorted(buckets) if buckets else batch_buckets(self.max_slots)
+        host = self.speculative.method != "mtp"
+        for b in tqdm(sorted(buckets, reverse=True), desc="capturing verify graphs", disable=not progress,
+                      file=sys.stderr):
+            for f in flag_sets:
+                self._capture_verify(b, f, host)
+
+    @torch.inference_mode()
+    def _capture_verify(self, bucket: int, flags: SampleFlags, host: bool) -> _Graph:
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        idx = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
+        drafts = torch.zeros(bucket, self.speculative.k, dtype=torch.int64, device=self.device) if host else None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), ops.sync_free():
+            for _ in range(2):
+                self._verify_step(idx, drafts, flags, self.max_context)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with ops.sync_free(), torch.cuda.graph(graph, pool=self.graph_pool):
+            out, kept = self._verify_step(idx, drafts, flags, self.max_context)
+        entry = _Graph(graph, idx, out, (self.scratch,) * bucket, drafts, kept)
+        self.verify_graphs[(bucket, flags, host)] = entry
+        return entry
 
     def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
                 max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:

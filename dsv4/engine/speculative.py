@@ -237,14 +237,16 @@ def mtp_drafts(model: Any, layers: Sequence[Any], h: Tensor, next_ids: Tensor, c
                slots: Tensor, length: Tensor, k: int, qat_sim: bool, bound: int) -> Tensor:
     """Run the MTP block over a forward's tokens and draft ``k`` tokens for some of its rows.
 
-    ``h [1, T, nc, D]`` the main model's final streams, ``next_ids [T]`` each position's next token;
+    ``h [1, T, nc, D]`` the main model's final streams, ``next_ids [T]`` each position's next token
+    (or ``[B, S, nc, D]`` and ``[B, S]``);
     the block's state (``layers[-1]``) takes every position. ``sel [R]``: the flattened index of the
     last kept position of each drafting row (slot ``slots [R]``, new length ``length [R]``). Draft 1
     is the block's argmax there; drafts 2..k apply it again on its own streams at positions
     ``length ..``, whose rows of its state are put back afterwards. Returns ``[R, k]``."""
     mtp, cache = model.mtp[0], layers[-1]
     head = model.project_head if model.tp.parallel else model.head.w
-    logits, x = mtp.predict(h, model.embed(next_ids).unsqueeze(0), ctx, cache, head, rows=sel)
+    e = model.embed(next_ids)
+    logits, x = mtp.predict(h, e.unsqueeze(0) if next_ids.dim() == 1 else e, ctx, cache, head, rows=sel)
     token = logits.argmax(-1)                                                    # [R]
     out = [token]
     if k > 1:

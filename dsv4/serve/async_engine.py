@@ -117,6 +117,7 @@ class EngineStats:
     slots_total: int = 0
     steps: int = 0
     errors: int = 0
+    spec_decode: object | None = None    # SpecStats: speculative decoding's acceptance (None: off)
 
 
 class AsyncEngine:
@@ -265,6 +266,7 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         now, s = self.engine.stats(), self.stats
         s.running, s.waiting, s.slots_used, s.slots_total = now.running, now.waiting, now.slots_used, now.slots_total
+        s.spec_decode = getattr(now, "spec_decode", None)
         if self.metrics is not None:
             self.metrics.engine_state(s)
 

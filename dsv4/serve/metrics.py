@@ -8,7 +8,11 @@ follow Prometheus conventions with a ``dsv4_`` prefix:
 - counters ``dsv4_prompt_tokens_total``, ``dsv4_generation_tokens_total``,
   ``dsv4_requests_finished_total{finish_reason}``, ``dsv4_http_requests_total{endpoint,status}``;
 - histograms ``dsv4_time_to_first_token_seconds``, ``dsv4_inter_token_latency_seconds``,
-  ``dsv4_e2e_request_latency_seconds``.
+  ``dsv4_e2e_request_latency_seconds``;
+- speculative decoding (vLLM's ``spec_decode`` set): counters ``dsv4_spec_decode_num_drafts_total``
+  (verify rows), ``dsv4_spec_decode_num_draft_tokens_total``, ``dsv4_spec_decode_num_accepted_tokens_total``,
+  ``dsv4_spec_decode_num_accepted_tokens_per_pos_total{position}``, and the gauge
+  ``dsv4_spec_decode_mean_accepted_length`` (tokens per verify row, accepted drafts + 1).
 """
 
 from __future__ import annotations
@@ -53,6 +57,15 @@ class Metrics:
         self.e2e = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ["model_name"],
                              buckets=_E2E, registry=r).labels(**label)
         self.model_name = model_name
+        spec = lambda name, doc: Counter(f"dsv4_spec_decode_{name}", doc, ["model_name"], registry=r).labels(**label)  # noqa: E731
+        self.spec_drafts = spec("num_drafts", "Speculative verify rows run")
+        self.spec_draft_tokens = spec("num_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted = spec("num_accepted_tokens", "Draft tokens accepted")
+        self._spec_per_pos = Counter("dsv4_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                     "draft position (0 = the first draft)", ["model_name", "position"], registry=r)
+        self.spec_mean_length = Gauge("dsv4_spec_decode_mean_accepted_length", "Tokens emitted per verify row "
+                                      "(accepted drafts + 1)", ["model_name"], registry=r).labels(**label)
+        self._spec_seen = None
 
     # engine thread
     def engine_state(self, stats) -> None:
@@ -61,6 +74,17 @@ class Metrics:
         self.slots_used.set(stats.slots_used)
         self.slots_total.set(stats.slots_total)
         self.slot_usage.set(stats.slots_used / stats.slots_total if stats.slots_total else 0.0)
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:        # the engine's totals: the counters advance by what is new
+            seen = self._spec_seen or type(spec)()
+            self.spec_drafts.inc(spec.num_drafts - seen.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
+            self.spec_accepted.inc(spec.num_accepted_tokens - seen.num_accepted_tokens)
+            old = seen.accepted_per_pos or []
+            for i, n in enumerate(spec.accepted_per_pos or []):
+                self._spec_per_pos.labels(self.model_name, str(i)).inc(n - (old[i] if i < len(old) else 0))
+            self.spec_mean_length.set(spec.mean_accepted_length)
+            self._spec_seen = spec
 
     # event loop
     def admitted(self, prompt_tokens: int) -> None:

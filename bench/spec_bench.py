@@ -1,0 +1,223 @@
+"""Speculative decoding against plain decoding, one run on one device (issue 25).
+
+    python bench/spec_bench.py [--preset flash] [--layers 4] [--format fp8-mxfp4] [--k 3]
+                               [--batch 1 8 32] [--accept 0.5 0.7 0.9] [--tokens 128] [--context 1024]
+                               [--device cuda|cpu] [--eager]
+
+Random weights made on the device (``dsv4.model.random_weights``, the checkpoint's MTP block
+included); on a GPU BF16 with the QAT simulation and every step a CUDA graph replay (decode and
+verify graphs, unless ``--eager``), on the CPU fp32 eager (the tiny preset runs in seconds: the test
+suite runs it). Three tables:
+
+1. **verify cost**: ms of a verify step of 1 + k tokens per row against a 1-token decode step, per
+   batch size, with drafts that are always rejected (so it is also speculation's worst case: the
+   tokens/s ratio at zero acceptance).
+2. **simulated acceptance**: greedy tokens/s of plain decoding against speculation whose drafts are
+   the target's own next tokens (recorded from the plain run), each replaced by a wrong token with
+   probability 1 - p; accepted length per step and the speedup.
+3. **real drafts**: the MTP block and n-gram drafts through the engine (prompts that repeat a
+   segment, so n-gram finds matches in the prompt) against the plain engine: acceptance and
+   tokens/s. With random weights the MTP block's acceptance is near zero: reported as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dsv4.config import preset  # noqa: E402
+from dsv4.engine.batch import NewSequence, Row, ScheduledBatch  # noqa: E402
+from dsv4.engine.core import Engine  # noqa: E402
+from dsv4.engine.runner import Runner  # noqa: E402
+from dsv4.engine.sampling import SamplingParams  # noqa: E402
+from dsv4.model.random_weights import build_random_model  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def runner_for(model, batch: int, context: int, spec: dict | None, graphs: bool, qat: bool) -> Runner:
+    r = Runner(model, max_slots=batch, max_context=context, qat_sim=qat, speculative=spec)
+    if graphs:
+        r.capture(buckets=[batch], progress=False)
+        if spec is not None:
+            r.capture_verify(buckets=[batch], progress=False)
+    return r
+
+
+def prefill(runner: Runner, prompts: list[tuple[int, ...]]) -> None:
+    runner.run(ScheduledBatch(tuple(Row(s, 0, p, new=NewSequence(GREEDY, p)) for s, p in enumerate(prompts))))
+
+
+def plain_decode(runner: Runner, n: int) -> tuple[float, list[list[int]]]:
+    """``n`` greedy decode steps of every slot: seconds, and each slot's tokens."""
+    slots = range(runner.max_slots)
+    toks = [[int(t)] for t in runner.tokens[:runner.max_slots].tolist()]
+    sync(str(runner.device))
+    t0 = time.perf_counter()
+    outs = []
+    for _ in range(n):
+        outs.append(runner.run(ScheduledBatch(tuple(Row(s, runner.lengths[s]) for s in slots))).sampled.token_ids)
+    sync(str(runner.device))
+    dt = time.perf_counter() - t0
+    for o in outs:
+        for s, t in enumerate(o.tolist()):
+            toks[s].append(t)
+    return dt, toks
+
+
+def spec_decode(runner: Runner, n: int, k: int, draft) -> tuple[float, int, int]:
+    """Verify steps until every slot has ``n`` more tokens; ``draft(slot, emitted) -> k ids``.
+    Returns seconds, steps and tokens emitted."""
+    B = runner.max_slots
+    emitted = [0] * B
+    steps = 0
+    sync(str(runner.device))
+    t0 = time.perf_counter()
+    while min(emitted) < n:
+        rows = tuple(Row(s, runner.lengths[s], draft=tuple(draft(s, emitted[s]))) for s in range(B))
+        out = runner.run(ScheduledBatch(rows))
+        for s, c in enumerate(out.emitted):
+            emitted[s] += c
+        steps += 1
+    sync(str(runner.device))
+    return time.perf_counter() - t0, steps, sum(emitted)
+
+
+def verify_cost(model, args, qat: bool) -> None:
+    print(f"\n## verify cost: 1 + k = {1 + args.k} tokens per row against 1, drafts always rejected "
+          f"(context {args.context})")
+    print(f"{'batch':>5} {'decode ms':>10} {'verify ms':>10} {'ratio':>6} {'tok/s plain':>12} {'tok/s spec@0':>13}")
+    rng = random.Random(0)
+    V = model.config.vocab_size
+    for b in args.batch:
+        prompts = [tuple(rng.randrange(2, V) for _ in range(args.context)) for _ in range(b)]
+        ctx = args.context + 2 * args.steps + 4 * args.k + 8
+        spec = {"method": "ngram", "num_speculative_tokens": args.k}
+        r = runner_for(model, b, ctx, spec, args.graphs, qat)
+        prefill(r, prompts)
+        plain_decode(r, 2)                                           # warm
+        t_dec, _ = plain_decode(r, args.steps)
+        junk = lambda s, e: [rng.randrange(2, V) for _ in range(args.k)]   # noqa: E731
+        spec_decode(r, 2, args.k, junk)                              # warm
+        t_ver, steps, toks = spec_decode(r, args.steps, args.k, junk)
+        ms_d, ms_v = 1e3 * t_dec / args.steps, 1e3 * t_ver / steps
+        print(f"{b:>5} {ms_d:>10.3f} {ms_v:>10.3f} {ms_v / ms_d:>6.2f} {b * args.steps / t_dec:>12.1f} "
+              f"{toks / t_ver:>13.1f}")
+        del r
+
+
+def simulated(model, args, qat: bool) -> None:
+    print(f"\n## simulated acceptance: drafts = the target's own tokens, each wrong with probability 1 - p "
+          f"(k = {args.k}, {args.tokens} tokens per row)")
+    print(f"{'batch':>5} {'p':>5} {'tok/s plain':>12} {'tok/s spec':>11} {'tokens/step':>12} {'speedup':>8}")
+    rng = random.Random(1)
+    V = model.config.vocab_size
+    for b in args.batch:
+        prompts = [tuple(rng.randrange(2, V) for _ in range(args.context)) for _ in range(b)]
+        ctx = args.context + args.tokens + 4 * args.k + 8
+        spec = {"method": "ngram", "num_speculative_tokens": args.k}
+        r = runner_for(model, b, ctx, spec, args.graphs, qat)
+        prefill(r, prompts)
+        plain_decode(r, 1)
+        r.reset(list(range(b)))
+        prefill(r, prompts)
+        t_plain, ref = plain_decode(r, args.tokens + args.k + 1)
+        t_plain *= args.tokens / (args.tokens + args.k + 1)
+        for p in args.accept:
+            r.reset(list(range(b)))
+            prefill(r, prompts)
+
+            def draft(s, e, p=p):
+                want = ref[s][e + 1:e + 1 + args.k]
+                return [t if rng.random() < p else (t + 1 + rng.randrange(V - 1)) % V for t in want]
+            t_spec, steps, toks = spec_decode(r, args.tokens, args.k, draft)
+            plain_rate, spec_rate = b * args.tokens / t_plain, toks / t_spec
+            print(f"{b:>5} {p:>5.2f} {plain_rate:>12.1f} {spec_rate:>11.1f} {toks / steps / b:>12.2f} "
+                  f"{spec_rate / plain_rate:>7.2f}x")
+        del r
+
+
+def real_drafts(model, args, qat: bool) -> None:
+    print(f"\n## real drafts through the engine (k = {args.k}, {args.tokens} tokens per request, greedy; "
+          f"prompts repeat a 32-token segment)")
+    print(f"{'batch':>5} {'method':>6} {'tok/s':>9} {'vs plain':>9} {'accepted/draft':>15} {'tokens/step':>12}")
+    rng = random.Random(2)
+    V = model.config.vocab_size
+    for b in args.batch:
+        seg = [[rng.randrange(2, V) for _ in range(32)] for _ in range(b)]
+        prompts = [(s * (args.context // 32 + 1))[:args.context] for s in seg]
+        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+        base = None
+        for method in ("plain", "ngram", "mtp"):
+            spec = None if method == "plain" else {"method": method, "num_speculative_tokens": args.k,
+                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 8}
+            r = runner_for(model, b, args.context + args.tokens + 4 * args.k + 8, spec, args.graphs, qat)
+            engine = Engine(r, None, eos_id=-1, max_num_batched_tokens=max(args.context * b, 2 * b) + b)
+            for p in prompts:                                     # prefill outside the timing
+                engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            while engine.has_unfinished:
+                engine.step()
+            for p in prompts:
+                engine.add_request(p, params)
+            engine.step()                                          # the prefill step
+            sync(args.device)
+            t0 = time.perf_counter()
+            n = 0
+            while engine.has_unfinished:
+                n += sum(len(o.new_token_ids) for o in engine.step())
+            sync(args.device)
+            rate = n / (time.perf_counter() - t0)
+            base = base or rate
+            st = engine.spec_stats
+            acc = f"{st.num_accepted_tokens / st.num_draft_tokens:.3f}" if st.num_draft_tokens else "-"
+            per = f"{st.mean_accepted_length:.2f}" if st.num_drafts else "1.00"
+            print(f"{b:>5} {method:>6} {rate:>9.1f} {rate / base:>8.2f}x {acc:>15} {per:>12}")
+            del engine, r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="flash", choices=["tiny", "flash", "pro"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--format", default="fp8-mxfp4", choices=["bf16", "fp8-mxfp4", "fp8-nvfp4"])
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--accept", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per row (tables 2 and 3)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (table 1)")
+    ap.add_argument("--context", type=int, default=1024, help="prompt length")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--tables", nargs="+", default=["cost", "simulated", "real"], choices=["cost", "simulated", "real"])
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    args.graphs = cuda and not args.eager
+    dtype = torch.bfloat16 if cuda else torch.float32
+    qat = cuda and args.format != "bf16"
+    config = preset(args.preset, num_layers=args.layers)
+    model = build_random_model(config, args.format, args.device, dtype=dtype, with_mtp=True)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"# spec_bench: {args.preset} x{args.layers} {args.format} {str(dtype).removeprefix('torch.')} "
+          f"qat={'on' if qat else 'off'} on {name}, {'CUDA graphs' if args.graphs else 'eager'}")
+    if "cost" in args.tables:
+        verify_cost(model, args, qat)
+    if "simulated" in args.tables:
+        simulated(model, args, qat)
+    if "real" in args.tables:
+        real_drafts(model, args, qat)
+
+
+if __name__ == "__main__":
+    main()

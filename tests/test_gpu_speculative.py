@@ -1,0 +1,81 @@
+"""Speculative decoding on the GPU (run by bench/gpu_check.sh), Flash slice with random FP8 + MXFP4
+weights in fp32 (the kernels at real shapes): the captured verify step (one graph per batch bucket)
+equals the eager varlen verify step, and greedy generation with n-gram and MTP speculation through
+captured graphs gives plain decoding's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, cuda]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from dsv4.config import preset
+    from dsv4.model.random_weights import build_random_model
+    return build_random_model(preset("flash", num_layers=2), "fp8-mxfp4", "cuda", dtype=torch.float32,
+                              with_mtp=True)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_verify_graph_equals_eager_verify(model, method):
+    from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
+    from dsv4.engine.runner import Runner
+    from dsv4.engine.sampling import SamplingParams
+    k = 3
+    spec = {"method": method, "num_speculative_tokens": k}
+    greedy = SamplingParams(temperature=0.0, logprobs=0, max_tokens=1000)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: tuple(torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist())   # noqa: E731
+    prompts = {0: ids(300), 1: ids(517), 2: ids(200)}
+
+    def fresh() -> Runner:
+        r = Runner(model, max_slots=4, max_context=2048, speculative=spec)
+        r.run(ScheduledBatch(tuple(Row(s, 0, p, new=NewSequence(greedy, p)) for s, p in prompts.items())))
+        return r
+
+    eager, graphed = fresh(), fresh()
+    graphed.capture_verify(buckets=[4], progress=False)
+    for step in range(6):
+        drafts = {s: ids(k) for s in prompts}
+        rows = lambda r: tuple(Row(s, r.lengths[s], draft=drafts[s]) if method == "ngram" else   # noqa: E731
+                               Row(s, r.lengths[s], device_draft=k) for s in prompts)
+        want, got = eager.run(ScheduledBatch(rows(eager))), graphed.run(ScheduledBatch(rows(graphed)))
+        assert got.emitted == want.emitted, f"step {step}"
+        assert torch.equal(got.sampled.token_ids.cpu(), want.sampled.token_ids.cpu()), f"step {step}"
+        torch.testing.assert_close(got.sampled.logprobs, want.sampled.logprobs, rtol=0, atol=2e-3)
+        assert eager.lengths == graphed.lengths
+    assert graphed.verify_graphs
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_greedy_generation_with_speculation_in_graphs(model, method):
+    from dsv4.engine.core import Engine
+    from dsv4.engine.runner import Runner
+    from dsv4.engine.sampling import SamplingParams
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(2, model.config.vocab_size, (40,), generator=g).tolist()
+    prompts = [base * 3, base[:17] * 5, base[5:30]]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+    def generate(spec):
+        runner = Runner(model, max_slots=4, max_context=1024, speculative=spec)
+        runner.capture(buckets=[4], progress=False)
+        if spec:
+            runner.capture_verify(buckets=[4], progress=False)
+        engine = Engine(runner, None, eos_id=1, max_num_batched_tokens=512)
+        rids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished:
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.output.token_ids
+        return [done[r] for r in rids], engine
+
+    want, _ = generate(None)
+    got, engine = generate({"method": method, "num_speculative_tokens": 3})
+    assert got == want
+    assert engine.spec_stats.num_drafts > 0
