@@ -273,7 +273,7 @@ def test_speculative_sampling_matches_plain_sampling_distribution(model):
     assert engine.spec_stats.num_drafts > 0
     # the exact conditional distribution of token 2 given token 1, from plain forwards
     firsts = sorted({o.token_ids[0] for o in outs})
-    plain = Runner(model, max_slots=1, max_context=64)
+    plain = Runner(model, max_num_seqs=1, max_model_len=64)
     cond = {}
     for t in firsts:
         ids = prompt + [t]
@@ -296,7 +296,7 @@ def test_verify_step_of_the_graph_equals_the_varlen_step(model, method):
     spec = {"method": method, "num_speculative_tokens": k}
     greedy = SamplingParams(temperature=0.0, max_tokens=1000, logprobs=0)
     rng = random.Random(3)
-    runners = [Runner(model, max_slots=3, max_context=CONTEXT, speculative=spec) for _ in range(2)]
+    runners = [Runner(model, max_num_seqs=3, max_model_len=CONTEXT, speculative=spec) for _ in range(2)]
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 17, 30)]
     for r in runners:
         for s, p in enumerate(prompts):
@@ -311,7 +311,7 @@ def test_verify_step_of_the_graph_equals_the_varlen_step(model, method):
         want = varlen.run(ScheduledBatch(rows))
         idx = torch.arange(3)
         host = torch.tensor(drafts) if method == "ngram" else None
-        out, kept = graph._verify_step(idx, host, SampleFlags(logprobs=0), graph.max_context)
+        out, kept = graph._verify_step(idx, host, SampleFlags(logprobs=0), graph.max_model_len)
         assert kept.tolist() == want.emitted
         for s in range(3):
             graph.lengths[s] += kept[s].item()

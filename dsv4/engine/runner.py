@@ -481,7 +481,7 @@ class Runner:
         n, slots = len(rows), [r.slot for r in rows]
         flags = self.sampling.flags(slots)
         host = bool(rows[0].draft)
-        bucket = next(b for b in sorted({b for b, *_ in self.verify_graphs}) + [self.max_slots] if b >= n)
+        bucket = next(b for b in sorted({b for b, *_ in self.verify_graphs}) + [self.max_num_seqs] if b >= n)
         graph = self.verify_graphs.get((bucket, flags, host)) or self._capture_verify(bucket, flags, host)
         padded = tuple(slots) + (self.scratch,) * (bucket - n)
         if padded != graph.loaded:
@@ -505,7 +505,7 @@ class Runner:
         does the decode step): host drafts (n-gram) or the draft buffer (MTP)."""
         if self.speculative is None:
             raise RuntimeError("verify graphs need speculative decoding on")
-        buckets = sorted(buckets) if buckets else batch_buckets(self.max_slots)
+        buckets = sorted(buckets) if buckets else batch_buckets(self.max_num_seqs)
         host = self.speculative.method != "mtp"
         for b in tqdm(sorted(buckets, reverse=True), desc="capturing verify graphs", disable=not progress,
                       file=sys.stderr):
@@ -522,11 +522,11 @@ class Runner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), ops.sync_free():
             for _ in range(2):
-                self._verify_step(idx, drafts, flags, self.max_context)
+                self._verify_step(idx, drafts, flags, self.max_model_len)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with ops.sync_free(), torch.cuda.graph(graph, pool=self.graph_pool):
-            out, kept = self._verify_step(idx, drafts, flags, self.max_context)
+            out, kept = self._verify_step(idx, drafts, flags, self.max_model_len)
         entry = _Graph(graph, idx, out, (self.scratch,) * bucket, drafts, kept)
         self.verify_graphs[(bucket, flags, host)] = entry
         return entry
