@@ -65,8 +65,8 @@ def _hooks() -> None:
     from dsv4.model import attention, compressor, indexer, mhc, moe, transformer
 
     _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
-    _wrap(mhc.Mixer, "pre", "c:mhc_pre")
-    _wrap(mhc.Mixer, "post", "c:mhc_post")
+    _wrap(mhc.HyperConnection, "pre", "c:mhc_pre")
+    _wrap(mhc.HyperConnection, "post", "c:mhc_post")
     _wrap(attention.Attention, "_store_window", "c:kv_store")
     _wrap(compressor.Compressor, "forward", "c:compressor")
     _wrap(indexer.Indexer, "forward", "c:indexer")

@@ -5,7 +5,7 @@
 
 The default slice (the first 4 layers of V4-Flash) has every layer kind: sliding, CSA and HCA
 attention, hash-routed and top-k MoE. Weights are random, made directly on the device in each
-layout (``dsv4.model.random_weights``). The generation state is filled with random rows at
+layout (``dsv4.random_weights``). The generation state is filled with random rows at
 ``--context`` positions (no prefill needed: a decode step's cost does not depend on the values).
 
 Per batch size it prints ms per decode step (embedding, layers, head and sampler) for transformers'
@@ -34,7 +34,7 @@ from dsv4 import ops  # noqa: E402
 from dsv4.config import ModelConfig, preset  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.model.cache import RowStore  # noqa: E402
-from dsv4.model.random_weights import build_random_model  # noqa: E402
+from dsv4.random_weights import build_random_model  # noqa: E402
 
 
 DEVICE = "cuda"

@@ -39,7 +39,7 @@ from dsv4.config import ModelConfig, preset  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.sampling import SamplingParams  # noqa: E402
-from dsv4.model.random_weights import build_random_model  # noqa: E402
+from dsv4.random_weights import build_random_model  # noqa: E402
 
 
 def sync() -> None:

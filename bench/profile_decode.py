@@ -18,7 +18,7 @@ from bench.decode_bench import fill_state  # noqa: E402
 from dsv4 import ops  # noqa: E402
 from dsv4.config import preset  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
-from dsv4.model.random_weights import build_random_model  # noqa: E402
+from dsv4.random_weights import build_random_model  # noqa: E402
 
 
 def main() -> None:

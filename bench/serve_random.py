@@ -5,7 +5,7 @@
         --max-model-len 4096 --port 8000 &
     dsv4 bench serve --base-url http://127.0.0.1:8000 -n 512 --concurrency 64 --input-len 512 --output-len 128
 
-The weights are made on the device in the release layout (``dsv4.model.random_weights``), the
+The weights are made on the device in the release layout (``dsv4.random_weights``), the
 state and CUDA graphs as ``LLM`` makes them, and the tokenizer is the tiny byte-level one sized to
 the geometry's vocabulary (the benchmark sends token-id prompts). Everything after that is the
 real server.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dsv4.config import preset  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
-from dsv4.model.random_weights import LAYOUTS, build_random_model  # noqa: E402
+from dsv4.random_weights import LAYOUTS, build_random_model  # noqa: E402
 from dsv4.serve.cli import _listen  # noqa: E402
 from dsv4.serve.server import run_server  # noqa: E402
 from dsv4.text.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402

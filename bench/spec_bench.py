@@ -4,7 +4,7 @@
                                [--batch 1 8 32] [--accept 0.5 0.7 0.9] [--tokens 128] [--context 1024]
                                [--device cuda|cpu] [--eager]
 
-Random weights made on the device (``dsv4.model.random_weights``, the checkpoint's MTP block
+Random weights made on the device (``dsv4.random_weights``, the checkpoint's MTP block
 included); on a GPU BF16 with the QAT simulation and every step a CUDA graph replay (decode and
 verify graphs, unless ``--eager``), on the CPU fp32 eager (the tiny preset runs in seconds: the test
 suite runs it). Three tables:
@@ -37,7 +37,7 @@ from dsv4.engine.batch import NewSequence, Row, ScheduledBatch  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.sampling import SamplingParams  # noqa: E402
-from dsv4.model.random_weights import build_random_model  # noqa: E402
+from dsv4.random_weights import build_random_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 

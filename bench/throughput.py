@@ -151,7 +151,7 @@ def main() -> None:
                   max_model_len=args.max_prompt + args.max_out + 8, enforce_eager=args.enforce_eager)
         runner, vocab = llm.runner, llm.config.vocab_size
     else:
-        from dsv4.model.random_weights import build_random_model
+        from dsv4.random_weights import build_random_model
         config = preset(args.preset, num_layers=args.layers)
         model = build_random_model(config, args.format, args.device)
         runner = Runner(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_prompt + args.max_out + 8,

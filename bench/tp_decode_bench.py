@@ -23,7 +23,7 @@ share of the step spent in collectives. ``--prefill-tokens N`` adds one N-token 
   at that batch.
 
 Tensor parallel (``--tensor-parallel-size N``, launched by ``torchrun --nproc-per-node N``): each
-rank builds its shard directly on its GPU (:func:`dsv4.model.init.random_sharded`: no checkpoint on
+rank builds its shard directly on its GPU (:func:`dsv4.random_weights.random_sharded`: no checkpoint on
 disk); rank 0 drives the steps and prints, the other ranks follow its step plan. ``--weights
 release`` is DeepSeek's layout (FP8-block attention and shared expert, MXFP4 routed experts, QAT
 simulation on); ``bf16`` keeps every weight BF16. The context is set without running the prompt
@@ -44,7 +44,7 @@ from dsv4.engine.distributed import ParallelRunner, follow
 from dsv4.engine.limits import state_bytes
 from dsv4.engine.runner import Runner
 from dsv4.engine.sampling import SampleFlags
-from dsv4.model.init import random_sharded
+from dsv4.random_weights import random_sharded
 from dsv4.model.transformer import Transformer
 from dsv4.parallel import ParallelGroup, init_parallel
 from dsv4.testing import prefill

@@ -11,7 +11,7 @@ from dsv4.config import ModelConfig
 from dsv4.engine.batch import Row, ScheduledBatch
 from dsv4.engine.distributed import ParallelRunner, follow, greedy
 from dsv4.engine.runner import Runner
-from dsv4.model.init import random_sharded
+from dsv4.random_weights import random_sharded
 from dsv4.parallel import ParallelGroup
 from dsv4.weights.loader import load_model
 

@@ -23,7 +23,7 @@ def test_mixed_step_equals_rows_one_by_one(dtype):
     from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampling import SamplingParams
-    from dsv4.model.random_weights import build_random_model
+    from dsv4.random_weights import build_random_model
 
     config = preset("flash", num_layers=2)
     qat = dtype == "bf16-qat"

@@ -20,7 +20,7 @@ def test_admission_prefill_and_first_sample_never_wait_for_the_device():
     from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampling import SamplingParams
-    from dsv4.model.random_weights import build_random_model
+    from dsv4.random_weights import build_random_model
 
     model = build_random_model(preset("flash", num_layers=1), "fp8-mxfp4", "cuda")
     runner = Runner(model, max_num_seqs=3, max_model_len=1024, qat_sim=True, max_num_batched_tokens=512)

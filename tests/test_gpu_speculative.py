@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, cuda]
 @pytest.fixture(scope="module")
 def model():
     from dsv4.config import preset
-    from dsv4.model.random_weights import build_random_model
+    from dsv4.random_weights import build_random_model
     return build_random_model(preset("flash", num_layers=2), "fp8-mxfp4", "cuda", dtype=torch.float32,
                               with_mtp=True)
 

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_flash_slice_compiles_nothing_after_warm_up():
     from dsv4.config import preset
     from dsv4.engine.runner import Runner
-    from dsv4.model.random_weights import build_random_model
+    from dsv4.random_weights import build_random_model
     from dsv4.ops.triton import variants
 
     model = build_random_model(preset("flash", num_layers=2), "fp8-mxfp4", "cuda")

@@ -172,3 +172,13 @@ def test_every_on_disk_spelling_of_the_same_bits_loads_the_same(source, tmp_path
     a = prefill(Runner(reference, 1, 32), 0, ids, all_logits=True)
     b = prefill(Runner(model, 1, 32), 0, ids, all_logits=True)
     assert torch.equal(a, b)
+
+
+def test_routed_experts_mixing_formats_is_named(source, tmp_path):
+    """Experts are written into one stacked buffer per projection as they are read: an expert in
+    another format than the first is refused (from the headers, before any data is read), named."""
+    config, t = _quantized(source, "mxfp4")
+    _, fp8 = _quantized(source, "fp8")
+    for part in ("weight", "scale"):
+        t[f"{EXPERT}.{part}"] = fp8[f"{EXPERT}.{part}"]
+    _expect(tmp_path, config, t, "mxfp4", rf"`{EXPERT}.weight` is fp8_e4m3_block.*mix weight formats")

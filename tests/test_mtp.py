@@ -38,7 +38,7 @@ def test_mtp_predict_is_the_documented_composition():
     e = ops.reference.rms_norm(e, mtp.enorm.weight, config.rms_norm_eps) @ mtp.e_proj.weight.T
     hh = ops.reference.rms_norm(h, mtp.hnorm.weight, config.rms_norm_eps) @ mtp.h_proj.weight.T
     x = torch.nn.Module.__call__(mtp, hh + e.unsqueeze(2), ctx, fresh.layers[-1])  # Block.forward
-    y = ops.reference.hc_head(x, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, config.rms_norm_eps,
+    y = ops.reference.hc_head(x, mtp.hc_head.fn, mtp.hc_head.base, mtp.hc_head.scale, config.rms_norm_eps,
                               config.hc_eps)
     y = ops.reference.rms_norm(y, mtp.norm.weight, config.rms_norm_eps)
     expected = y.float() @ model.head.weight.float().T

@@ -16,7 +16,7 @@ import parallel_workers as workers
 from conftest import parity_config, tp_config
 from dsv4.engine.distributed import greedy, spawn
 from dsv4.engine.runner import Runner
-from dsv4.model.init import random_sharded
+from dsv4.random_weights import random_sharded
 from dsv4.weights.loader import load_model
 
 PROMPTS = [[0, 17, 3, 99, 250, 4, 8, 15, 16, 23, 42, 108, 7, 300, 5, 6, 77], [0, 400, 21]]

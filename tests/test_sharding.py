@@ -188,7 +188,7 @@ def test_fp4_column_split_must_fall_on_activation_blocks(tmp_path):
 
 def test_random_sharded_applies_the_same_rule():
     from dsv4.config import preset
-    from dsv4.model.init import random_sharded
+    from dsv4.random_weights import random_sharded
 
     # the tiny geometry's FP8 projections are two 128-blocks: they split in 2, not in 4
     random_sharded(preset("tiny"), parallel=ParallelGroup.layout(1, 2))

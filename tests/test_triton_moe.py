@@ -383,7 +383,7 @@ def test_model_moe_layers_under_expert_parallel(monkeypatch, experts, T, prefill
 
     import dsv4.ops as ops
     from conftest import tp_config
-    from dsv4.model.init import random_sharded
+    from dsv4.random_weights import random_sharded
     from dsv4.model.moe import MoE
     from dsv4.parallel import SINGLE, ParallelGroup
     if prefill:

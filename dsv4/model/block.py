@@ -11,7 +11,7 @@ from ..parallel import SINGLE, ParallelGroup
 from .attention import Attention
 from .cache import LayerCache
 from .common import ForwardContext, RMSNorm
-from .mhc import Mixer, add_mixer_params
+from .mhc import HyperConnection, HyperHead
 from .moe import MoE
 
 
@@ -19,22 +19,24 @@ class Block(nn.Module):
     """``h = post(attn(attn_norm(pre_attn(h))))`` then the same with the MoE and ``ffn_norm``."""
 
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
-                 prefix: str | None = None):
+                 prefix: str | None = None, with_head: bool = False):
         super().__init__()
         c = config
         prefix = prefix or f"layers.{layer}"
+        # the mHC modules first: parameters then come in the checkpoint's order (hc_attn_*, hc_ffn_*,
+        # an MTP block's hc_head_*, then the norms), which the seeded random weights are drawn in
+        self.hc_attn = HyperConnection(c)
+        self.hc_ffn = HyperConnection(c)
+        if with_head:
+            self.hc_head = HyperHead(c)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        add_mixer_params(self, "hc_attn", c.hc_mult, c.hidden_size)
-        add_mixer_params(self, "hc_ffn", c.hc_mult, c.hidden_size)
         self.attn = Attention(c, layer, dtype, tp, f"{prefix}.attn")
         self.ffn = MoE(c, layer, dtype, tp, f"{prefix}.ffn")
-        self._mix_attn = Mixer(self, "hc_attn", c)
-        self._mix_ffn = Mixer(self, "hc_ffn", c)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
         """``h [B, S, nc, D]`` -> ``[B, S, nc, D]``."""
-        y, post, comb = self._mix_attn.pre(h)
-        h = Mixer.post(self.attn(self.attn_norm(y), ctx, cache), h, post, comb)
-        y, post, comb = self._mix_ffn.pre(h)
-        return Mixer.post(self.ffn(self.ffn_norm(y), ctx), h, post, comb)
+        y, post, comb = self.hc_attn.pre(h)
+        h = self.hc_attn.post(self.attn(self.attn_norm(y), ctx, cache), h, post, comb)
+        y, post, comb = self.hc_ffn.pre(h)
+        return self.hc_ffn.post(self.ffn(self.ffn_norm(y), ctx), h, post, comb)

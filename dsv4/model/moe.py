@@ -5,10 +5,10 @@ DSV4_FACTS section 2, "MoE". Router in fp32: ``s = score(x gate^T)``; hash layer
 normalised to sum 1 and times ``routed_scaling_factor``, weight the experts' outputs. Each expert is
 ``w2(silu(min(x w1^T, L)) * clamp(x w3^T, -L, L))``; the shared expert is the same and always on.
 
-The routed experts are built per expert under their official names (``experts.{e}.w1``, what a
-checkpoint holds) and, once loaded or initialised, stacked by :meth:`MoE.stack_experts` into one
-``[E, N, K]`` weight per projection (``experts.w1``, ...) in its packed format: the form
-:func:`dsv4.ops.moe` consumes, reading only the selected experts' bytes.
+The routed experts have one shape, from construction on: one stacked ``[E, N, K]`` weight per
+projection (``experts.w1``, ...) in its checkpoint format, the form :func:`dsv4.ops.moe` consumes
+(reading only the selected experts' bytes). A checkpoint holds them one by one
+(``experts.{e}.w1``); the loader writes each into its slice ``e`` (:mod:`dsv4.weights.names`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Expert(nn.Module):
         return self.w2(h, torch.float32).to(x.dtype)
 
 
-class StackedExperts(nn.Module):
+class RoutedExperts(nn.Module):
     """The routed experts of a layer as three stacked weights ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``."""
 
     def __init__(self, hidden: int, inter: int, n_experts: int, limit: float, dtype: torch.dtype):
@@ -99,43 +99,17 @@ class MoE(nn.Module):
         self.expert_start, stop = tp.local_range(c.n_routed_experts, "routed experts (n_routed_experts)",
                                                  f"{prefix}.experts")
         self.gate = Gate(c, is_hash, dtype)
-        self.experts: nn.Module = nn.ModuleList(
-            Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
-            for _ in range(stop - self.expert_start))
+        self.experts = RoutedExperts(c.hidden_size, c.moe_intermediate_size, stop - self.expert_start,
+                                     c.swiglu_limit, dtype)
         inter = tp.split(c.moe_intermediate_size, "intermediate channels (moe_intermediate_size)",
                          f"{prefix}.shared_experts.w1.weight") if c.n_shared_experts else 0
         self.shared_experts = (Expert(c.hidden_size, inter, c.swiglu_limit, dtype) if c.n_shared_experts else None)
 
-    @property
-    def stacked(self) -> bool:
-        return isinstance(self.experts, StackedExperts)
-
-    def stack_experts(self) -> None:
-        """Replace the per-expert modules by one stacked weight per projection (same format; the
-        per-expert tensors are released, so memory is held once). Idempotent."""
-        if self.stacked:
-            return
-        first = self.experts[0]
-        stacked = StackedExperts(first.w1.in_features, first.w1.out_features, len(self.experts), self.limit, self.dtype)
-        for proj in ("w1", "w2", "w3"):
-            ws = [getattr(e, proj).w for e in self.experts]
-            if all(isinstance(w, torch.Tensor) for w in ws):
-                weight = torch.stack([w.data for w in ws])
-            elif all(type(w) is type(ws[0]) for w in ws):
-                weight = type(ws[0]).stack(ws, name=f"experts.{proj}")
-            else:
-                kinds = sorted({type(w).__name__ for w in ws})
-                raise ValueError(f"routed experts mix weight formats in {proj}: {kinds}")
-            getattr(stacked, proj).set_weight(weight)
-            for e in self.experts:   # release the per-expert tensors now: peak memory one projection
-                getattr(e, proj).release()
-        self.experts = stacked
+    #: the routed experts are always one stacked weight per projection (there is no other shape)
+    stacked = True
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``x [B, S, D]`` -> ``[B, S, D]``."""
-        if not self.stacked:
-            raise RuntimeError("MoE: routed experts are not stacked; call model.stack_experts() after "
-                               "loading or initialising the weights")
         flat = x.flatten(0, 1)
         weights, ids = self.gate.route(flat, ctx.token_ids.flatten())
         out = self.experts(flat, self.local_ids(ids), weights)

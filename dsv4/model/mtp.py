@@ -15,22 +15,20 @@ from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
 from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm
-from .mhc import add_head_params, collapse_head
 from .block import Block
 
 
 class MTPBlock(Block):
-    """Block parameters plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``, ``hc_head_*``."""
+    """Block parameters plus ``hc_head``, ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: ParallelGroup = SINGLE, prefix: str = "mtp.0"):
-        super().__init__(config, config.num_hidden_layers, dtype, tp, prefix)
+        super().__init__(config, config.num_hidden_layers, dtype, tp, prefix, with_head=True)
         c = self.config = config
         self.e_proj = Linear(c.hidden_size, c.hidden_size, dtype)
         self.h_proj = Linear(c.hidden_size, c.hidden_size, dtype)
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        add_head_params(self, c.hc_mult, c.hidden_size)
 
     def predict(self, h: torch.Tensor, next_embed: torch.Tensor, ctx: ForwardContext, cache: LayerCache,
                 head_weight: object, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +42,6 @@ class MTPBlock(Block):
         x = self.h_proj(self.hnorm(h)) + e.unsqueeze(2)
         x = super().forward(x, ctx, cache)
         y = x if rows is None else x.flatten(0, 1).index_select(0, rows).unsqueeze(0)
-        y = self.norm(collapse_head(self, y, self.config))
+        y = self.norm(self.hc_head(y))
         logits = head_weight(y) if callable(head_weight) else ops.linear(y, head_weight, out_dtype=torch.float32)
         return (logits if rows is None else logits[0]), x

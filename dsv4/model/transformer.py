@@ -14,11 +14,11 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
+from ..weights.names import official_state_dict
 from .block import Block
 from .cache import LayerCache
 from .common import ForwardContext, Linear, RMSNorm, RopeTables, VocabEmbedding, set_qat_sim
-from .mhc import add_head_params, collapse_head
-from .moe import MoE
+from .mhc import HyperHead
 from .mtp import MTPBlock
 
 
@@ -37,9 +37,9 @@ class Transformer(nn.Module):
         c = self.config = config
         tp = self.tp = parallel or SINGLE
         self.dtype = dtype
+        self.hc_head = HyperHead(c)     # first: the checkpoint's order (hc_head_* before embed), see Block
         self.embed = VocabEmbedding(c.vocab_size, c.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(Block(c, i, dtype, tp) for i in range(c.num_hidden_layers))
-        add_head_params(self, c.hc_mult, c.hidden_size)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = Linear(c.hidden_size, tp.split(c.vocab_size, "vocab entries (vocab_size)", "head.weight"), dtype,
                            qat_act=False)
@@ -74,28 +74,10 @@ class Transformer(nn.Module):
         for kind, freqs in inv.items():
             self.register_buffer(f"inv_freq_{kind}", freqs.to(device), persistent=False)
 
-    def stack_experts(self) -> "Transformer":
-        """Stack every MoE's routed experts into one weight per projection (after loading or
-        initialising; the form the MoE op consumes). Returns ``self``."""
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.stack_experts()
-        return self
-
     def official_state_dict(self) -> dict[str, torch.Tensor]:
-        """``state_dict()`` under the checkpoint's official names: stacked routed experts
-        (``ffn.experts.w1.weight [E, ...]``) split back into ``ffn.experts.{e}.w1.weight``
-        (views), scale companions included."""
-        out: dict[str, torch.Tensor] = {}
-        for name, t in self.state_dict().items():
-            head, sep, tail = name.partition(".experts.w")
-            if not sep or not self.get_submodule(head).stacked:
-                out[name] = t
-                continue
-            proj, part = tail.split(".", 1)          # "1", "weight"
-            for e in range(t.shape[0]):
-                out[f"{head}.experts.{e}.w{proj}.{part}"] = t[e]
-        return out
+        """``state_dict()`` under the checkpoint's official names (:func:`dsv4.weights.names.official_state_dict`:
+        ``hc_attn_fn``, and ``ffn.experts.{e}.w1.weight`` as views of the stacked weights)."""
+        return official_state_dict(self.state_dict())
 
     def context(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qat_sim: bool,
                 context_bound: int) -> ForwardContext:
@@ -117,7 +99,7 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams ``[..., nc, D]`` -> fp32 logits ``[..., vocab]``."""
-        y = self.norm(collapse_head(self, h, self.config))
+        y = self.norm(self.hc_head(h))
         return self.project_head(y)
 
     def project_head(self, y: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ from ..model.transformer import Transformer
 from ..parallel import SINGLE, ParallelGroup, ShardError
 from ..progress import progress_bar
 from .formats import Fp8BlockWeight, QuantWeight, WeightFormatError
-from .names import HF_FUSED_EXPERTS, hf_to_official, is_hf_name, split_hf_experts
+from .names import (HF_FUSED_EXPERTS, hf_to_official, is_hf_name, official_state_dict, official_to_module,
+                    split_hf_experts, stacked_expert_module)
 from .quant_rules import check_quant_rules, read_quant_rules
 from .serialize import build_weight, split_name
 from .sharding import DiskTensor, RankSlicer, disk_tensor, read
@@ -206,7 +207,12 @@ def _check_tensor(name: str, t: torch.Tensor, expected: torch.Tensor, file: Path
 class _Collector:
     """Reads this rank's part of each on-disk tensor (or only its header: a ``meta`` tensor of the
     slice's shape) and turns the stream into checked plain tensors and packed weights (names local
-    to the rank: a routed expert under its local index)."""
+    to the rank: a routed expert under its local index).
+
+    A routed expert goes straight into slice ``e`` of its projection's stacked buffer
+    (:attr:`stacks`, allocated in the expert's format when the first expert of the projection
+    arrives); ``plain`` / ``packed`` then hold a view of that slice under the expert's name, for
+    the checks. No per-expert copy outlives its read, and nothing is stacked after loading."""
 
     def __init__(self, config: ModelConfig, expected: dict[str, torch.Tensor],
                  quantized: dict[str, dict[str, DiskTensor]], device: torch.device | str, load_mtp: bool,
@@ -219,6 +225,9 @@ class _Collector:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.expected_parts: dict[str, set[str]] = {}
         self.origin: dict[str, str] = {}
+        #: stacked routed-expert weights by module name (``layers.2.ffn.experts.w1``), filled slice by slice
+        self.stacks: dict[str, object] = {}
+        self.n_local_experts = slicer.expert_hi - slicer.expert_lo
 
     def _get(self, handle, disk_name: str, disk: DiskTensor, file: Path, index) -> torch.Tensor:
         """The tensor (or its rank's ``index`` slice): read, or a header-only ``meta`` tensor."""
@@ -284,7 +293,8 @@ class _Collector:
 
     def _add_plain(self, name: str, t: torch.Tensor, file: Path, disk_name: str) -> None:
         expected = self._claim(name, disk_name, file)
-        self.plain[name] = _check_tensor(name, t, expected, file, self.config.n_routed_experts).to(self.device)
+        value = _check_tensor(name, t, expected, file, self.config.n_routed_experts)
+        self.plain[name] = self._into_stack(name, value, file) if stacked_expert_module(name) else value.to(self.device)
         self.report.add(name, str(t.dtype).replace("torch.", ""), t.numel() * t.element_size())
 
     def _add_packed(self, base: str, parts: dict[str, torch.Tensor], file: Path) -> None:
@@ -298,19 +308,60 @@ class _Collector:
             raise CheckpointError(f"{file}: tensor `{name}` has logical shape {tuple(weight.shape)}, "
                                   f"the config implies {tuple(expected.shape)}")
         if isinstance(weight, torch.Tensor):
-            self.plain[name] = weight.to(expected.dtype).to(self.device)
+            weight = weight.to(expected.dtype)
+            self.plain[name] = self._into_stack(name, weight, file) if stacked_expert_module(name) else \
+                weight.to(self.device)
             self.report.add(name, str(weight.dtype).replace("torch.", ""), weight.numel() * weight.element_size())
             return
         if self.scan_fp8 and isinstance(weight, Fp8BlockWeight) and _has_nan_fp8(weight.weight):
             raise CheckpointError(f"{file}: tensor `{name}` holds FP8 NaN codes (0x7F/0xFF)")
-        self.packed[name] = weight.to(self.device)
+        self.packed[name] = self._into_stack(name, weight, file) if stacked_expert_module(name) else \
+            weight.to(self.device)
         self.report.add(name, weight.dtype_name, weight.nbytes)
+
+    def _into_stack(self, name: str, weight: object, file: Path) -> object:
+        """Copy routed expert ``name``'s weight (a tensor or a packed weight) into its slice of the
+        stacked buffer on the target device; returns the slice (a view, or a packed weight of views)."""
+        key, (_, e) = stacked_expert_module(name), official_to_module(name)
+        stack = self.stacks.get(key)
+        if stack is None:     # the first expert of this projection: allocate all E of its format
+            n = self.n_local_experts
+            if isinstance(weight, torch.Tensor):
+                stack = torch.empty((n, *weight.shape), dtype=weight.dtype, device=self.device)
+            else:
+                stack = weight._map(lambda t: torch.empty((n, *t.shape), dtype=t.dtype, device=self.device))
+                stack.name = f"{key}.weight"
+            self.stacks[key] = stack
+        if _format_key(stack) != _format_key(weight):
+            kinds = sorted({_format_name(stack), _format_name(weight)})
+            raise CheckpointError(f"{file}: routed expert tensor `{name}` is {_format_name(weight)} but other experts of "
+                                  f"`{key}` are {_format_name(stack)}: routed experts mix weight formats ({kinds})")
+        if isinstance(weight, torch.Tensor):
+            stack[e].copy_(weight)
+            return stack[e]
+        for attr in type(weight)._tensors:
+            part = getattr(weight, attr)
+            if part is not None:
+                getattr(stack, attr)[e].copy_(part)
+        return stack.expert(e)
 
     def finish(self) -> None:
         if self.pending:
             base, parts = next(iter(self.pending.items()))
             raise CheckpointError(f"tensor group `{base}` is incomplete: found {sorted(parts)}, "
                                   f"expected {sorted(self.expected_parts[base])}")
+
+
+def _format_key(w: object) -> tuple:
+    """What experts of one stack must share: the type, the format's attributes, each part's dtype."""
+    if isinstance(w, torch.Tensor):
+        return (torch.Tensor, w.dtype)
+    parts = [getattr(w, k) for k in type(w)._tensors]
+    return (type(w), *[getattr(w, k) for k in type(w)._attrs], *[None if t is None else t.dtype for t in parts])
+
+
+def _format_name(w: object) -> str:
+    return str(w.dtype).removeprefix("torch.") if isinstance(w, torch.Tensor) else w.dtype_name
 
 
 def _has_nan_fp8(w: torch.Tensor) -> bool:
@@ -339,6 +390,7 @@ class _Walk:
     config: ModelConfig
     plain: dict[str, torch.Tensor]
     packed: dict[str, QuantWeight]
+    stacks: dict[str, object]       # stacked routed-expert weights by module name
     skeleton: Transformer
     report: LoadReport
 
@@ -378,7 +430,7 @@ def _walk(path: str | Path, device: str | torch.device, dtype: torch.dtype, load
 
     with torch.device("meta"):
         skeleton = Transformer(config, dtype, with_mtp=load_mtp, parallel=tp)
-    expected = skeleton.state_dict()
+    expected = official_state_dict(skeleton.state_dict())    # by the checkpoint's names
     slicer = RankSlicer(tp, expected, config.n_routed_experts)
     total = sum(f.stat().st_size for f in shards)
     desc = "loading" if tp.world_size == 1 else f"loading ({tp.world_size} ranks)"
@@ -432,7 +484,7 @@ def _finish(path: Path, config: ModelConfig, dtype: torch.dtype, load_mtp: bool,
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: {shown}"
                               + (" ..." if len(missing) > 8 else ""))
     check_quant_rules(quant_rules, collect.packed, collect.plain, config)
-    return _Walk(config, collect.plain, collect.packed, skeleton, report)
+    return _Walk(config, collect.plain, collect.packed, collect.stacks, skeleton, report)
 
 
 def _global_name(name: str, slicer: RankSlicer) -> str:
@@ -486,9 +538,12 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     _walk(path, "meta", dtype, load_mtp, read_data=False, progress=False, tp=tp)
     found = _walk(path, device, dtype, load_mtp, read_data=True, progress=progress, tp=tp)
     skeleton = found.skeleton
-    skeleton.load_state_dict(found.plain, strict=False, assign=True)
+    plain = {official_to_module(n)[0]: t for n, t in found.plain.items() if not stacked_expert_module(n)}
+    skeleton.load_state_dict(plain, strict=False, assign=True)
     for name, weight in found.packed.items():
-        skeleton.get_submodule(name[: -len(".weight")]).set_weight(weight)
-    skeleton.stack_experts()
+        if not stacked_expert_module(name):
+            skeleton.get_submodule(official_to_module(name)[0][: -len(".weight")]).set_weight(weight)
+    for name, stack in found.stacks.items():      # routed experts: already in their stacked buffers
+        skeleton.get_submodule(name).set_weight(stack)
     skeleton.init_rope(device)
     return skeleton.eval(), found.report

@@ -1,9 +1,18 @@
-"""Tensor names: DeepSeek's official checkpoint names <-> HF ``transformers`` names.
+"""Tensor names: our modules' names <-> DeepSeek's official checkpoint names <-> HF names.
 
-Our modules carry the official names (``layers.3.attn.wq_a.weight``), so an official checkpoint
-loads as is. HF checkpoints rename every tensor and fuse each layer's routed experts into
+Our modules carry the official names (``layers.3.attn.wq_a.weight``) with two exceptions, both
+mapped here (:func:`official_to_module`, :func:`official_state_dict`):
+
+- the mHC parameters live in a :class:`~dsv4.model.mhc.HyperConnection` module:
+  ``layers.3.hc_attn.fn`` is the checkpoint's ``layers.3.hc_attn_fn`` (``hc_ffn_*``, ``hc_head_*``
+  alike);
+- the routed experts of a layer are one stacked weight per projection: slice ``e`` of
+  ``layers.3.ffn.experts.w1.weight [E, I, D]`` is the checkpoint's ``layers.3.ffn.experts.{e}.w1.weight``
+  (scale companions alike). The loader writes each expert straight into its slice.
+
+HF checkpoints rename every tensor and fuse each layer's routed experts into
 ``mlp.experts.gate_up_proj [E, 2I, D]`` (w1 then w3) and ``mlp.experts.down_proj [E, D, I]``;
-this module maps names both ways and splits/fuses the expert stacks. The table is data.
+this module maps names both ways and splits/fuses the expert stacks. The tables are data.
 """
 
 from __future__ import annotations
@@ -56,6 +65,61 @@ _OFFICIAL_TO_HF = {off: hf for off, hf in _LAYER_NAMES}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _OFFICIAL_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 HF_FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+# ----------------------------------------------------------------------------- module <-> official
+_HC_MODULE = re.compile(r"(^|\.)hc_(attn|ffn|head)\.(fn|base|scale)$")        # layers.3.hc_attn.fn
+_HC_OFFICIAL = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")       # layers.3.hc_attn_fn
+_EXPERT_OFFICIAL = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(\w+)$")      # ....experts.3.w1.weight
+_EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(w[123])\.(\w+)$")               # ....experts.w1.weight
+
+
+def official_to_module(name: str) -> tuple[str, int | None]:
+    """The module tensor an official tensor name lands in, and the routed expert's slice of it
+    (None for every other tensor): ``layers.3.ffn.experts.5.w1.scale`` -> (``layers.3.ffn.experts.w1.scale``,
+    5); ``layers.3.hc_attn_fn`` -> (``layers.3.hc_attn.fn``, None)."""
+    match = _EXPERT_OFFICIAL.match(name)
+    if match:
+        head, e, proj, part = match.groups()
+        return f"{head}.{proj}.{part}", int(e)
+    return _HC_OFFICIAL.sub(r"\1hc_\2.\3", name), None
+
+
+def module_to_official(name: str) -> str:
+    """The official name of a module tensor other than a stacked routed-expert weight
+    (``layers.3.hc_attn.fn`` -> ``layers.3.hc_attn_fn``; most names are the same)."""
+    return _HC_MODULE.sub(r"\1hc_\2_\3", name)
+
+
+def stacked_expert_module(name: str) -> str | None:
+    """``layers.3.ffn.experts.5.w1.weight`` -> ``layers.3.ffn.experts.w1`` (the stacked Linear that
+    holds expert 5's slice); None for a tensor that is not a routed expert's."""
+    match = _EXPERT_OFFICIAL.match(name)
+    return None if match is None else f"{match.group(1)}.{match.group(3)}"
+
+
+def official_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A module ``state_dict()`` under the checkpoint's official names: the mHC names renamed, each
+    stacked routed-expert tensor as one view per expert. Order: the model's, with a layer's experts
+    expert-major (``experts.0.w1``, ``experts.0.w2``, ``experts.0.w3``, ``experts.1.w1`` ...), the
+    order of a checkpoint that holds them one by one."""
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for name, t in state.items():
+        match = _EXPERT_MODULE.match(name)
+        if match is None:
+            out[module_to_official(name)] = t
+            continue
+        head = match.group(1)
+        if head in done:
+            continue
+        done.add(head)
+        group = [(m.group(2), m.group(3), v) for n, v in state.items()
+                 if (m := _EXPERT_MODULE.match(n)) is not None and m.group(1) == head]
+        for e in range(t.shape[0]):
+            for proj, part, v in group:
+                out[f"{head}.{e}.{proj}.{part}"] = v[e]
+    return out
 
 
 def is_hf_name(name: str) -> bool:

@@ -161,7 +161,7 @@ def _named(base: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def _expected_names(config: ModelConfig) -> set[str]:
     with torch.device("meta"):
-        return set(Transformer(config, torch.bfloat16, with_mtp=config.num_nextn_predict_layers > 0).state_dict())
+        return set(Transformer(config, torch.bfloat16, with_mtp=config.num_nextn_predict_layers > 0).official_state_dict())
 
 
 def quantize_tensors(state: dict[str, torch.Tensor], config: ModelConfig, fmt: str, policy: str = "floor",
