@@ -104,3 +104,23 @@ def test_spec_bench_runs_on_the_cpu():
     assert 1.0 <= float(sim[4]) <= 3.0
     real = p.stdout.split("## real drafts")[1]
     assert {"plain", "ngram", "mtp"} <= set(real.split())
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_tensor_parallel_two_ranks_speculate_like_one(method):
+    """Two ranks over gloo with speculation: greedy gives plain decoding's tokens, and a seeded
+    sampled request the same tokens as speculation on one process (rank 0's draws and acceptance)."""
+    from dsv4 import LLM
+    from dsv4.engine.sampling import SamplingParams
+    spec = json.loads(NGRAM) if method == "ngram" else MTP
+    kw = dict(device="cpu", max_num_seqs=2, max_model_len=256, progress=False, max_num_batched_tokens=64)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 400, 21, 9, 400, 21]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    with LLM("tiny:bf16", **kw) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, greedy)]
+    with LLM("tiny:bf16", speculative_config=spec, **kw) as llm:
+        one = [o.token_ids for o in llm.generate(prompts, sampled)]
+    with LLM("tiny:bf16", tensor_parallel_size=2, speculative_config=spec, **kw) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain
+        assert [o.token_ids for o in llm.generate(prompts, sampled)] == one

@@ -53,15 +53,16 @@ def resolve_max_model_len(requested: int | None, config: ModelConfig) -> int:
     return requested
 
 
-def state_bytes(config: ModelConfig, slots: int, context: int, dtype: torch.dtype, qat_sim: bool = False) -> int:
+def state_bytes(config: ModelConfig, slots: int, context: int, dtype: torch.dtype, qat_sim: bool = False,
+                include_mtp: bool = False) -> int:
     """Bytes of the generation state for ``slots`` sequences of ``context`` positions (plus the
     runner's scratch slot), stored as the QAT simulation says (FP8 K=V rows and FP4 indexer keys
-    when on).
+    when on); ``include_mtp``: with the MTP block's layer (speculative decoding with MTP drafts).
 
     Computed by laying the state out on the ``meta`` device, so it is exact for whatever layout
     :class:`~dsv4.engine.state.GenerationState` has, and costs no memory.
     """
-    return GenerationState(config, slots + 1, context, dtype, "meta", qat_sim=qat_sim).nbytes()
+    return GenerationState(config, slots + 1, context, dtype, "meta", include_mtp=include_mtp, qat_sim=qat_sim).nbytes()
 
 
 def check_fraction(name: str, value: object) -> float:
@@ -106,9 +107,9 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_state_fits(config: ModelConfig, slots: int, context: int, dtype: torch.dtype,
-                     device: torch.device, qat_sim: bool = False) -> int:
+                     device: torch.device, qat_sim: bool = False, include_mtp: bool = False) -> int:
     """The state's size in bytes; a :class:`UsageError` when ``device`` has less memory free."""
-    need = state_bytes(config, slots, context, dtype, qat_sim)
+    need = state_bytes(config, slots, context, dtype, qat_sim, include_mtp)
     free = available_bytes(device)
     if free is not None and need > free:
         raise UsageError(f"the generation state for max_num_seqs (--max-num-seqs) {slots} x max_model_len "
@@ -119,7 +120,7 @@ def check_state_fits(config: ModelConfig, slots: int, context: int, dtype: torch
 
 def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torch.dtype, device: torch.device,
                qat_sim: bool, gpu_memory_utilization: float, weight_bytes: Callable[[], int],
-               memory: DeviceMemory | None = None) -> tuple[int, int]:
+               memory: DeviceMemory | None = None, include_mtp: bool = False) -> tuple[int, int]:
     """``(slots, state bytes)`` for ``context`` positions per sequence on ``device``.
 
     On a CUDA device the engine may use ``gpu_memory_utilization`` of the GPU's total memory (and no
@@ -128,12 +129,12 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
     fit (at most :data:`MAX_DERIVED_NUM_SEQS`); a given ``slots`` whose state does not fit is a
     :class:`UsageError` naming the flags. Elsewhere ``slots=None`` is :data:`DEFAULT_MAX_NUM_SEQS`
     and the state is only checked against the free memory (:func:`check_state_fits`).
-    ``memory`` overrides what the device reports (tests).
+    ``memory`` overrides what the device reports (tests); ``include_mtp`` counts the MTP block's state.
     """
     check_fraction("gpu_memory_utilization (--gpu-memory-utilization)", gpu_memory_utilization)
     if device.type != "cuda":
         slots = DEFAULT_MAX_NUM_SEQS if slots is None else slots
-        return slots, check_state_fits(config, slots, context, dtype, device, qat_sim)
+        return slots, check_state_fits(config, slots, context, dtype, device, qat_sim, include_mtp)
     memory = memory or device_memory(device)
     share = int(gpu_memory_utilization * memory.total)
     weights = weight_bytes()
@@ -143,7 +144,7 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
                                              else ""))
     layout = f"weights {format_bytes(weights)} + {format_bytes(WORKING_MARGIN_BYTES)} working margin"
     if slots is not None:
-        need = state_bytes(config, slots, context, dtype, qat_sim)
+        need = state_bytes(config, slots, context, dtype, qat_sim, include_mtp)
         if need > room:
             raise UsageError(f"the generation state for max_num_seqs (--max-num-seqs) {slots} x max_model_len "
                              f"(--max-model-len) {context:,} needs {format_bytes(need)}, but {where}: {layout} "
@@ -152,10 +153,10 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
         return slots, need
 
     def fits(n: int) -> bool:
-        return state_bytes(config, n, context, dtype, qat_sim) <= room
+        return state_bytes(config, n, context, dtype, qat_sim, include_mtp) <= room
 
     if not fits(1):
-        one = state_bytes(config, 1, context, dtype, qat_sim)
+        one = state_bytes(config, 1, context, dtype, qat_sim, include_mtp)
         raise UsageError(f"not even one sequence fits: its state of max_model_len (--max-model-len) {context:,} "
                          f"needs {format_bytes(one)}, but {where}: {layout} leave {format_bytes(max(room, 0))}; "
                          "lower --max-model-len or raise --gpu-memory-utilization")
@@ -163,7 +164,7 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo, state_bytes(config, lo, context, dtype, qat_sim)
+    return lo, state_bytes(config, lo, context, dtype, qat_sim, include_mtp)
 
 
 def format_bytes(n: float) -> str:

@@ -146,7 +146,8 @@ def plan_engine(engine: EngineConfig, *, require_tokenizer: bool = False) -> Eng
     context = resolve_max_model_len(engine.max_model_len, config)
     sim = resolve_qat_sim(engine.qat_sim, config)
     slots, size = size_state(config, engine.max_num_seqs, context, act_dtype, dev, sim, engine.gpu_memory_utilization,
-                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world))
+                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world),
+                             include_mtp=spec is not None and spec.method == "mtp")
     if engine.max_num_batched_tokens <= slots:      # max_num_seqs None: checked once it is sized
         raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {engine.max_num_batched_tokens} must "
                          f"exceed max_num_seqs (--max-num-seqs) {slots}")

@@ -6,6 +6,10 @@ dims (interleaved pairs; YaRN-scaled ``compress_rope_theta`` on CSA/HCA layers).
 sees the window ``t-W+1 .. t`` plus the compressed entries: all visible ones (HCA) or the indexer's
 top-k (CSA). Softmax in fp32 with a per-head sink; the output gets the inverse RoPE (values carried
 rope because K=V), then the grouped output projection ``wo_a`` (per group) and ``wo_b``.
+
+The paper's hybrid attention: sliding-window attention on every layer, plus Compressed Sparse
+Attention (CSA: ratio 4, indexer top-k) or Heavily Compressed Attention (HCA: ratio 128, dense over
+the entries). The QAT simulation's FP8 rounding of the K=V rows is the cache's (DSV4_FACTS 2b, 3).
 """
 
 from __future__ import annotations
@@ -65,22 +69,39 @@ class Attention(nn.Module):
         rope = ctx.rope[self.rope_kind]
         cos_h, sin_h = rope.cos.unsqueeze(2), rope.sin.unsqueeze(2)    # broadcast over heads
 
+        # queries: low-rank (wq_a, q_norm, wq_b), then per head an RMS norm without weight and RoPE
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fused.rope_qnorm(q, cos_h, sin_h, self.eps)                             # [B, S, H, hd]
+        # one K=V head: normed, RoPE on its last rd dims, rounded as the ring stores it (QAT: FP8)
         kv = fused.kv_prepare(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps,
                               rope.cos, rope.sin, cache.ring)                        # [B, S, hd] as stored
 
         o = ctx.per_group(self._attend, q, kv, x, qr, cache=cache)                  # [B, S, H, hd]
+        # K=V output un-rotation. The values are the keys, so they carry RoPE at their *key*
+        # positions s; the softmax-weighted sum mixes them. Rotating the output back by the
+        # *query* position t leaves each value's rope dims rotated by the relative angle s - t:
+        #
+        #   key/value row s:   [ nope dims | R(s) . rope dims ]
+        #   o_t = sum_s p_ts v_s  ->  R(-t) o_t = sum_s p_ts [ nope | R(s - t) . rope ]
+        #
+        # (the nope dims pass through untouched; DSV4_FACTS 2, "Output").
         o = ops.apply_rope(o, cos_h, sin_h, inverse=True)
+        # grouped output projection: heads in G groups, group g times its own r rows of wo_a
+        #   o [B, S, H*hd] -> [B, S, G, H*hd/G] --wo_a (per group)--> [B, S, G, r] --wo_b--> [B, S, D]
         o = self.wo_a(o.flatten(2).unflatten(-1, (self.groups, -1)))
-        return self.tp.all_reduce_sum(self.wo_b(o.flatten(2)))
+        return self.tp.all_reduce_sum(self.wo_b(o.flatten(2)))     # tensor parallel: sum of the ranks' heads
 
     def _attend(self, ctx: ForwardContext, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, qr: torch.Tensor,
                 cache: LayerCache) -> torch.Tensor:
         """The part of attention that reads and writes a row's own state, for rows of one length:
         compressor and indexer, sparse attention over window + compressed entries, then the window
         store. ``q [b, s, H, hd]`` -> ``[b, s, H, hd]``."""
+        # What a query at t attends to, one softmax with the head's sink logit in the denominator:
+        #
+        #   sliding:  [ window t-W+1 .. t ]
+        #   HCA:      [ window ] + [ every entry w with (w + 1) * m <= t + 1 ]        (m = 128)
+        #   CSA:      [ window ] + [ the indexer's top-k of those entries ]           (m = 4)
         comp = dict(comp=None)
         if self.kind != "sliding":
             comp = self._compressed(x, qr, ctx, cache)
@@ -92,6 +113,16 @@ class Attention(nn.Module):
     def _store_window(self, kv: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
         """Store the newest ``min(S, W)`` K=V rows in the ring at row ``pos % W`` (after attention:
         the chunk's older queries still need the rows these overwrite)."""
+        # The ring: W rows per slot, position p lives in row p % W, so the ring always holds the
+        # last W positions and a query at t sees rows for t-W+1 .. t (its own row included).
+        # W = 8, after position 10 was stored (the chunk's own rows come from `kv`, not the ring):
+        #
+        #   row:       0   1   2   3   4   5   6   7
+        #   position:  8   9  10   3   4   5   6   7      <- rows 0..2 overwritten by 8, 9, 10
+        #                        ^ newest  ^ oldest kept (t - W + 1 = 3)
+        #
+        # A chunk of S > W tokens writes only its last W rows: the earlier ones would be overwritten
+        # within the same store (and the chunk's queries read them from `kv` directly).
         W, S = self.window, kv.shape[1]
         keep = min(S, W)
         rows = torch.remainder(ctx.positions[:, S - keep:], W)                      # [B, keep]
@@ -101,6 +132,7 @@ class Attention(nn.Module):
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments
         of :func:`dsv4.ops.sparse_attention`: the store and the indexer's picks (CSA) or each
         query's visible length (HCA)."""
+        # compressed entries first (a query sees entries of windows that closed at or before it)
         comp = cache.compressor
         new = self.compressor(x, ctx, comp)
         if new is not None:                     # a chunk: RoPE at each window's first position, then store
@@ -110,5 +142,6 @@ class Attention(nn.Module):
         bound = ctx.entry_bound(self.ratio, comp.max_entries)
         if self.kind == "csa":
             return dict(comp=comp.entries, comp_idx=self.indexer(x, qr, ctx, cache.indexer))
+        # HCA attends to every visible entry: entry w is visible from position (w + 1) * m - 1 on
         visible = (ctx.positions + 1) // self.ratio                                # [B, S]
         return dict(comp=comp.entries, comp_len=visible, comp_bound=bound)

@@ -1,8 +1,10 @@
 """Building blocks shared by the model modules: weight-holding Linear, RMSNorm, forward context.
 
 Module attribute names follow DeepSeek's official checkpoint names, so ``state_dict()`` keys are
-the official tensor names (``layers.0.attn.wq_a.weight``, ``layers.0.attn.wq_a.scale``) and
-loading needs no renaming.
+the official tensor names (``layers.0.attn.wq_a.weight``, ``layers.0.attn.wq_a.scale``), except the
+mHC modules' and the stacked routed experts', which :mod:`dsv4.weights.names` maps. The linears'
+numerics (W8A8 / W4A8 under the QAT simulation) are DSV4_FACTS section 2b; RMSNorm and RoPE are
+section 2 ("Attention").
 """
 
 from __future__ import annotations
@@ -25,7 +27,20 @@ class Linear(nn.Module):
     on-disk names (``weight`` + ``scale``, or ModelOpt's ``weight_scale``/``weight_scale_2``/
     ``input_scale``), so ``.to()``, ``state_dict()`` and ``named_buffers()`` see every byte;
     :attr:`w` is the typed weight the ops consume, rebound whenever the buffers move.
+
+    The module owns how it multiplies: ``self.wq_a(x)``. Its format is fixed at load
+    (:meth:`set_weight`) and whether it rounds its input (the QAT simulation, DSV4_FACTS 2b) is set
+    once per mode (:func:`set_qat_sim`); :func:`dsv4.ops.linear` then dispatches on
+    ``(op, device, weight format)`` to a registered kernel or the reference.
     """
+
+    # How a call is dispatched (dsv4.ops): the weight's type picks the kernel, never a flag.
+    #
+    #   self.wq_a(x) -> ops.linear(x, w, act_quant, pow2) -> kernel for ("linear", x.device, type(w))
+    #       type(w):  torch.Tensor (bf16/fp32)   Fp8BlockWeight   Mxfp4Weight   Nvfp4Weight
+    #       act_quant on (QAT):  input as is      x -> e4m3 per 1x128 block, then W8A8 / W4A8
+    #
+    # No kernel registered for that key (the CPU, or a shape a kernel refuses): the reference.
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16,
                  experts: int = 0, qat_act: bool = True):
@@ -148,6 +163,8 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` int64 -> ``[..., D]``."""
+        # Vocab parallel, V = 8 on 2 ranks: rank 0 holds rows 0..3, rank 1 rows 4..7. Token 6:
+        #   rank 0: not mine -> zeros      rank 1: local row 2 -> embed[6]      sum -> embed[6]
         if not self.tp.parallel:
             return nn.functional.embedding(ids, self.weight)
         local = ids - self.vocab_start
@@ -208,6 +225,13 @@ class ForwardContext:
     #: within a varlen forward: this group's first token in the flattened order
     offset: int = 0
 
+    # A varlen forward, rows of lengths 3, 3 and 1 (a prefill chunk of two rows and one decode):
+    #
+    #   token_ids [T = 7]:  a0 a1 a2 | b0 b1 b2 | c0
+    #   groups:             group 0: b = 2 rows x s = 3 (offset 0) | group 1: 1 x 1 (offset 6)
+    #
+    # Token-wise layers (linears, MoE, mHC, norms) see all 7 tokens as [1, 7]; attention, the
+    # compressor and the indexer run once per group on its [b, s] view (per_group).
     @classmethod
     def varlen(cls, config: ModelConfig, token_ids: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, int, int]],
                inv_freq: dict[str, torch.Tensor], qat_sim: bool) -> "ForwardContext":

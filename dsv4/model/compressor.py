@@ -57,6 +57,8 @@ class Compressor(nn.Module):
         kv = self.wkv(x, f32)                                                  # [B, S, width]
         gate = self.wgate(x, f32)
         if S == 1:       # decode: the window row, the closing entry and its store in one op
+            # the same math as below for one token (tests/test_triton_small.py checks the two
+            # agree); RoPE at the window's start, where the entry closing now sits
             cos, sin = ctx.window_rope(m)
             fused.compressor_step(kv, gate, self.ape, state, slots, ctx.positions, self.norm.weight, self.norm.eps,
                                   cos, sin, self.rotate)
@@ -66,7 +68,18 @@ class Compressor(nn.Module):
             state.log_kv[slots, :S] = kv
             state.log_gate[slots, :S] = gate
 
-        # Aligned buffer: row j holds position w0*m + j, w0 = the slot's open window.
+        # Aligned buffer: row j holds position w0*m + j, w0 = the slot's open window. The open
+        # window's rows (kept in the state) come first, the chunk's S rows are scattered behind
+        # them, zeros pad the rest; every m rows of the buffer are one window. m = 4, a slot whose
+        # open window holds positions 8, 9 (start = 10, offset = 2) and a chunk of S = 7 tokens:
+        #
+        #   position:  8  9 10 11  | 12 13 14 15 | 16  .  .  .
+        #   from:      state chunk | chunk       | chunk, zero rows     (n_win = 3 windows)
+        #   window:    w0 = 2      | 3           | 4
+        #              closes (11) | closes (15) | open: its rows (16, zeros) become the state
+        #
+        # n_closed = (offset + S) // m = 2 windows closed; entries are computed for all n_win
+        # windows (fixed shapes), the open ones are written to the sink row by `store_entries`.
         n_win = (m - 1 + S) // m + 1            # windows that can close, +1 for the next open one
         offset = ctx.start % m                   # [B] rows already in the open window
         w0 = ctx.start // m                      # [B]
@@ -76,6 +89,14 @@ class Compressor(nn.Module):
         win_kv = buf_kv.unflatten(1, (n_win, m))                              # [B, n_win, m, width]
         win_gate = buf_gate.unflatten(1, (n_win, m))
 
+        # CSA overlap: entry w pools 2m slots, the `a` halves (first dim channels) of window w-1 and
+        # the `b` halves of window w; window w0's predecessor is the state's `prev_*` (gate -inf
+        # before any window closed, so its slots weigh nothing):
+        #
+        #   window:     w-1              w
+        #   channels: [ a | b ]       [ a | b ]
+        #                 \_____________/   `---- b halves of w
+        #                 a halves of w-1          -> softmax over the 2m slots per channel
         prev_kv = prev_gate = None
         if self.overlap:
             d = self.dim
@@ -115,6 +136,8 @@ def store_entries(state: CompressorState, ctx: ForwardContext, entries: torch.Te
     write with no host branch). The store rounds them as it keeps them (FP8 / FP4 under the QAT
     simulation)."""
     m = state.ratio
+    # a window [pos, pos + m) closed if the chunk reached its last position pos + m - 1; the
+    # others (still open) are written to the sink row, which no read ever unmasks
     closed = positions + m <= ctx.positions[:, -1:] + 1                       # [B, W]
     rows = torch.where(closed, positions // m, torch.full_like(positions, state.max_entries))
     fused.store_rows(state.entries, ctx.slots.unsqueeze(1), rows, entries)

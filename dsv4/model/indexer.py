@@ -6,6 +6,10 @@ queries ``q_I = wq_b(qr)`` get the same. Score of entry ``s`` for query ``t``:
 ``sum_h w[t, h] * relu(q_I[t, h] . K_I[s])`` with ``w = weights_proj(x) * d**-0.5 * n_heads**-0.5``.
 Entries not yet visible (``s >= (t + 1) // m``) score ``-inf``; the top ``min(index_topk, entries)``
 are kept and picks past the visible range are dropped.
+
+The paper's CSA: the indexer is what makes compressed attention sparse (each query attends to
+``index_topk`` of the ``t / 4`` entries, plus its sliding window). Its keys live in the state
+beside the KV entries (FP4 under the QAT simulation, DSV4_FACTS 2b).
 """
 
 from __future__ import annotations
@@ -49,10 +53,17 @@ class Indexer(nn.Module):
             cos, sin = ctx.rope_at("compress", pos)
             store_entries(state, ctx, ops.hadamard(ops.apply_rope(entries, cos, sin)), pos)  # FP4 under QAT
 
+        # queries from the attention's low-rank qr, rotated like the keys (RoPE, then Hadamard; QAT: FP4)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))
         q = fused.rope_hadamard(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2), ctx.qat_sim)  # [B, S, nI, d]
         w = self.weights_proj(x, torch.float32)
         w = w * (self.dim ** -0.5 * self.n_heads ** -0.5)
+        # Score every entry a query of this forward could see, then mask per query. Ratio m = 4,
+        # query at t = 13 (visible: (13 + 1) // 4 = 3 entries), bound = 5 (a longer row's reach):
+        #
+        #   entry s:    0     1     2     3     4
+        #   score:     1.2   0.3   0.9   -inf  -inf     (s >= 3: its window has not closed for t)
+        #   top-4:   picks 0, 2, 1, 3  ->  0, 2, 1, -1   (a pick at s >= visible, a -inf tie, is dropped)
         bound = ctx.entry_bound(self.ratio, state.max_entries)
         scores = ops.indexer_scores(q, state.entries, ctx.slots, w, bound)              # [B, S, bound]
         visible = ((ctx.positions + 1) // self.ratio).unsqueeze(-1)                      # [B, S, 1]

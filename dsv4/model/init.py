@@ -21,6 +21,10 @@ def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g)
 
+    # Scales that keep a deep random network's activations O(1): linear weights ~ N(0, 1/in) (unit
+    # gain), norm weights ~1, small mHC projections (its sigmoids stay near 0.5, the Sinkhorn comb
+    # near uniform), sinks/biases/ape O(0.5). The draw order is the checkpoint's (see
+    # official_state_dict), so a model keeps its weights whatever shape our modules give them.
     for name, p in official_state_dict(dict(model.named_parameters())).items():
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("norm.weight"):
@@ -41,7 +45,7 @@ def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
             value = randn(*p.shape)
         p.copy_(value.to(p.dtype))
     for name, b in model.named_buffers():
-        if name.endswith("tid2eid"):
+        if name.endswith("tid2eid"):       # hash routing: k distinct experts per token
             vocab, k = b.shape
             n_experts = _n_experts(model, name)
             b.copy_(torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(vocab)]).to(b.dtype))

@@ -7,18 +7,6 @@ around the MoE); the model and each MTP block end in a :class:`HyperHead` that c
 streams. The math lives in :func:`dsv4.ops.mhc_pre` / :func:`dsv4.ops.mhc_post` /
 :func:`dsv4.ops.hc_head`; these modules own the parameters (checkpoint names ``hc_attn_fn``,
 ``hc_attn_base``, ``hc_attn_scale``, mapped in :mod:`dsv4.weights.names`).
-
-One block, the four streams ``h[0..3]`` of one token::
-
-    h[0] h[1] h[2] h[3]                         [nc, D]
-      \\    |    |    /
-       pre: y = sum_j pre_j * h[j]              one [D] input (weights from fn . rmsnorm(flat h))
-              |
-        attn_norm -> attention -> out           (or ffn_norm -> MoE)
-              |
-       post: h'[k] = post_k * out + sum_j comb[j, k] * h[j]
-      /    |    |    \\                          comb: Sinkhorn-normalised nc x nc, not symmetric
-    h'[0] h'[1] h'[2] h'[3]
 """
 
 from __future__ import annotations
@@ -29,6 +17,22 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from .common import fp32_param
+
+
+# One block, the four streams h[0..3] of one token (nc = hc_mult = 4):
+#
+#   h[0]  h[1]  h[2]  h[3]                      [nc, D] residual streams
+#     \     |     |     /
+#      pre: y = sum_j pre_j * h[j]               one [D] block input; pre, post, comb all come from
+#             |                                  fn . rmsnorm(flatten(h)), scaled and shifted
+#      attn_norm -> attention -> out             (the second mixer: ffn_norm -> MoE)
+#             |
+#      post: h'[k] = post_k * out + sum_j comb[j, k] * h[j]
+#     /     |     |     \                        comb: [nc, nc], Sinkhorn-normalised (rows and
+#   h'[0] h'[1] h'[2] h'[3]                      columns sum to ~1), not symmetric: comb.T @ h
+#
+# The streams start as nc copies of the embedding (Transformer.hidden_streams) and end in the
+# HyperHead, which collapses them with its own sigmoid weights before the final norm.
 
 
 class HyperConnection(nn.Module):

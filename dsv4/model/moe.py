@@ -53,6 +53,9 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, D]``, local expert ids ``[T, k]`` (``-1``: none), routing weights ``[T, k]`` ->
         ``[T, D]``, by the op registered for ``(moe, x.device, expert format)``."""
+        # One op for the three projections: the kernels read only the picked experts' slices, and
+        # the routing weight multiplies silu(g) * u before w2's input is rounded (DSV4_FACTS 2b).
+        # The mode (QAT rounding, scale format) is the projections' own, the same for w1, w2, w3.
         w1 = self.w1
         return ops.moe(x, ids, weights, w1.w, self.w3.w, self.w2.w, self.limit, w1.act_quant, w1.pow2)
 
@@ -72,7 +75,9 @@ class Gate(Linear):
 
     def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, D]``, ``token_ids [T]`` -> ``(weights [T, k] fp32, expert ids [T, k] int64)``."""
+        # the router is the precision floor: a plain weight, fp32 logits, never QAT-rounded input
         scores = ops.router_scores(self(x, torch.float32), self.func)
+        # hash layers (the first ones) route by token id through a fixed table; the scores still weigh
         if self.is_hash:
             return ops.route(scores, self.topk, fixed_ids=self.tid2eid[token_ids], scale=self.route_scale)
         return ops.route(scores, self.topk, bias=self.bias, scale=self.route_scale)
@@ -110,6 +115,15 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``x [B, S, D]`` -> ``[B, S, D]``."""
+        # One token through the layer (k = num_experts_per_tok, E routed experts):
+        #
+        #   x --gate (fp32)--> scores [E] --hash: tid2eid[token] / top-k of scores + bias--> k ids
+        #     weights = scores[ids] / sum * routed_scaling_factor
+        #   out = sum_j weights_j * expert_{ids_j}(x)  +  shared_expert(x)
+        #
+        # Expert parallel: this rank holds experts [expert_start, expert_start + E/N) as its local
+        # slices 0 .. E/N - 1; picks of other ranks' experts become -1 (skipped), and the
+        # all-reduce adds the ranks' partial sums (each pick counted on exactly one rank).
         flat = x.flatten(0, 1)
         weights, ids = self.gate.route(flat, ctx.token_ids.flatten())
         out = self.experts(flat, self.local_ids(ids), weights)
@@ -119,6 +133,7 @@ class MoE(nn.Module):
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids ``[T, k]`` -> indices into this rank's experts, ``-1`` for other ranks'."""
+        # 8 experts on 2 ranks, rank 1 holds experts 4..7 as 0..3:  ids [1, 6] -> [-1, 2]
         n_local = self.experts.w1.experts
         if n_local == self.n_experts:
             return ids

@@ -1,6 +1,6 @@
 """The DeepSeek-V4 network: embedding into ``nc`` streams, blocks, ``hc_head``, norm, fp32 head.
 
-DSV4_FACTS section 2. Written once; every hot operation goes through :mod:`dsv4.ops`. A forward
+DSV4_FACTS section 2 ("Embedding and streams", "Block", "Head"). Written once; every hot operation goes through :mod:`dsv4.ops`. A forward
 runs ``B`` slots x ``S`` new tokens against the generation state (a list of per-layer
 :class:`~dsv4.model.cache.LayerCache`; prefill chunks and batched decode are the same call with
 different ``S``).
@@ -82,15 +82,19 @@ class Transformer(nn.Module):
     def context(self, token_ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qat_sim: bool,
                 context_bound: int) -> ForwardContext:
         """Positions and RoPE tables for ``token_ids [B, S]`` starting at ``start [B]`` in ``slots [B]``."""
-        self.set_qat_sim(qat_sim)
+        self.set_qat_sim(qat_sim)       # a no-op unless the mode changed
         S = token_ids.shape[1]
         positions = start.unsqueeze(1) + torch.arange(S, device=token_ids.device)
+        # two RoPE tables per forward: sliding layers use rope_theta, CSA/HCA layers the YaRN-scaled
+        # compress_rope_theta (DSV4_FACTS 2, "Attention"); every layer of a kind shares its table
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
         rope = {k: RopeTables(*ops.rope_cos_sin(positions, f)) for k, f in inv.items()}
         return ForwardContext(self.config, token_ids, slots, start, positions, rope, inv, qat_sim, context_bound)
 
     def hidden_streams(self, ctx: ForwardContext, caches: list[LayerCache]) -> torch.Tensor:
         """Embed and run every block: final streams ``[B, S, nc, D]`` (MTP input)."""
+        # ids -> embed -> nc copies (the mHC streams) -> blocks -> hc_head collapse -> norm -> head
+        #   [B, S] -> [B, S, D] -> [B, S, nc, D] -> ... -> [B, S, nc, D]  (logits: see `logits`)
         h = self.embed(ctx.token_ids)
         h = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer, cache in zip(self.layers, caches):
@@ -99,6 +103,8 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams ``[..., nc, D]`` -> fp32 logits ``[..., vocab]``."""
+        # collapse the nc streams (HyperHead), final RMSNorm, then the BF16 head in fp32: only for the
+        # rows that need logits (the caller slices h first: last token, or the sampled rows)
         y = self.norm(self.hc_head(h))
         return self.project_head(y)
 
