@@ -32,6 +32,8 @@ BAD = {
     "gpu_memory_utilization": (1.5, "1.5"),
     "threads": (0, "0"),
     "load_mtp": ("no", None),
+    "enable_prefix_caching": ("on", None),
+    "prefix_cache_gib": (0, "0"),
     "speculative_config": ('{"method": "medusa", "num_speculative_tokens": 2}',
                            '{"method": "medusa", "num_speculative_tokens": 2}'),
 }
@@ -113,7 +115,7 @@ def test_a_cross_field_error_on_the_command_line_is_one_line_and_exit_status_2()
 
 ARGS = dict(device="cpu", dtype="fp32", qat_sim="off", max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
             long_prefill_token_threshold=16, tensor_parallel_size=1, enforce_eager=True, warm_up=False,
-            gpu_memory_utilization=0.5, threads=1, load_mtp=False,
+            gpu_memory_utilization=0.5, threads=1, load_mtp=False, enable_prefix_caching=True, prefix_cache_gib=0.25,
             speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
 
 

@@ -322,3 +322,46 @@ def test_verify_step_of_the_graph_equals_the_varlen_step(model, method):
         assert torch.equal(varlen.tokens, graph.tokens)
         if method == "mtp":
             assert torch.equal(varlen.drafts, graph.drafts)
+
+
+INJECT_CONTEXT = 640
+
+
+def _inject_engine(model, spec):
+    from dsv4.engine.core import Engine
+    runner = Runner(model, max_num_seqs=2, max_model_len=INJECT_CONTEXT, max_num_batched_tokens=96, speculative=spec)
+    return Engine(runner, None, eos_id=1)
+
+
+@pytest.fixture(scope="module")
+def plain_500(model):
+    rng = random.Random(10)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (13, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=500, logprobs=0, ignore_eos=True)
+    return [(p, params) for p in prompts], _generate(_inject_engine(model, None), [(p, params) for p in prompts])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_injected_drafts_500_tokens_equal_plain_decoding(model, plain_500, k):
+    """Two requests decoding 500 tokens together (62 window wraps, 31 HCA windows, 125 CSA windows)
+    with drafts that are plain decoding's own tokens, each right with probability 0.6 (so every
+    accepted length 0..k occurs): the tokens and logprobs of plain decoding."""
+    requests, want = plain_500
+    rng = random.Random(k)
+    oracle = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
+    engine = _inject_engine(model, {"method": "ngram", "num_speculative_tokens": k})
+
+    def propose(req):
+        ref = oracle[tuple(req.prompt_ids)]
+        n = len(req.output_ids)
+        right = ref[n:n + k] + [3] * (n + k - len(ref))
+        return [t if rng.random() < 0.6 else (t + 1 + rng.randrange(500)) % 512 for t in right]
+    engine.propose = propose
+    got = _generate(engine, requests)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
+    stats = engine.spec_stats
+    assert stats.num_drafts > 100
+    assert len(stats.accepted_per_pos) == k and all(n > 0 for n in stats.accepted_per_pos)   # every depth reached
+    assert stats.num_accepted_tokens < stats.num_draft_tokens                                   # and rejections

@@ -93,6 +93,14 @@ class EngineConfig:
     load_mtp: bool = False
     """Also load the checkpoint's multi-token-prediction layers (speculative decoding with method mtp
     loads them anyway)."""
+    enable_prefix_caching: bool = True
+    """Reuse the state of earlier prompts' common prefixes, in blocks of 128 tokens on Flash and Pro
+    (the lcm of the window and the compression ratios): a request starting with a cached prefix
+    prefills only the rest; outputs say how many prompt tokens came from it (num_cached_tokens)."""
+    prefix_cache_gib: float | None = None
+    """Memory of the prefix cache in GiB; least recently used prefixes are evicted when it is full.
+    Unset (None): on a GPU 10% of gpu_memory_utilization of its memory (none when the state asked for
+    leaves no room), 1 GiB on the CPU."""
     speculative_config: SpeculativeConfig | str | dict | None = None
     """Speculative decoding, vLLM's form: '{"method": "mtp"|"ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": a, "prompt_lookup_max": b}' (ngram: drafts from the prompt and output; mtp:
@@ -171,6 +179,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                and math.isfinite(v) and 0 < v <= 1, "a fraction in (0, 1]"),
     "threads": (lambda v: v is None or v == "auto" or _is_int(v, 1), "auto, an int >= 1 or None"),
     "load_mtp": (lambda v: isinstance(v, bool), "a bool"),
+    "enable_prefix_caching": (lambda v: isinstance(v, bool), "a bool"),
+    "prefix_cache_gib": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 and math.isfinite(v) and v > 0), "a positive number of GiB or None"),
     "speculative_config": (lambda v: v is None or type(v).__name__ == "SpeculativeConfig",
                            "None or a speculative config"),
 }
@@ -199,7 +210,7 @@ def _convert(name: str, value: Any, error: type[Exception]) -> Any:
 _ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("-tp",)}
 
 #: metavars of flags whose value is not a plain number
-_METAVARS: dict[str, str] = {"speculative_config": "JSON", "model": "MODEL", "device": "DEVICE", "dtype": "DTYPE",
+_METAVARS: dict[str, str] = {"speculative_config": "JSON", "prefix_cache_gib": "GIB", "model": "MODEL", "device": "DEVICE", "dtype": "DTYPE",
                              "qat_sim": "{auto,on,off}",
                              "threads": "THREADS", "tensor_parallel_size": "N", "gpu_memory_utilization": "FRACTION"}
 

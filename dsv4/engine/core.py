@@ -163,6 +163,9 @@ class Engine:
         #: acceptance over all requests
         self.speculative = runner.speculative
         self.spec_stats = SpecStats()
+        #: n-gram drafts: ``propose(request) -> k ids or None`` (None: a plain decode row); tests inject
+        #: drafts of a chosen quality here
+        self.propose = self._ngram_draft
         if self.speculative is not None:
             self.scheduler.decode_tokens = 1 + self.speculative.k
         # the next plan needs the host to know this step's tokens when verify rows keep a varying count
@@ -204,16 +207,17 @@ class Engine:
             raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    detokenize: bool = True, skip_special_tokens: bool = True) -> str:
+                    detokenize: bool = True, skip_special_tokens: bool = True, cache_salt: str | None = None) -> str:
         """Queue a tokenized prompt; returns its request id. Raises a ``RequestError`` naming the
         problem (and changes nothing) when the request can never run.
 
         ``skip_special_tokens=False`` keeps special tokens (``</think>``, DSML) in the output text,
-        which the chat parser needs; stop strings are then matched against that text."""
+        which the chat parser needs; stop strings are then matched against that text. ``cache_salt``:
+        the request shares cached prefixes only with requests of the same salt (vLLM's)."""
         ids = [int(t) for t in prompt_ids]
         self._check_ids(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(rid, ids, params)
+        request = Request(rid, ids, params, cache_salt=cache_salt)
         self.scheduler.add(request)
         self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
         if self.speculative is not None:
@@ -305,12 +309,12 @@ class Engine:
                 self.tracks[req.request_id].out.num_cached_tokens = req.num_cached_tokens
             end = chunk.start + len(chunk.token_ids)
             if cache is not None and end in req.save_at:
-                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block)
+                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block, req.cache_salt)
                 if planned is not None:
                     saves.append(planned[0])
                     published.append(planned[1])
                     req.saved_blocks = end // cache.block
-                elif cache.has_tail(req.prompt_ids, end // cache.block):
+                elif cache.has_tail(req.prompt_ids, end // cache.block, req.cache_salt):
                     req.saved_blocks = end // cache.block
             want_logits = req.params.prompt_logprobs is not None
             if want_logits:
@@ -322,7 +326,12 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        try:
+            out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        except BaseException:
+            for _, _, blocks, tail in published:      # planned saves that never ran
+                cache.release(list(blocks) + list(tail))
+            raise
         for req in restored:
             if req.cached is not None:
                 cache.unref(req.cached)
@@ -352,10 +361,16 @@ class Engine:
             return Row(req.slot, start)
         if spec.method == "mtp":
             return Row(req.slot, start, device_draft=spec.k)
-        draft = ngram_propose(req.prompt_ids + req.output_ids, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        draft = self.propose(req)
         if draft is None:
             return Row(req.slot, start)
+        if len(draft) != spec.k:
+            raise ValueError(f"a draft of {len(draft)} tokens, num_speculative_tokens is {spec.k}")
         return Row(req.slot, start, draft=tuple(draft))
+
+    def _ngram_draft(self, req: Request) -> list[int] | None:
+        spec = self.speculative
+        return ngram_propose(req.prompt_ids + req.output_ids, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _save_decoded(self, req, n_blocks: int) -> list:
         """Decoding brings ``req``'s slot to the end of block ``n_blocks``: save the blocks since its

@@ -25,7 +25,7 @@ from ..text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerNotFoun
 from ..weights.loader import CheckpointError, LoadReport, load_model, weight_bytes
 from .inputs import check_text, params_list, prompt_list, single_prompt
 from .config import EngineConfig
-from .limits import format_bytes, resolve_max_model_len, size_state
+from .limits import format_bytes, prefix_cache_budget, resolve_max_model_len, size_state
 from .runner import Runner
 from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
@@ -114,6 +114,7 @@ class EnginePlan:
     state_bytes: int
     has_tokenizer: bool
     load_mtp: bool                               # asked for, or needed by speculative decoding
+    prefix_cache_bytes: int = 0                  # 0: prefix caching off
     speculative: SpeculativeConfig | None = None
 
 
@@ -145,14 +146,26 @@ def plan_engine(engine: EngineConfig, *, require_tokenizer: bool = False) -> Eng
     load_mtp = engine.load_mtp or (spec is not None and spec.method == "mtp")
     context = resolve_max_model_len(engine.max_model_len, config)
     sim = resolve_qat_sim(engine.qat_sim, config)
-    slots, size = size_state(config, engine.max_num_seqs, context, act_dtype, dev, sim, engine.gpu_memory_utilization,
-                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world),
-                             include_mtp=spec is not None and spec.method == "mtp")
+    cache = prefix_cache_budget(engine.enable_prefix_caching, engine.prefix_cache_gib, dev,
+                                engine.gpu_memory_utilization)
+    weights = lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world)   # noqa: E731
+    mtp = spec is not None and spec.method == "mtp"
+    try:
+        slots, size = size_state(config, engine.max_num_seqs, context, act_dtype, dev, sim,
+                                 engine.gpu_memory_utilization, weights, reserve=cache if dev.type == "cuda" else 0,
+                                 include_mtp=mtp)
+    except UsageError:
+        if engine.prefix_cache_gib is not None or not cache:
+            raise
+        # the state asked for leaves no room for the default cache: serve without one
+        slots, size = size_state(config, engine.max_num_seqs, context, act_dtype, dev, sim,
+                                 engine.gpu_memory_utilization, weights, include_mtp=mtp)
+        cache = 0
     if engine.max_num_batched_tokens <= slots:      # max_num_seqs None: checked once it is sized
         raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {engine.max_num_batched_tokens} must "
                          f"exceed max_num_seqs (--max-num-seqs) {slots}")
     return EnginePlan(engine, path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer,
-                      load_mtp, spec)
+                      load_mtp, cache, spec)
 
 
 class LLM:
@@ -163,6 +176,7 @@ class LLM:
     ``device``, ``dtype``, ``qat_sim``, ``max_num_seqs``, ``max_model_len``,
     ``max_num_batched_tokens``, ``long_prefill_token_threshold``, ``tensor_parallel_size``,
     ``enforce_eager``, ``warm_up``, ``gpu_memory_utilization``, ``threads``, ``load_mtp``,
+    ``enable_prefix_caching``, ``prefix_cache_gib``,
     ``speculative_config`` (see :mod:`dsv4.engine.speculative`: greedy requests give exactly the tokens
     of plain decoding, sampled ones the same distribution); the CLI's
     flags of the same names set the same fields. ``model`` is a checkpoint directory, or ``None`` /
@@ -196,11 +210,14 @@ class LLM:
         self.path, self.max_model_len, self.max_num_seqs = plan.path, plan.max_model_len, plan.max_num_seqs
         dev = plan.device
         if progress:
+            cache = (f"; prefix cache {format_bytes(plan.prefix_cache_bytes)}" if plan.prefix_cache_bytes
+                     else "; prefix caching off")
             print(f"state: {self.max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(plan.state_bytes)} "
-                  f"on {dev}", file=sys.stderr)
+                  f"on {dev}{cache}", file=sys.stderr)
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if plan.has_tokenizer else None
         self.qat_sim = plan.qat_sim
         self.speculative = plan.speculative
+        self.prefix_cache_bytes = plan.prefix_cache_bytes
         self.tensor_parallel_size = plan.world_size
         self.device, self.threads = dev, engine.threads
         self._group = None
@@ -222,12 +239,12 @@ class LLM:
         engine, dev = plan.engine, plan.device
         spec = RankSpec(str(self.path), dev.type, plan.dtype, self.qat_sim, self.max_num_seqs, self.max_model_len,
                         plan.load_mtp, torch.get_num_threads() if dev.type == "cpu" else None,
-                        engine.max_num_batched_tokens, self.speculative)
+                        engine.max_num_batched_tokens, self.prefix_cache_bytes, self.speculative)
         if plan.world_size == 1:
             net, report = load_model(self.path, dev, plan.dtype, load_mtp=plan.load_mtp, progress=progress)
             runner = Runner(net, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                             qat_sim=self.qat_sim, max_num_batched_tokens=engine.max_num_batched_tokens,
-                            speculative=self.speculative)
+                            prefix_cache_bytes=self.prefix_cache_bytes, speculative=self.speculative)
         else:
             runner, report = self._start_group(spec, plan.world_size, progress)
         self.load_report: LoadReport = report

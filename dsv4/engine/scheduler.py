@@ -26,7 +26,7 @@ from enum import Enum
 
 from ..errors import ContextOverflowError, RequestError
 from .batch import CachedPrefix
-from .prefix_cache import Pending, PrefixCache, block_keys
+from .prefix_cache import Pending, PrefixCache, block_keys, root_key
 from .sampling import SamplingParams
 
 
@@ -44,6 +44,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None    # shares cached prefixes only with requests of the same salt
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     slot: int | None = None
@@ -188,7 +189,8 @@ class Scheduler:
         if reason == "error" or len(tokens) < n * cache.block:
             cache.release(pend.pages + list(pend.tail))
         else:
-            cache.publish(block_keys(tokens, cache.block, n), pend.first_block, pend.pages, pend.tail)
+            cache.publish(block_keys(tokens, cache.block, n, root_key(request.cache_salt)), pend.first_block,
+                          pend.pages, pend.tail)
 
     def append_token(self, request: Request, token_id: int) -> None:
         """Record a sampled token; a request at ``max_tokens`` finishes with reason ``length``."""
@@ -238,12 +240,15 @@ class Scheduler:
 
     def _start_from_cache(self, req: Request) -> None:
         cache = self.prefix_cache
-        hit = cache.match(req.prompt_ids)
+        # prompt logprobs need every prompt position's logits: such a request reuses nothing
+        hit = cache.match(req.prompt_ids, req.cache_salt) if req.params.prompt_logprobs is None else None
         if hit is not None:
             req.cached = hit
             req.num_prefilled = req.num_cached_tokens = hit.length
         req.saved_blocks = req.num_cached_tokens // cache.block
         # the prompt's last boundary (where the next turn of a conversation continues) and the last
         # one before its final token (all that the same prompt sent again can reuse: one token runs)
+        # and where it parts from the blocks other requests saved (a shared system prompt)
         L, b = len(req.prompt_ids), cache.block
-        req.save_at = tuple(sorted(q for q in {(L - 1) // b * b, L // b * b} if q > req.num_cached_tokens))
+        points = {(L - 1) // b * b, L // b * b, cache.shared_length(req.prompt_ids, req.cache_salt)}
+        req.save_at = tuple(sorted(q for q in points if q > req.num_cached_tokens))

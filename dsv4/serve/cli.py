@@ -103,7 +103,15 @@ def add_bench_parser(sub) -> None:
                    help="requests per second, Poisson arrivals (default, or inf: send as concurrency allows)")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help="prompts: one JSON object per line with 'prompt' (text) or 'messages', optional "
-                        "'max_tokens' (default: synthetic prompts)")
+                        "'max_tokens' (default: synthetic prompts); 'agent': multi-turn conversations sharing a "
+                        "system prompt, run with prefix caching off and then on (dsv4.serve.bench_agent)")
+    p.add_argument("--conversations", type=positive_int, default=16,
+                   help="--dataset agent: conversations run concurrently (one user each)")
+    p.add_argument("--turns", type=positive_int, default=8, help="--dataset agent: turns of each conversation")
+    p.add_argument("--system-len", type=positive_int, default=4096,
+                   help="--dataset agent: tokens of the system prompt every conversation shares")
+    p.add_argument("--turn-len", type=positive_int, default=1024,
+                   help="--dataset agent: tokens of each turn's new user or tool message")
     p.add_argument("--input-len", "--random-input-len", type=positive_int, default=256,
                    help="synthetic prompt length in tokens (mean)")
     p.add_argument("--output-len", "--random-output-len", type=positive_int, default=128,
