@@ -82,6 +82,8 @@ def test_every_field_is_a_flag_of_generate_chat_and_serve(command):
         default = {"generate": 1, "chat": 1, "serve": None}[command] if name == "max_num_seqs" else \
             getattr(EngineConfig(), name)
         assert by_dest[name].default == default, (command, name)
+    help_text = " ".join(parser.format_help().split())
+    assert all(" ".join(field_docs()[name].split()[:4]) in help_text for name in FIELDS)   # help = docstring
     assert "-tp" in by_dest["tensor_parallel_size"].option_strings        # vLLM's short form
     assert "--no-warm-up" in by_dest["warm_up"].option_strings            # the flag it always had
 

@@ -287,7 +287,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     unknown = set(defaults) - {f.name for f in dataclasses.fields(EngineConfig)}
     if unknown:
         raise TypeError(f"add_engine_flags: not EngineConfig fields: {sorted(unknown)}")
-    docs = field_docs()
+    docs = {name: doc.replace("%", "%%") for name, doc in field_docs().items()}   # argparse formats help with %
     group = parser.add_argument_group("engine (EngineConfig)")
     for f in dataclasses.fields(EngineConfig):
         default = defaults.get(f.name, f.default)
