@@ -33,7 +33,7 @@ def test_verify_graph_equals_eager_verify(model, method):
     prompts = {0: ids(300), 1: ids(517), 2: ids(200)}
 
     def fresh() -> Runner:
-        r = Runner(model, max_slots=4, max_context=2048, speculative=spec)
+        r = Runner(model, max_num_seqs=4, max_model_len=2048, speculative=spec)
         r.run(ScheduledBatch(tuple(Row(s, 0, p, new=NewSequence(greedy, p)) for s, p in prompts.items())))
         return r
 
@@ -65,11 +65,11 @@ def test_greedy_generation_with_speculation_in_graphs(model, method):
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
 
     def generate(spec):
-        runner = Runner(model, max_slots=4, max_context=1024, speculative=spec)
+        runner = Runner(model, max_num_seqs=4, max_model_len=1024, speculative=spec, max_num_batched_tokens=512)
         runner.capture(buckets=[4], progress=False)
         if spec:
             runner.capture_verify(buckets=[4], progress=False)
-        engine = Engine(runner, None, eos_id=1, max_num_batched_tokens=512)
+        engine = Engine(runner, None, eos_id=1)
         rids = [engine.add_request(p, params) for p in prompts]
         done = {}
         while engine.has_unfinished:

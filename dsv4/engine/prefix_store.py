@@ -68,7 +68,9 @@ class PrefixStore:
             raise ValueError(f"a prefix cache of {budget_bytes / 2**20:.1f} MiB cannot hold one cached prefix "
                              f"({(self.tail_pages + 1) * self.page_bytes / 2**20:.1f} MiB); give more memory or "
                              "turn prefix caching off")
-        self.pool = torch.zeros(self.num_pages, self.page_bytes, dtype=torch.uint8, device=state.device)
+        # never read before written (a page is entered only after its save ran): no need to clear it, and on
+        # the CPU untouched pages cost no RAM
+        self.pool = torch.empty(self.num_pages, self.page_bytes, dtype=torch.uint8, device=state.device)
 
     @property
     def nbytes(self) -> int:
