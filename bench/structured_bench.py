@@ -81,11 +81,12 @@ def main() -> None:
     model = build_random_model(config, args.format, args.device, dtype=dtype)
     V = config.vocab_size
     tokenizer = Tokenizer.from_dir(write_tiny_tokenizer(tempfile.mkdtemp(prefix="dsv4-struct-"), V, pad=V > 600))
-    runner = Runner(model, max_slots=args.batch, max_context=args.context + args.tokens + 8, qat_sim=qat)
+    runner = Runner(model, max_num_seqs=args.batch, max_model_len=args.context + args.tokens + 8, qat_sim=qat,
+                    max_num_batched_tokens=args.context * args.batch + args.batch)
     if graphs:
         runner.capture([SampleFlags(all_greedy=False), SampleFlags(all_greedy=False, grammar=True)],
                        buckets=[args.batch], progress=False)
-    engine = Engine(runner, tokenizer, tokenizer.eos_id, max_num_batched_tokens=args.context * args.batch + args.batch)
+    engine = Engine(runner, tokenizer, tokenizer.eos_id)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(300, V, (args.context,), generator=gen).tolist() for _ in range(args.batch)]
     name = torch.cuda.get_device_name() if cuda else "cpu"

@@ -36,7 +36,7 @@ def _generate(model, tok, graphs: bool):
     from dsv4.engine.grammar import StructuredOutputsParams
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampling import SamplingParams
-    runner = Runner(model, max_slots=4, max_context=256, qat_sim=True, prefill_chunk=64)
+    runner = Runner(model, max_num_seqs=4, max_model_len=256, qat_sim=True, max_num_batched_tokens=64)
     runner.full_bound = True
     if graphs:
         runner.capture(progress=False)
