@@ -19,8 +19,12 @@ MAX_NEW = 3
 
 @schemathesis.check
 def openai_error_shape(ctx, response, case):
-    """Every 4xx/5xx body is {"error": {"message", "type", "param", "code"}} with a message."""
-    if response.status_code >= 400:
+    """Every 4xx/5xx body is {"error": {"message", "type", "param", "code"}} with a message (Anthropic's
+    {"type": "error", "error": {"type", "message"}} on its /v1/messages)."""
+    if response.status_code >= 400 and case.path == "/v1/messages":
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+    elif response.status_code >= 400:
         body = response.json()
         err = body.get("error") if isinstance(body, dict) else None
         assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, body

@@ -39,7 +39,7 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse, TokenizerInfo)
 from .serving_chat import ChatServing
-from .serving_messages import MessagesRequest, MessagesServing
+from .serving_messages import AnthropicError, MessagesRequest, MessagesServing
 from .serving_common import ServingContext, log_request
 from .serving_completions import CompletionServing
 
@@ -336,7 +336,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return _json(await state.chat.create(body, request))
 
     @app.post("/v1/messages", responses={200: {"content": {"application/json": {}, "text/event-stream": {}}},
-                                         **_GEN_ERRORS})
+                                         **{c: {"model": AnthropicError} for c in (400, 401, 404, 500, 503)}})
     async def messages(body: MessagesRequest, request: Request):
         """Anthropic's Messages API (errors in Anthropic's shape)."""
         _warn_extra(body, "/v1/messages")

@@ -93,6 +93,18 @@ class MessagesRequest(_Request):
     metadata: dict[str, Any] | None = None
 
 
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo
+
+
 _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
 
 
