@@ -46,8 +46,8 @@ def load(args) -> SimpleNamespace:
     model = build_random_model(config, args.format, args.device)
     qat = args.format != "bf16"
     cache = prefix_cache_budget(args.enable_prefix_caching, args.prefix_cache_gib, runner_device(model), 0.9)
-    runner = Runner(model, max_slots=args.max_num_seqs, max_context=args.max_model_len, qat_sim=qat,
-                    prefix_cache_bytes=cache)
+    runner = Runner(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, qat_sim=qat,
+                    max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=cache)
     print(f"prefix cache: {cache / 2**30:.2f} GiB" if cache else "prefix caching off", file=sys.stderr)
     if runner.device.type == "cuda" and not args.enforce_eager:
         runner.capture()
@@ -55,7 +55,7 @@ def load(args) -> SimpleNamespace:
         runner.warm_up()      # as LLM does: no Triton compile while serving
     tok_dir = Path(tempfile.mkdtemp(prefix="dsv4-random-tok-"))
     tokenizer = Tokenizer.from_dir(write_tiny_tokenizer(tok_dir, config.vocab_size, pad=True))
-    engine = Engine(runner, tokenizer, config.eos_token_id, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(runner, tokenizer, config.eos_token_id)
     print(f"random {args.preset} x{args.layers} {args.format} on {runner.device} in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return SimpleNamespace(engine=engine, tokenizer=tokenizer, max_model_len=args.max_model_len,
@@ -70,7 +70,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--prefix-cache-gib", type=float, default=None,

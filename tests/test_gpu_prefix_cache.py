@@ -34,7 +34,7 @@ def test_cached_prefixes_equal_caching_off_on_the_gpu(dtype):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
 
     def run(cache_bytes):
-        runner = Runner(model, max_slots=2, max_context=2048, qat_sim=qat, prefix_cache_bytes=cache_bytes)
+        runner = Runner(model, max_num_seqs=2, max_model_len=2048, qat_sim=qat, prefix_cache_bytes=cache_bytes)
         runner.capture(progress=False)
         engine = Engine(runner, None, eos_id=1)
         outs = []

@@ -52,7 +52,7 @@ def ref():
     config = parity_config()
     model = random_model(config, with_mtp=True)
     state = {k: v.detach().clone() for k, v in model.official_state_dict().items()}
-    logits = prefill(Runner(model, max_slots=1, max_context=64), 0, PROMPT)
+    logits = prefill(Runner(model, max_num_seqs=1, max_model_len=64), 0, PROMPT)
     return config, model, state, logits
 
 
@@ -62,7 +62,7 @@ def ref_no_mtp(ref):
     model = random_model(config, with_mtp=False, seed=1)
     state = {k: v.detach().clone() for k, v in model.official_state_dict().items()}
     assert not any(k.startswith("mtp.") for k in state)
-    logits = prefill(Runner(model, max_slots=1, max_context=64), 0, PROMPT)
+    logits = prefill(Runner(model, max_num_seqs=1, max_model_len=64), 0, PROMPT)
     return config, model, state, logits
 
 
@@ -72,7 +72,7 @@ def assert_same(loaded, state: dict[str, torch.Tensor], logits: torch.Tensor) ->
     for name, t in state.items():
         assert got[name].dtype == t.dtype, name
         assert torch.equal(got[name], t), name
-    out = prefill(Runner(loaded, max_slots=1, max_context=64), 0, PROMPT)
+    out = prefill(Runner(loaded, max_num_seqs=1, max_model_len=64), 0, PROMPT)
     # the same weights, bit for bit (above); the logits agree to fp32 rounding (a CPU BLAS may pick
     # another summation order for another memory alignment)
     torch.testing.assert_close(out, logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())
@@ -397,3 +397,45 @@ def test_bad_config_in_checkpoint(ref, tmp_path):
     with pytest.raises(ConfigError) as info:
         load(path)
     assert "o_groups" in str(info.value) and "config.json" in str(info.value)
+
+
+def test_module_names_map_to_the_checkpoint_names_both_ways(ref):
+    """Two kinds of module tensor are not named as in the checkpoint: the mHC parameters (module
+    ``hc_attn.fn``, checkpoint ``hc_attn_fn``) and the stacked routed experts (slice ``e`` of
+    ``experts.w1.weight`` is ``experts.{e}.w1.weight``); names.py maps both, and nothing else."""
+    from dsv4.weights.names import official_state_dict, official_to_module
+    _, model, state, _ = ref
+    module_state = model.state_dict()
+    official = official_state_dict(module_state)
+    assert set(official) == set(state)
+    assert official_to_module("layers.2.hc_attn_fn") == ("layers.2.hc_attn.fn", None)
+    assert official_to_module("hc_head_scale") == ("hc_head.scale", None)
+    assert official_to_module("mtp.0.hc_head_base") == ("mtp.0.hc_head.base", None)
+    assert official_to_module("layers.1.ffn.experts.5.w3.scale") == ("layers.1.ffn.experts.w3.scale", 5)
+    assert official_to_module("layers.1.ffn.shared_experts.w3.weight") == ("layers.1.ffn.shared_experts.w3.weight", None)
+    for name, t in official.items():
+        module_name, e = official_to_module(name)
+        stored = module_state[module_name]
+        assert torch.equal(t, stored if e is None else stored[e]), name
+    # the experts' views share the stacked weight's storage (saving copies nothing)
+    stacked = module_state["layers.1.ffn.experts.w1.weight"]
+    assert official["layers.1.ffn.experts.3.w1.weight"].data_ptr() == stacked[3].data_ptr()
+
+
+def test_linears_own_their_multiplication_mode(ref):
+    """The QAT simulation's input rounding is each Linear's own mode, set once by set_qat_sim (a
+    forward with the other qat_sim switches it): on for the FP8/FP4-capable projections, never for
+    the router, the head and the grouped wo_a."""
+    from dsv4.model.common import Linear
+    _, model, _, _ = ref
+    never = {"head", "layers.0.ffn.gate", "layers.0.attn.wo_a"}
+    try:
+        model.set_qat_sim(True)
+        modes = {n: m.act_quant for n, m in model.named_modules() if isinstance(m, Linear)}
+        assert not any(modes[n] for n in never)
+        assert modes["layers.0.attn.wq_a"] and modes["layers.1.ffn.experts.w1"] and modes["mtp.0.e_proj"]
+        assert all(m.pow2 == model.config.kv_scale_pow2 for m in model.modules() if isinstance(m, Linear))
+        model.context(torch.tensor([[1]]), torch.tensor([0]), torch.tensor([0]), False, 8)
+        assert not any(m.act_quant for m in model.modules() if isinstance(m, Linear))
+    finally:
+        model.set_qat_sim(False)

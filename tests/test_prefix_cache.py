@@ -32,9 +32,9 @@ def model():
 
 
 def _engine(model, cache_bytes: int | None = 4 << 20, slots=3, chunk=64, budget=None) -> Engine:
-    runner = Runner(model, max_slots=slots, max_context=CONTEXT, prefill_chunk=chunk,
+    runner = Runner(model, max_num_seqs=slots, max_model_len=CONTEXT, max_num_batched_tokens=budget or chunk,
                     prefix_cache_bytes=cache_bytes or 0)
-    return Engine(runner, None, eos_id=1, max_num_batched_tokens=budget)
+    return Engine(runner, None, eos_id=1, long_prefill_token_threshold=chunk)
 
 
 def _params(n=6):
@@ -215,7 +215,7 @@ def test_qat_storage_round_trips_through_the_cache(model, qat):
     prompts = [system + _tokens(rng, 5), system + _tokens(rng, 9)]
 
     def engine(cache):
-        runner = Runner(model, max_slots=2, max_context=CONTEXT, prefill_chunk=64, qat_sim=qat,
+        runner = Runner(model, max_num_seqs=2, max_model_len=CONTEXT, max_num_batched_tokens=64, qat_sim=qat,
                         prefix_cache_bytes=cache)
         return Engine(runner, None, eos_id=1)
 

@@ -74,6 +74,7 @@ def test_chat_next_turn_reuses_the_conversation(client):
 
 def test_flags_and_llm_argument():
     from dsv4.cli import build_parser
+    from dsv4.engine.config import EngineConfig
     from dsv4.engine.llm import plan_engine
     from dsv4.engine.limits import DEFAULT_CPU_PREFIX_CACHE_BYTES
     parse = build_parser().parse_args
@@ -83,9 +84,11 @@ def test_flags_and_llm_argument():
     assert parse(["generate", "--enable-prefix-caching", "x"]).enable_prefix_caching is True
     with pytest.raises(SystemExit):
         parse(["serve", "--prefix-cache-gib", "0"])
-    assert plan_engine("tiny", device="cpu").prefix_cache_bytes == DEFAULT_CPU_PREFIX_CACHE_BYTES
-    assert plan_engine("tiny", device="cpu", prefix_cache_gib=0.25).prefix_cache_bytes == 2**28
-    assert plan_engine("tiny", device="cpu", enable_prefix_caching=False).prefix_cache_bytes == 0
+    def plan(**kw):
+        return plan_engine(EngineConfig(model="tiny", device="cpu", **kw))
+    assert plan().prefix_cache_bytes == DEFAULT_CPU_PREFIX_CACHE_BYTES
+    assert plan(prefix_cache_gib=0.25).prefix_cache_bytes == 2**28
+    assert plan(enable_prefix_caching=False).prefix_cache_bytes == 0
 
 
 def test_bench_serve_agent_dataset_runs_off_then_on(served, tmp_path):

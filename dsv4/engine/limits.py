@@ -27,7 +27,6 @@ from ..errors import UsageError
 from .state import GenerationState
 
 DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # vLLM's default
 DEFAULT_MAX_NUM_SEQS = 8               # sequences when none is given and the device cannot size them (CPU)
 MAX_DERIVED_NUM_SEQS = 256             # at most this many when derived from memory (vLLM's default max_num_seqs)
 # The prefix cache's default byte budget (--prefix-cache-gib): on a CUDA device this share of the

@@ -106,17 +106,19 @@ class Scheduler:
     """FCFS continuous batching over ``max_num_seqs`` slots of ``max_model_len`` positions.
 
     ``max_num_batched_tokens`` bounds the tokens of one step (decodes + prompt chunks);
-    ``prefill_chunk`` bounds one prompt chunk. With ``prefix_cache``, an admitted request starts
-    from its longest cached prefix, and a prompt chunk that would cross one of the prompt's save
-    boundaries (``Request.save_at``) ends there instead (the slot's state is saved there).
+    ``long_prefill_token_threshold`` (when > 0) bounds one prompt's chunk. With ``prefix_cache``, an
+    admitted request starts from its longest cached prefix, and a prompt chunk that would cross one
+    of the prompt's save boundaries (``Request.save_at``) ends there instead (the slot's state is
+    saved there).
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 512,
-                 prefill_chunk: int = 512, prefix_cache: PrefixCache | None = None):
-        if min(max_num_seqs, max_model_len, max_num_batched_tokens, prefill_chunk) <= 0:
+                 long_prefill_token_threshold: int = 0, prefix_cache: PrefixCache | None = None):
+        if min(max_num_seqs, max_model_len, max_num_batched_tokens) <= 0 or long_prefill_token_threshold < 0:
             raise ValueError("scheduler sizes must be positive")
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.max_num_batched_tokens, self.prefill_chunk = max_num_batched_tokens, prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -219,13 +221,14 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self._start_from_cache(req)
         budget = self.max_num_batched_tokens
+        chunk = self.long_prefill_token_threshold or budget       # the most tokens of one prompt in a step
         plan.decode = [r for r in self.running if not r.in_prefill]
         budget -= len(plan.decode) * self.decode_tokens
         for req in self.running:
             if budget <= 0:
                 break
             if req.in_prefill:
-                n = min(budget, self.prefill_chunk, len(req.prompt_ids) - req.num_prefilled)
+                n = min(budget, chunk, len(req.prompt_ids) - req.num_prefilled)
                 start = req.num_prefilled
                 for q in req.save_at:
                     if start < q < start + n:

@@ -139,7 +139,7 @@ class AsyncEngine:
         # the CPU-thread policy ("auto" only) is re-evaluated between steps: load comes and goes
         self.thread_monitor = ThreadMonitor(threads, threads_interval)
         self.vocab_size = engine.vocab_size
-        self.stats = EngineStats(slots_total=engine.max_slots)
+        self.stats = EngineStats(slots_total=engine.max_num_seqs)
         self.state = "ready"
         self.loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, _Live] = {}
