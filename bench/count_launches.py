@@ -127,7 +127,7 @@ def main() -> None:
 
     config = preset("tiny", num_layers=4)
     model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
-    runner = Runner(model, max_slots=max(2, args.batch), max_context=256, qat_sim=args.qat)
+    runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256, qat_sim=args.qat)
     for s in range(args.batch):
         prefill(runner, s, list(range(2, 2 + 37 + s)))
     if args.fused:

@@ -111,7 +111,7 @@ def fill_state(runner: Runner, context: int, seed: int = 0) -> None:
                 t.copy_(torch.randint(118, 126, t.shape, device=t.device, generator=g).to(torch.uint8))
             elif t.is_floating_point():
                 t.copy_(torch.randn(t.shape, device=t.device, generator=g, dtype=torch.float32).clamp(-4, 4))
-    for s in range(runner.max_slots):
+    for s in range(runner.max_num_seqs):
         runner.lengths[s] = context
     runner.state.positions.fill_(context)
 
@@ -131,7 +131,7 @@ def bench_ours(config: ModelConfig, layout: str, batches: list[int], context: in
     model = build_random_model(config, layout, DEVICE)
     results = {}
     for batch in batches:
-        runner = Runner(model, max_slots=batch, max_context=context + steps + 16, qat_sim=qat_sim)
+        runner = Runner(model, max_num_seqs=batch, max_model_len=context + steps + 16, qat_sim=qat_sim)
         fill_state(runner, context)
         runner.tokens.random_(2, config.vocab_size)
         slots = list(range(batch))

@@ -5,6 +5,7 @@
 #   bash bench/gpu_check.sh decode     # the decode step: reference/kernels, eager/graph, transformers, floor
 #   bash bench/gpu_check.sh engine     # profile + graph overhead, continuous batching vs waves, prefill profile
 #   bash bench/gpu_check.sh serve      # dsv4 serve on the Flash x4 slice + dsv4 bench serve
+#   bash bench/gpu_check.sh agent      # the agent workload (multi-turn, shared system prompt), prefix caching off vs on
 #   bash bench/gpu_check.sh spec       # speculative decoding: verify cost, simulated acceptance, MTP / n-gram
 #   bash bench/gpu_check.sh all        # all of the above (longer than one device call)
 # Expects transformers>=5.23 (and its newer deps: huggingface_hub, tokenizers, httpx2, httpcore2, truststore)
@@ -79,6 +80,17 @@ if want serve; then
     --output-len 128 --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"
   step "dsv4 bench serve, 1 at a time" python3 -m dsv4.cli bench serve -n 16 --concurrency 1 --input-len 512 \
     --output-len 128 --plot "$OUT/bench_serve_c1.png"
+  kill -TERM $server; wait $server
+  tail -5 "$OUT/server.log"
+fi
+if want agent; then
+  start_random_server 16 300 36864
+  step "agent workload: 16 conversations x 10 turns growing to ~31K tokens, caching off then on" tee_to bench_agent.txt \
+    python3 -m dsv4.cli bench serve --dataset agent --conversations 16 --turns 10 --system-len 4096 --turn-len 2560 \
+      --output-len 128 --plot "" --json "$OUT/bench_agent.json"
+  step "64 users sharing a 4K-token system prompt, caching off then on" tee_to bench_agent_users.txt \
+    python3 -m dsv4.cli bench serve --dataset agent --conversations 64 --turns 1 --system-len 4096 --turn-len 256 \
+      --output-len 64 --plot "" --json "$OUT/bench_agent_users.json"
   kill -TERM $server; wait $server
   tail -5 "$OUT/server.log"
 fi

@@ -27,7 +27,7 @@ from dsv4.ops import triton as kernels  # noqa: E402
 
 
 def logits(model, prompts, steps: int) -> torch.Tensor:
-    runner = Runner(model, max_slots=len(prompts), max_context=max(map(len, prompts)) + steps + 8)
+    runner = Runner(model, max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + steps + 8)
     out = []
     with torch.inference_mode():
         for s, p in enumerate(prompts):

@@ -175,8 +175,8 @@ def main() -> None:
         return torch.randint(2, config.vocab_size, (n,), generator=g).tolist()
 
     longest = max(args.lengths)
-    runner = Runner(model, max_slots=1, max_context=longest + 8, qat_sim=qat, prefill_chunk=args.budget)
-    engine = Engine(runner, None, eos_id=-1, max_num_batched_tokens=args.budget)
+    runner = Runner(model, max_num_seqs=1, max_model_len=longest + 8, qat_sim=qat, max_num_batched_tokens=args.budget)
+    engine = Engine(runner, None, eos_id=-1)
     runner.warm_up()                   # as LLM does at start-up: every kernel variant compiles now, untimed
     prefill_times(engine, [prompt(min(args.budget, longest))])          # allocator warm-up
     ours = {}
@@ -193,8 +193,8 @@ def main() -> None:
 
     lo, hi = args.batch_lengths
     lens = [round(lo + (hi - lo) * i / max(1, args.batch - 1)) for i in range(args.batch)]
-    runner = Runner(model, max_slots=args.batch, max_context=hi + 8, qat_sim=qat, prefill_chunk=args.budget)
-    engine = Engine(runner, None, eos_id=-1, max_num_batched_tokens=args.budget)
+    runner = Runner(model, max_num_seqs=args.batch, max_model_len=hi + 8, qat_sim=qat, max_num_batched_tokens=args.budget)
+    engine = Engine(runner, None, eos_id=-1)
     runner.warm_up()
     prefill_times(engine, [prompt(n) for n in lens])
     wall, ttft = prefill_times(engine, [prompt(n) for n in lens])

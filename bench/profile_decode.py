@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     config = preset(args.preset, num_layers=args.layers)
     model = build_random_model(config, args.format, "cuda")
-    runner = Runner(model, max_slots=args.batch, max_context=args.context + 64, qat_sim=args.format != "bf16")
+    runner = Runner(model, max_num_seqs=args.batch, max_model_len=args.context + 64, qat_sim=args.format != "bf16")
     fill_state(runner, args.context)
     runner.tokens.random_(2, config.vocab_size)
     slots = list(range(args.batch))

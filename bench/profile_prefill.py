@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     config = preset(args.preset, num_layers=args.layers)
     model = build_random_model(config, args.format, "cuda")
-    runner = Runner(model, max_slots=1, max_context=max(args.lengths) + 64, qat_sim=args.format != "bf16")
+    runner = Runner(model, max_num_seqs=1, max_model_len=max(args.lengths) + 64, qat_sim=args.format != "bf16")
     params = SamplingParams(max_tokens=1)
     g = torch.Generator().manual_seed(0)
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsv4.config import preset  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
+from dsv4.engine.limits import prefix_cache_budget  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.random_weights import LAYOUTS, build_random_model  # noqa: E402
 from dsv4.serve.cli import _listen  # noqa: E402
@@ -34,20 +35,27 @@ from dsv4.text.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 from dsv4.text.tokenizer import Tokenizer  # noqa: E402
 
 
+def runner_device(model) -> torch.device:
+    return model.embed.weight.device
+
+
 def load(args) -> SimpleNamespace:
     """What the server needs of an ``LLM``: engine, tokenizer, limits."""
     t0 = time.perf_counter()
     config = preset(args.preset, num_layers=args.layers)
     model = build_random_model(config, args.format, args.device)
     qat = args.format != "bf16"
-    runner = Runner(model, max_slots=args.max_num_seqs, max_context=args.max_model_len, qat_sim=qat)
+    cache = prefix_cache_budget(args.enable_prefix_caching, args.prefix_cache_gib, runner_device(model), 0.9)
+    runner = Runner(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, qat_sim=qat,
+                    max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=cache)
+    print(f"prefix cache: {cache / 2**30:.2f} GiB" if cache else "prefix caching off", file=sys.stderr)
     if runner.device.type == "cuda" and not args.enforce_eager:
         runner.capture()
     if runner.device.type == "cuda":
         runner.warm_up()      # as LLM does: no Triton compile while serving
     tok_dir = Path(tempfile.mkdtemp(prefix="dsv4-random-tok-"))
     tokenizer = Tokenizer.from_dir(write_tiny_tokenizer(tok_dir, config.vocab_size, pad=True))
-    engine = Engine(runner, tokenizer, config.eos_token_id, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(runner, tokenizer, config.eos_token_id)
     print(f"random {args.preset} x{args.layers} {args.format} on {runner.device} in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return SimpleNamespace(engine=engine, tokenizer=tokenizer, max_model_len=args.max_model_len,
@@ -62,8 +70,11 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prefix-cache-gib", type=float, default=None,
+                   help="default: 10%% of 0.9 of the GPU's memory (as dsv4 serve), 1 GiB on the CPU")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)

@@ -47,8 +47,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def runner_for(model, batch: int, context: int, spec: dict | None, graphs: bool, qat: bool) -> Runner:
-    r = Runner(model, max_slots=batch, max_context=context, qat_sim=qat, speculative=spec)
+def runner_for(model, batch: int, context: int, spec: dict | None, graphs: bool, qat: bool,
+               max_num_batched_tokens: int = 8192) -> Runner:
+    r = Runner(model, max_num_seqs=batch, max_model_len=context, qat_sim=qat, speculative=spec,
+               max_num_batched_tokens=max_num_batched_tokens)
     if graphs:
         r.capture(buckets=[batch], progress=False)
         if spec is not None:
@@ -62,8 +64,8 @@ def prefill(runner: Runner, prompts: list[tuple[int, ...]]) -> None:
 
 def plain_decode(runner: Runner, n: int) -> tuple[float, list[list[int]]]:
     """``n`` greedy decode steps of every slot: seconds, and each slot's tokens."""
-    slots = range(runner.max_slots)
-    toks = [[int(t)] for t in runner.tokens[:runner.max_slots].tolist()]
+    slots = range(runner.max_num_seqs)
+    toks = [[int(t)] for t in runner.tokens[:runner.max_num_seqs].tolist()]
     sync(str(runner.device))
     t0 = time.perf_counter()
     outs = []
@@ -80,7 +82,7 @@ def plain_decode(runner: Runner, n: int) -> tuple[float, list[list[int]]]:
 def spec_decode(runner: Runner, n: int, k: int, draft) -> tuple[float, int, int]:
     """Verify steps until every slot has ``n`` more tokens; ``draft(slot, emitted) -> k ids``.
     Returns seconds, steps and tokens emitted."""
-    B = runner.max_slots
+    B = runner.max_num_seqs
     emitted = [0] * B
     steps = 0
     sync(str(runner.device))
@@ -163,8 +165,9 @@ def real_drafts(model, args, qat: bool) -> None:
         for method in ("plain", "ngram", "mtp"):
             spec = None if method == "plain" else {"method": method, "num_speculative_tokens": args.k,
                                                     "prompt_lookup_min": 2, "prompt_lookup_max": 8}
-            r = runner_for(model, b, args.context + args.tokens + 4 * args.k + 8, spec, args.graphs, qat)
-            engine = Engine(r, None, eos_id=-1, max_num_batched_tokens=max(args.context * b, 2 * b) + b)
+            r = runner_for(model, b, args.context + args.tokens + 4 * args.k + 8, spec, args.graphs, qat,
+                           max_num_batched_tokens=max(args.context * b, 2 * b) + b)
+            engine = Engine(r, None, eos_id=-1)
             for p in prompts:                                     # prefill outside the timing
                 engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
             while engine.has_unfinished:

@@ -154,7 +154,7 @@ def main() -> None:
         from dsv4.random_weights import build_random_model
         config = preset(args.preset, num_layers=args.layers)
         model = build_random_model(config, args.format, args.device)
-        runner = Runner(model, max_slots=args.max_num_seqs, max_context=args.max_prompt + args.max_out + 8,
+        runner = Runner(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_prompt + args.max_out + 8,
                         qat_sim=args.format != "bf16")
         if args.device.startswith("cuda") and not args.enforce_eager:
             runner.capture()

@@ -211,7 +211,7 @@ def main() -> None:
                 continue
             if cuda:
                 torch.cuda.reset_peak_memory_stats(tp.device)
-            runner = Runner(model, max_slots=batch, max_context=max_context, qat_sim=release)
+            runner = Runner(model, max_num_seqs=batch, max_model_len=max_context, qat_sim=release)
             step = timed_decode(tp, runner, batch, context, args.steps, graphs)
             peak = torch.cuda.max_memory_allocated(tp.device) if cuda else 0
             per_pos = (state_bytes(config, batch + 1, 2 * max_context, dtype, release) - need) / max_context
@@ -245,7 +245,7 @@ def main() -> None:
 
     if args.prefill_tokens:
         n = args.prefill_tokens
-        runner = Runner(model, max_slots=1, max_context=n + 8, qat_sim=release, prefill_chunk=args.prefill_chunk)
+        runner = Runner(model, max_num_seqs=1, max_model_len=n + 8, qat_sim=release, max_num_batched_tokens=args.prefill_chunk)
         if tp.rank != 0:
             follow(runner, tp)
         else:

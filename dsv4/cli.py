@@ -14,36 +14,11 @@ import sys
 import time
 
 from . import __version__
-from .cli_common import (ArgumentParser, HelpFormatter, add_device_arg, add_model_arg, add_threads_arg, pick_model,
-                         positive_int)
+from .cli_common import ArgumentParser, HelpFormatter, add_model_arg, pick_model, positive_int
 from .cli_prompt import clean_text, prompt_ids, read_stdin
 from .cpu_threads import apply_threads
+from .engine.config import EngineConfig, add_engine_flags
 from .errors import Dsv4Error, UsageError
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    add_model_arg(p)
-    add_device_arg(p)
-    p.add_argument("--dtype", default="auto", help="activations and unquantized weights: auto (bf16 on cuda, "
-                                                   "fp32 on cpu), bf16, fp16, fp32")
-    p.add_argument("--qat-sim", default="auto", choices=["auto", "on", "off"],
-                   help="simulate the FP8 KV cache / FP4 indexer the weights were trained with "
-                        "(auto: on for quantized releases, off for BF16 checkpoints)")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="positions per sequence, prompt included (default: 4096, or the model's "
-                        "max_position_embeddings if smaller)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=1, help="sequences generated together")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=None, metavar="N",
-                   help="split the model over N GPUs (cuda:0..N-1, or N CPU processes), one process each; "
-                        "under torchrun, its WORLD_SIZE")
-    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
-                   help="on a GPU, skip compiling every kernel variant at start-up (the first prompt of each new "
-                        "length class then waits for its compiles)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding (vLLM\'s form): \'{"method": "mtp"|"ngram", "num_speculative_tokens": k, '
-                        '"prompt_lookup_min": a, "prompt_lookup_max": b}\' (ngram: drafts from the prompt and '
-                        'output; mtp: the checkpoint\'s MTP block)')
-    add_threads_arg(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -67,12 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-ids", type=prompt_ids, default=None, metavar="IDS",
                      help="the prompt as token ids separated by commas or spaces (e.g. 0,15,27), "
                           "for checkpoints without a tokenizer")
-    _add_engine_args(gen)
+    add_engine_flags(gen, max_num_seqs=1)
     _add_sampling_args(gen, 64)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal", formatter_class=HelpFormatter)
-    _add_engine_args(chat)
+    add_engine_flags(chat, max_num_seqs=1)
     _add_sampling_args(chat, 512)
     chat.add_argument("--think", action="store_true", help="start in thinking mode")
     chat.add_argument("--system", default=None, help="system prompt")
@@ -91,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=HelpFormatter)
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="the model, as with --model (`dsv4 serve MODEL`, as `vllm serve MODEL`)")
-    _add_engine_args(srv)
+    add_engine_flags(srv, max_num_seqs=None)    # None: sized from the GPU's memory (8 on the CPU)
     add_serve_parser(srv)
     add_bench_parser(sub)
 
@@ -113,16 +88,9 @@ def _sampling(args: argparse.Namespace):
                           top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _engine_args(args: argparse.Namespace, **extra) -> dict:
-    """The arguments of :func:`~dsv4.engine.llm.plan_engine` (and of ``LLM``) the flags give."""
-    return dict(model=args.model, device=args.device, dtype=args.dtype, qat_sim=args.qat_sim,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config, **extra)
-
-
-def _llm(args: argparse.Namespace, **extra):
+def _llm(engine: EngineConfig, require_tokenizer: bool):
     from .engine.llm import LLM
-    return LLM(**_engine_args(args, **extra), warm_up=args.warm_up, threads=args.threads)
+    return LLM.from_config(engine, require_tokenizer=require_tokenizer)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -145,11 +113,12 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    engine = EngineConfig.from_args(args)      # first: its errors need nothing loaded
     prompt = _prompt(args)
     params = _sampling(args)
     # a text prompt needs the tokenizer: say so before minutes of reading weights, not after;
     # closing releases a tensor-parallel group's other ranks
-    with _llm(args, require_tokenizer=isinstance(prompt, str)) as llm:
+    with _llm(engine, require_tokenizer=isinstance(prompt, str)) as llm:
         return _generate(args, llm, prompt, params)
 
 
@@ -189,11 +158,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    engine = EngineConfig.from_args(args)
     from .chat_repl import run_chat
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD, not a traceback
         sys.stdin.reconfigure(errors="replace")
     params = _sampling(args)
-    with _llm(args, require_tokenizer=True) as llm:
+    with _llm(engine, require_tokenizer=True) as llm:
         return run_chat(llm, params, thinking=args.think, system=args.system)
 
 
@@ -204,9 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"give the model once: as MODEL ({args.model_tag}) or as --model ({args.model}), "
                              "or the same in both")
         args.model = args.model_tag
-    extra = dict(max_num_batched_tokens=args.max_num_batched_tokens,
-                 gpu_memory_utilization=args.gpu_memory_utilization, require_tokenizer=True)
-    return serve(args, _engine_args(args, **extra), lambda: _llm(args, enforce_eager=args.enforce_eager, **extra))
+    engine = EngineConfig.from_args(args)
+    return serve(args, engine, lambda: _llm(engine, require_tokenizer=True))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

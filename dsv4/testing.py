@@ -25,7 +25,7 @@ from .engine.sampling import SamplingParams
 
 def _length(runner, slot: int) -> int:
     """The slot's length (0 for a slot out of range: the step then refuses it, naming the slot)."""
-    return runner.lengths[slot] if 0 <= slot < runner.max_slots else 0
+    return runner.lengths[slot] if 0 <= slot < runner.max_num_seqs else 0
 
 
 def _ids(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -38,13 +38,13 @@ def _ids(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
 def prefill(runner, slot: int, token_ids: Sequence[int] | torch.Tensor, all_logits: bool = False,
             chunk: int | None = None, new: bool = False) -> torch.Tensor:
     """Append ``token_ids`` to ``slot`` in steps of at most ``chunk`` tokens (default the runner's
-    ``prefill_chunk``); return the fp32 logits of the last token ``[vocab]``, or of every token
+    ``max_num_batched_tokens``); return the fp32 logits of the last token ``[vocab]``, or of every token
     ``[n, vocab]`` with ``all_logits``. Samples nothing (the slot's next input is unchanged).
     ``new``: empty the slot first, as a step does (so on every rank of a tensor-parallel runner)."""
     ids = _ids(token_ids)
     if not ids:
         raise ValueError("prefill needs at least one token")
-    chunk = chunk or runner.prefill_chunk
+    chunk = chunk or runner.max_num_batched_tokens
     outs = []
     for lo in range(0, len(ids), chunk):
         first = NewSequence(SamplingParams(temperature=0.0), tuple(ids)) if new and lo == 0 else None

@@ -65,14 +65,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def random_prefills(runner, slot: int, rng, long_chance: float, short_max: int, logits_chance: float):
     """Fill ``slot`` from empty with prompt chunks of random lengths (with probability
-    ``long_chance`` 1..``prefill_chunk``, else 1..``short_max``), some with every position's logits,
-    until the next would overflow ``max_context``; yields ``(n, start)`` after each chunk."""
+    ``long_chance`` 1..``max_num_batched_tokens``, else 1..``short_max``), some with every position's logits,
+    until the next would overflow ``max_model_len``; yields ``(n, start)`` after each chunk."""
     runner.reset([slot])
     vocab = runner.model.config.vocab_size
     pos = 0
     while True:
-        n = rng.randint(1, runner.prefill_chunk) if rng.random() < long_chance else rng.randint(1, short_max)
-        if pos + n > runner.max_context:
+        n = rng.randint(1, runner.max_num_batched_tokens) if rng.random() < long_chance else rng.randint(1, short_max)
+        if pos + n > runner.max_model_len:
             return
         prefill(runner, slot, [rng.randrange(vocab) for _ in range(n)], all_logits=rng.random() < logits_chance)
         yield n, pos

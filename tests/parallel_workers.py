@@ -34,13 +34,13 @@ def _drive(tp: ParallelGroup, runner: Runner, prompts, steps: int) -> dict:
 
 def checkpoint(tp: ParallelGroup, path, prompts, steps: int, qat_sim: bool) -> dict:
     model, report = load_model(path, dtype=torch.float32, progress=False, parallel=tp)
-    runner = Runner(model, max_slots=len(prompts), max_context=96, qat_sim=qat_sim)
+    runner = Runner(model, max_num_seqs=len(prompts), max_model_len=96, qat_sim=qat_sim)
     return dict(_drive(tp, runner, prompts, steps), rank_bytes=report.rank_bytes, line=report.one_line())
 
 
 def random(tp: ParallelGroup, config: dict, prompts, steps: int, dtype: torch.dtype = torch.float32) -> dict:
     model = random_sharded(ModelConfig.from_dict(config), dtype, tp.device, tp, seed=7)
-    runner = Runner(model, max_slots=len(prompts), max_context=96, qat_sim=True)
+    runner = Runner(model, max_num_seqs=len(prompts), max_model_len=96, qat_sim=True)
     return _drive(tp, runner, prompts, steps)
 
 

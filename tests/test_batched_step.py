@@ -65,8 +65,8 @@ def test_varlen_forward_equals_each_row_alone(model):
 
 
 def _engine(model, slots: int, budget: int, chunk: int | None = None) -> Engine:
-    runner = Runner(model, max_slots=slots, max_context=CONTEXT, prefill_chunk=chunk or budget)
-    return Engine(runner, None, eos_id=1, max_num_batched_tokens=budget)
+    runner = Runner(model, max_num_seqs=slots, max_model_len=CONTEXT, max_num_batched_tokens=budget)
+    return Engine(runner, None, eos_id=1, long_prefill_token_threshold=chunk or 0)
 
 
 def _requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
@@ -158,7 +158,7 @@ def test_one_forward_per_step(model, monkeypatch):
 def test_a_bad_row_changes_nothing(model):
     """Every check of a step runs before any state moves: a row past the context, a wrong start, a
     slot twice or out of range is refused and the slots keep their lengths."""
-    runner = Runner(model, max_slots=2, max_context=64)
+    runner = Runner(model, max_num_seqs=2, max_model_len=64)
     params = SamplingParams(temperature=0.0)
     runner.run(ScheduledBatch((Row(0, 0, (5, 6, 7), new=NewSequence(params, (5, 6, 7))),)))
     before = list(runner.lengths), runner.state.positions.clone()

@@ -116,7 +116,7 @@ def test_state_pieces_at_a_block_boundary(qat):
     B = block_size(model.config)
     seq = torch.randint(2, 512, (3 * B + 5,), generator=torch.Generator().manual_seed(4)).tolist()
     def garbled(kinds):
-        runner = Runner(model, max_slots=1, max_context=128, qat_sim=qat)
+        runner = Runner(model, max_num_seqs=1, max_model_len=128, qat_sim=qat)
         prefill(runner, 0, seq[:2 * B])
         for p in runner.state.pieces():
             rows = p.tensor[0]

@@ -80,7 +80,7 @@ def test_greedy_is_deterministic_and_is_the_argmax_chain(cache, capsys):
     # the same chain computed directly from the checkpoint
     model, _ = load_model(cache, dtype=torch.float32, progress=False)
     from dsv4.engine.llm import resolve_qat_sim
-    runner = Runner(model, max_slots=1, max_context=4096, qat_sim=resolve_qat_sim("auto", model.config))
+    runner = Runner(model, max_num_seqs=1, max_model_len=4096, qat_sim=resolve_qat_sim("auto", model.config))
     logits = prefill(runner, 0, a["prompt_token_ids"])
     chain = []
     for _ in range(len(a["token_ids"])):
@@ -370,7 +370,7 @@ def test_help_and_version_do_not_import_torch():
               "        main(argv)\n"
               "    except SystemExit:\n"
               "        pass\n"
-              "    heavy = ('torch', 'dsv4.engine', 'dsv4.model')\n"
+              "    heavy = ('torch', 'dsv4.engine.llm', 'dsv4.engine.runner', 'dsv4.model')\n"
               "    seen[' '.join(argv)] = sorted(m for m in heavy if m in sys.modules)\n"
               "print(json.dumps(seen), file=sys.stderr)\n")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -142,7 +142,7 @@ def test_server_engine_reevaluates_on_cpu_only(tiny_checkpoint, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     made = []
     monkeypatch.setattr(app.AsyncEngine, "start", lambda self: made.append(self))  # no engine thread
-    engine = SimpleNamespace(max_slots=1, vocab_size=8, max_model_len=16)   # what the server reads of an Engine
+    engine = SimpleNamespace(max_num_seqs=1, vocab_size=8, max_model_len=16)   # what the server reads of an Engine
     for device in ("cpu", "cuda"):
         llm = SimpleNamespace(engine=engine, max_model_len=16, tokenizer=Tokenizer.from_dir(tiny_checkpoint),
                               path=tiny_checkpoint, max_num_seqs=1, device=torch.device(device), threads="auto")

@@ -45,14 +45,14 @@ def test_decode_forward_captures_and_replays_exactly(tiny_checkpoint_dir, varian
 
     path = ensure_tiny(tiny_checkpoint_dir, variant)
     model, _ = load_model(path, "cuda", torch.bfloat16, load_mtp=False, progress=False)
-    runner = Runner(model, max_slots=4, max_context=256, qat_sim=qat)
+    runner = Runner(model, max_num_seqs=4, max_model_len=256, qat_sim=qat)
     g = torch.Generator().manual_seed(0)
     for slot, n in ((0, 37), (1, 5), (2, 130), (3, 64)):
         prefill(runner, slot, torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist())
     slots = torch.tensor([2, 0, 3, 1], device="cuda")
     ids = torch.randint(2, model.config.vocab_size, (4, 1), generator=g).cuda()
     start = runner.state.positions[slots].clone()
-    bound = runner.max_context
+    bound = runner.max_model_len
 
     def forward():
         with ops.sync_free():

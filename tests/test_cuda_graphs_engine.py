@@ -34,7 +34,7 @@ def _requests(vocab):
 def _generate(model, qat, graphs, requests):
     from dsv4.engine.core import Engine
     from dsv4.engine.runner import Runner
-    runner = Runner(model, max_slots=5, max_context=256, qat_sim=qat, prefill_chunk=32)
+    runner = Runner(model, max_num_seqs=5, max_model_len=256, qat_sim=qat, max_num_batched_tokens=32)
     runner.full_bound = True
     if graphs:
         runner.capture(progress=False)
@@ -71,7 +71,7 @@ def test_a_replayed_step_allocates_nothing(cache_dir):
     from dsv4.tiny import ensure_tiny
     from dsv4.weights.loader import load_model
     model, _ = load_model(ensure_tiny(cache_dir, "mxfp4"), "cuda", torch.bfloat16, load_mtp=False, progress=False)
-    runner = Runner(model, max_slots=4, max_context=512, qat_sim=True)
+    runner = Runner(model, max_num_seqs=4, max_model_len=512, qat_sim=True)
     runner.capture(progress=False)
     prompt = (5, 6, 7)
     runner.run(ScheduledBatch(tuple(Row(s, 0, prompt, new=NewSequence(SamplingParams(temperature=0.7, seed=s), prompt))

@@ -36,6 +36,9 @@ def _signature_text(name: str, params) -> str:
     import json
     parts = []
     for p in params:
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+            continue
         if p.kind is inspect.Parameter.KEYWORD_ONLY and "*" not in parts:
             parts.append("*")
         default = p.default
@@ -49,13 +52,15 @@ def test_readme_shows_the_whole_llm_and_sampling_params_signatures():
     import dataclasses
     import inspect
 
+    from dsv4.engine.config import EngineConfig
     from dsv4.engine.llm import LLM
     from dsv4.engine.sampling import SamplingParams
 
     readme = " ".join((ROOT / "README.md").read_text().split())
     llm = list(inspect.signature(LLM.__init__).parameters.values())[1:]
     assert _signature_text("LLM", llm) in readme, _signature_text("LLM", llm)
-    fields = [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                default=f.default if f.default is not dataclasses.MISSING else f.default_factory())
-              for f in dataclasses.fields(SamplingParams)]
-    assert _signature_text("SamplingParams", fields) in readme, _signature_text("SamplingParams", fields)
+    for cls in (SamplingParams, EngineConfig):
+        fields = [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    default=f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                  for f in dataclasses.fields(cls)]
+        assert _signature_text(cls.__name__, fields) in readme, _signature_text(cls.__name__, fields)

@@ -26,8 +26,8 @@ def model():
 
 
 def _engine(model, slots=3, context=160, chunk=16, budget=None) -> Engine:
-    runner = Runner(model, max_slots=slots, max_context=context, prefill_chunk=chunk)
-    return Engine(runner, None, eos_id=1, max_num_batched_tokens=budget)
+    runner = Runner(model, max_num_seqs=slots, max_model_len=context, max_num_batched_tokens=budget or chunk)
+    return Engine(runner, None, eos_id=1, long_prefill_token_threshold=chunk)
 
 
 def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
@@ -135,7 +135,7 @@ def test_stop_token_finishes_and_frees_the_slot(model):
 
 
 def test_scheduler_plan_budget_and_fcfs():
-    s = Scheduler(max_num_seqs=2, max_model_len=100, max_num_batched_tokens=10, prefill_chunk=6)
+    s = Scheduler(max_num_seqs=2, max_model_len=100, max_num_batched_tokens=10, long_prefill_token_threshold=6)
     a = Request("a", list(range(2, 16)), SamplingParams(max_tokens=3))   # 14 prompt tokens
     b = Request("b", [5, 6], SamplingParams(max_tokens=3))
     c = Request("c", [7], SamplingParams(max_tokens=3))
@@ -171,7 +171,7 @@ def test_engine_check_names_the_field_and_changes_nothing(model):
         engine.check(list(range(2, 62)), SamplingParams(max_tokens=10))
     assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
     assert not engine.has_unfinished
-    assert (engine.vocab_size, engine.max_slots, engine.max_model_len) == (512, 2, 64)
+    assert (engine.vocab_size, engine.max_num_seqs, engine.max_model_len) == (512, 2, 64)
 
 
 def test_engine_stats_count_running_waiting_and_slots(model):

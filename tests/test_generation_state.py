@@ -31,9 +31,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> None:
 @pytest.mark.parametrize("qat, rel", [(False, 1e-5), (True, 1e-2)])
 def test_each_decode_step_equals_fresh_prefill(model, qat, rel):
     seq = _tokens(70, 1)
-    runner = Runner(model, max_slots=2, max_context=128, qat_sim=qat)
+    runner = Runner(model, max_num_seqs=2, max_model_len=128, qat_sim=qat)
     prefill(runner, 1, seq[:20])
-    fresh = Runner(model, max_slots=1, max_context=128, qat_sim=qat)
+    fresh = Runner(model, max_num_seqs=1, max_model_len=128, qat_sim=qat)
     for i in range(20, 70):
         step = decode(runner, [1], torch.tensor([seq[i]]))[0]
         fresh.reset([0])
@@ -44,21 +44,21 @@ def test_each_decode_step_equals_fresh_prefill(model, qat, rel):
 @pytest.mark.parametrize("chunk", [1, 3, 4, 7, 16, 33])
 def test_chunked_prefill_equals_one_shot(model, chunk):
     seq = _tokens(90, 2)
-    one = prefill(Runner(model, max_slots=1, max_context=128, prefill_chunk=512), 0, seq, all_logits=True)
-    chunked = prefill(Runner(model, max_slots=1, max_context=128, prefill_chunk=chunk), 0, seq, all_logits=True)
+    one = prefill(Runner(model, max_num_seqs=1, max_model_len=128, max_num_batched_tokens=512), 0, seq, all_logits=True)
+    chunked = prefill(Runner(model, max_num_seqs=1, max_model_len=128, max_num_batched_tokens=chunk), 0, seq, all_logits=True)
     _close(chunked, one)
 
 
 def test_prefill_in_several_calls_equals_one_call(model):
     seq = _tokens(61, 3)
-    one = prefill(Runner(model, max_slots=1, max_context=128), 0, seq, all_logits=True)
-    runner = Runner(model, max_slots=1, max_context=128)
+    one = prefill(Runner(model, max_num_seqs=1, max_model_len=128), 0, seq, all_logits=True)
+    runner = Runner(model, max_num_seqs=1, max_model_len=128)
     parts = [prefill(runner, 0, seq[a:b], all_logits=True) for a, b in ((0, 5), (5, 6), (6, 40), (40, 61))]
     _close(torch.cat(parts), one)
 
 
 def test_reused_slot_after_reset_gives_same_output(model):
-    runner = Runner(model, max_slots=2, max_context=128)
+    runner = Runner(model, max_num_seqs=2, max_model_len=128)
     first = _tokens(50, 4)
     other = _tokens(33, 5)
     a = prefill(runner, 0, first, all_logits=True)
@@ -72,10 +72,10 @@ def test_reused_slot_after_reset_gives_same_output(model):
 def test_batched_decode_rows_independent_of_batch(model):
     seqs = [_tokens(n, 10 + n) for n in (9, 30, 17)]
     conts = [_tokens(40, 20 + i) for i in range(3)]
-    together = Runner(model, max_slots=3, max_context=128)
+    together = Runner(model, max_num_seqs=3, max_model_len=128)
     for s, seq in enumerate(seqs):
         prefill(together, s, seq)
-    alone = Runner(model, max_slots=1, max_context=128)
+    alone = Runner(model, max_num_seqs=1, max_model_len=128)
     prefill(alone, 0, seqs[1])
     for step in range(40):
         rows = decode(together, [0, 1, 2], torch.tensor([c[step] for c in conts]))
@@ -142,9 +142,9 @@ def test_qat_simulation_rounds_cache_and_indexer(model, qat):
 
 
 def test_context_overflow_is_refused_before_any_state_change(model):
-    runner = Runner(model, max_slots=1, max_context=32)
+    runner = Runner(model, max_num_seqs=1, max_model_len=32)
     prefill(runner, 0, _tokens(30, 11))
-    with pytest.raises(ContextOverflowError, match="slot 0: 30 \\+ 5 tokens exceed max_context=32"):
+    with pytest.raises(ContextOverflowError, match="slot 0: 30 \\+ 5 tokens exceed max_model_len=32"):
         prefill(runner, 0, _tokens(5, 12))
     assert runner.lengths[0] == 30
     decode(runner, [0], torch.tensor([5]))
@@ -154,7 +154,7 @@ def test_context_overflow_is_refused_before_any_state_change(model):
 
 
 def test_bad_slot_arguments(model):
-    runner = Runner(model, max_slots=2, max_context=32)
+    runner = Runner(model, max_num_seqs=2, max_model_len=32)
     with pytest.raises(IndexError, match="slot 2"):
         prefill(runner, 2, [1, 2])
     with pytest.raises(ValueError, match="twice"):
@@ -168,7 +168,7 @@ def test_decode_step_reads_no_device_value_on_host(model, monkeypatch, qat):
     """In capture mode (``ops.sync_free``, what the runner sets when capturing a CUDA graph) the
     decode forward must not call .item()/.tolist()/bool() on tensors, with the QAT simulation
     (FP8 KV, FP4 indexer, activation quantization) on and off."""
-    runner = Runner(model, max_slots=2, max_context=64, qat_sim=qat)
+    runner = Runner(model, max_num_seqs=2, max_model_len=64, qat_sim=qat)
     prefill(runner, 0, _tokens(12, 13))
     prefill(runner, 1, _tokens(5, 14))
     calls = []

@@ -34,7 +34,7 @@ def test_mixed_step_equals_rows_one_by_one(dtype):
     first = {s: ids(n) for s, n in ((0, 300), (1, 517), (2, 200))}
 
     def fresh() -> Runner:
-        r = Runner(model, max_slots=4, max_context=2048, qat_sim=qat)
+        r = Runner(model, max_num_seqs=4, max_model_len=2048, qat_sim=qat)
         r.run(ScheduledBatch(tuple(Row(s, 0, p, new=NewSequence(greedy, p)) for s, p in first.items())))
         return r
 

@@ -23,7 +23,7 @@ def test_admission_prefill_and_first_sample_never_wait_for_the_device():
     from dsv4.random_weights import build_random_model
 
     model = build_random_model(preset("flash", num_layers=1), "fp8-mxfp4", "cuda")
-    runner = Runner(model, max_slots=3, max_context=1024, qat_sim=True, prefill_chunk=512)
+    runner = Runner(model, max_num_seqs=3, max_model_len=1024, qat_sim=True, max_num_batched_tokens=512)
     runner.warm_up(progress=False)             # every variant a step of <= 512 tokens reaches (compiles may synchronize)
     params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1, logprobs=2)
     ids = tuple(range(5, 300))

@@ -33,7 +33,7 @@ def test_verify_graph_equals_eager_verify(model, method):
     prompts = {0: ids(300), 1: ids(517), 2: ids(200)}
 
     def fresh() -> Runner:
-        r = Runner(model, max_slots=4, max_context=2048, speculative=spec)
+        r = Runner(model, max_num_seqs=4, max_model_len=2048, speculative=spec)
         r.run(ScheduledBatch(tuple(Row(s, 0, p, new=NewSequence(greedy, p)) for s, p in prompts.items())))
         return r
 
@@ -53,29 +53,37 @@ def test_verify_graph_equals_eager_verify(model, method):
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_greedy_generation_with_speculation_in_graphs(model, method):
+    """Plain decoding (decode graphs) against speculation (verify graphs, mixed steps eager): the same
+    greedy tokens, up to a near-tie of plain decoding's top two (the decode and verify kernels round
+    differently in the last bits), and the same logprobs to kernel precision until then."""
     from dsv4.engine.core import Engine
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampling import SamplingParams
     g = torch.Generator().manual_seed(1)
     base = torch.randint(2, model.config.vocab_size, (40,), generator=g).tolist()
     prompts = [base * 3, base[:17] * 5, base[5:30]]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
 
     def generate(spec):
-        runner = Runner(model, max_slots=4, max_context=1024, speculative=spec)
+        runner = Runner(model, max_num_seqs=4, max_model_len=1024, speculative=spec, max_num_batched_tokens=512)
         runner.capture(buckets=[4], progress=False)
         if spec:
             runner.capture_verify(buckets=[4], progress=False)
-        engine = Engine(runner, None, eos_id=1, max_num_batched_tokens=512)
+        engine = Engine(runner, None, eos_id=1)
         rids = [engine.add_request(p, params) for p in prompts]
         done = {}
         while engine.has_unfinished:
             for o in engine.step():
                 if o.finished:
-                    done[o.request_id] = o.output.token_ids
+                    done[o.request_id] = o.output
         return [done[r] for r in rids], engine
 
     want, _ = generate(None)
     got, engine = generate({"method": method, "num_speculative_tokens": 3})
-    assert got == want
     assert engine.spec_stats.num_drafts > 0
+    for w, o in zip(want, got):
+        same = next((i for i, (a, b) in enumerate(zip(w.token_ids, o.token_ids)) if a != b), len(w.token_ids))
+        if same < len(w.token_ids):                       # only where plain decoding nearly tied
+            (_, first), (_, second) = w.top_logprobs[same][:2]
+            assert first - second < 1e-3, f"diverged at {same} with a top-2 gap of {first - second}"
+        torch.testing.assert_close(torch.tensor(o.logprobs[:same]), torch.tensor(w.logprobs[:same]), rtol=0, atol=2e-3)

@@ -2,7 +2,7 @@
 
 The twin of ``tests/test_warmup.py`` on real compiles: a Flash-geometry slice with the release
 formats, Triton's own per-device kernel caches counted (:func:`dsv4.ops.triton.variants.total`)
-before and after random prefills (lengths 1..prefill_chunk at random positions, some with every
+before and after random prefills (lengths 1..max_num_batched_tokens at random positions, some with every
 position's logits) and eager decode steps of random batch sizes.
 """
 
@@ -27,7 +27,7 @@ def test_flash_slice_compiles_nothing_after_warm_up():
     from dsv4.ops.triton import variants
 
     model = build_random_model(preset("flash", num_layers=2), "fp8-mxfp4", "cuda")
-    runner = Runner(model, max_slots=4, max_context=3000, qat_sim=True, prefill_chunk=512)
+    runner = Runner(model, max_num_seqs=4, max_model_len=3000, qat_sim=True, max_num_batched_tokens=512)
     t0 = time.perf_counter()
     runner.warm_up(progress=True)
     print(f"warm-up {time.perf_counter() - t0:.1f} s, {variants.total()} variants", file=sys.stderr)

@@ -52,7 +52,7 @@ def ref():
     config = parity_config()
     model = random_model(config, with_mtp=True)
     state = {k: v.detach().clone() for k, v in model.official_state_dict().items()}
-    logits = prefill(Runner(model, max_slots=1, max_context=64), 0, PROMPT)
+    logits = prefill(Runner(model, max_num_seqs=1, max_model_len=64), 0, PROMPT)
     return config, model, state, logits
 
 
@@ -62,7 +62,7 @@ def ref_no_mtp(ref):
     model = random_model(config, with_mtp=False, seed=1)
     state = {k: v.detach().clone() for k, v in model.official_state_dict().items()}
     assert not any(k.startswith("mtp.") for k in state)
-    logits = prefill(Runner(model, max_slots=1, max_context=64), 0, PROMPT)
+    logits = prefill(Runner(model, max_num_seqs=1, max_model_len=64), 0, PROMPT)
     return config, model, state, logits
 
 
@@ -72,7 +72,7 @@ def assert_same(loaded, state: dict[str, torch.Tensor], logits: torch.Tensor) ->
     for name, t in state.items():
         assert got[name].dtype == t.dtype, name
         assert torch.equal(got[name], t), name
-    out = prefill(Runner(loaded, max_slots=1, max_context=64), 0, PROMPT)
+    out = prefill(Runner(loaded, max_num_seqs=1, max_model_len=64), 0, PROMPT)
     # the same weights, bit for bit (above); the logits agree to fp32 rounding (a CPU BLAS may pick
     # another summation order for another memory alignment)
     torch.testing.assert_close(out, logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())

@@ -68,7 +68,7 @@ def run(tmp_path_factory):
 
 def _single(path, qat_sim):
     model, _ = load_model(path, dtype=torch.float32, progress=False)
-    return greedy(Runner(model, max_slots=len(PROMPTS), max_context=96, qat_sim=qat_sim), PROMPTS, STEPS)
+    return greedy(Runner(model, max_num_seqs=len(PROMPTS), max_model_len=96, qat_sim=qat_sim), PROMPTS, STEPS)
 
 
 def _same(got: dict, want_tokens, want_logits) -> None:
@@ -94,7 +94,7 @@ def test_two_ranks_generate_what_one_does(run, job, qat_sim):
 def test_random_weights_on_device_match_one_process(run):
     _, results = run
     model = random_sharded(tp_config(), torch.float32, "cpu", seed=7)
-    _same(results[0]["random"], *greedy(Runner(model, max_slots=len(PROMPTS), max_context=96, qat_sim=True),
+    _same(results[0]["random"], *greedy(Runner(model, max_num_seqs=len(PROMPTS), max_model_len=96, qat_sim=True),
                                         PROMPTS, STEPS))
 
 
@@ -141,7 +141,7 @@ def test_two_gpus_generate_what_one_does():
     results = spawn(workers.scenarios, 2, [("random", "random_cuda", (config.to_dict(), PROMPTS, STEPS))],
                     device="cuda", timeout_s=300)
     model = random_sharded(config, torch.float32, "cuda:0", seed=7)
-    tokens, logits = greedy(Runner(model, max_slots=len(PROMPTS), max_context=96, qat_sim=True), PROMPTS, STEPS)
+    tokens, logits = greedy(Runner(model, max_num_seqs=len(PROMPTS), max_model_len=96, qat_sim=True), PROMPTS, STEPS)
     got = results[0]["random"]
     assert got["tokens"] == tokens
     assert (got["logits"] - logits).abs().max() <= 1e-4 * logits.abs().max()

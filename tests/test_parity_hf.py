@@ -22,7 +22,7 @@ STEPS = 210
 
 
 def _ours(model, prompts, continuations) -> list[torch.Tensor]:
-    runner = Runner(model, max_slots=3, max_context=512, prefill_chunk=16)
+    runner = Runner(model, max_num_seqs=3, max_model_len=512, max_num_batched_tokens=16)
     slots = [2, 0][:len(prompts)]  # deliberately not 0..n-1
     logits = [[prefill(runner, s, p, all_logits=True)] for s, p in zip(slots, prompts)]
     for step in range(len(continuations[0])):

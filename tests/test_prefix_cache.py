@@ -32,9 +32,9 @@ def model():
 
 
 def _engine(model, cache_bytes: int | None = 4 << 20, slots=3, chunk=64, budget=None) -> Engine:
-    runner = Runner(model, max_slots=slots, max_context=CONTEXT, prefill_chunk=chunk,
+    runner = Runner(model, max_num_seqs=slots, max_model_len=CONTEXT, max_num_batched_tokens=budget or chunk,
                     prefix_cache_bytes=cache_bytes or 0)
-    return Engine(runner, None, eos_id=1, max_num_batched_tokens=budget)
+    return Engine(runner, None, eos_id=1, long_prefill_token_threshold=chunk)
 
 
 def _params(n=6):
@@ -204,3 +204,115 @@ def test_caching_off_and_the_index_alone():
     cache.unref(hit)
     assert cache.plan_save(1, [50 + t for t in toks], 4) is not None
     assert cache.stats.evictions >= 1
+
+
+@pytest.mark.parametrize("qat", [True])
+def test_qat_storage_round_trips_through_the_cache(model, qat):
+    """The QAT storage (FP8 entries and ring, FP4 indexer keys) is copied byte for byte: a cached
+    run equals an uncached one."""
+    rng = random.Random(13)
+    system = _tokens(rng, 2 * B + 1)
+    prompts = [system + _tokens(rng, 5), system + _tokens(rng, 9)]
+
+    def engine(cache):
+        runner = Runner(model, max_num_seqs=2, max_model_len=CONTEXT, max_num_batched_tokens=64, qat_sim=qat,
+                        prefix_cache_bytes=cache)
+        return Engine(runner, None, eos_id=1)
+
+    on = _run(engine(4 << 20), prompts, together=False)
+    off = _run(engine(0), prompts, together=False)
+    assert [c for *_, c in on] == [0, 2 * B]
+    for (t1, lp1, _), (t2, lp2, _) in zip(on, off):
+        assert t1 == t2
+        assert max(abs(a - b) for a, b in zip(lp1, lp2)) <= 1e-2    # FP8 steps between chunk shapes (test_generation_state)
+
+
+def test_llm_tensor_parallel_2_with_caching_equals_one_process_without():
+    """``LLM(tensor_parallel_size=2)`` over gloo: every rank restores and saves its own state from
+    the plan rank 0 broadcasts; a shared prefix and a conversation's next turn give what one
+    process gives with caching off, and ``num_cached_tokens`` says what was reused."""
+    from dsv4.engine.llm import LLM
+    rng = random.Random(17)
+    system = [0] + _tokens(rng, 2 * B + 3)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    kw = dict(device="cpu", max_num_seqs=2, max_model_len=256, progress=False, max_num_batched_tokens=128)
+
+    def turns(llm):
+        out, convo = [], system + _tokens(random.Random(1), 4)
+        for p in ([system + [5, 6, 7]], [system + [9, 9]], [convo]):
+            o = llm.generate(p, params)[0]
+            out.append((o.token_ids, o.logprobs, o.num_cached_tokens))
+        convo = convo + out[-1][0] + [11, 12, 13]
+        o = llm.generate([convo], params)[0]
+        return out + [(o.token_ids, o.logprobs, o.num_cached_tokens)]
+
+    with LLM("tiny:bf16", enable_prefix_caching=False, **kw) as llm:
+        off = turns(llm)
+    with LLM("tiny:bf16", tensor_parallel_size=2, prefix_cache_gib=0.01, **kw) as llm:
+        assert llm.runner.prefix_store is not None
+        on = turns(llm)
+    _same(on, off)
+    # the conversation's turn: 40 prompt tokens, saved at 32; decoding saved it again at 48
+    assert [c for *_, c in on] == [0, 2 * B, 2 * B, 3 * B]
+
+
+@pytest.mark.parametrize("qat, dtype", [(True, torch.bfloat16), (False, torch.float32), (True, torch.float32)])
+def test_store_save_restore_is_byte_exact(qat, dtype):
+    """Pages hold a slot's entry rows and window pieces byte for byte, whatever the storage (FP8 +
+    e8m0 scales + BF16 rope rows, FP4 keys, fp32 windows: pieces of odd byte sizes)."""
+    from dsv4.config import preset
+    from dsv4.engine.prefix_store import PrefixStore
+    from dsv4.engine.state import GenerationState
+    config = preset("tiny")
+    state = GenerationState(config, 3, 128, dtype, "cpu", qat_sim=qat)
+    g = torch.Generator().manual_seed(0)
+    for p in state.pieces():
+        p.tensor.view(torch.uint8).copy_(torch.randint(0, 256, p.tensor.view(torch.uint8).shape, generator=g,
+                                                       dtype=torch.uint8))
+    store = PrefixStore(state, block_size(config), 1 << 20)
+    bsz = store.block
+    tail = list(range(store.tail_pages + 10, 9, -1))[:store.tail_pages]
+    store.save(0, 0, [5, 2], tail)
+    store.save(0, 2, [4], [])
+    store.restore(2, [5, 2, 4], tail)
+    for p in state.pieces():
+        if p.kind == "entries":
+            n = 3 * bsz // p.ratio
+            assert torch.equal(p.tensor[2, :n].view(torch.uint8), p.tensor[0, :n].view(torch.uint8)), p.name
+        elif p.kind == "window":
+            assert torch.equal(p.tensor[2].view(torch.uint8), p.tensor[0].view(torch.uint8)), p.name
+    assert store.pool.shape[1] % 16 == 0
+
+
+def test_users_sharing_a_system_prompt_save_where_they_part(model):
+    """The first user saves at the end of its prompt; the second finds the system prompt's blocks
+    cached without a state at their end, so it saves one where the prompts part; every later user
+    starts there."""
+    rng = random.Random(19)
+    system = _tokens(rng, 3 * B + 5)
+    users = [system + _tokens(rng, 20) for _ in range(4)]
+    on = _run(_engine(model), users, together=False)
+    off = _run(_engine(model, None), users, together=False)
+    _same(on, off)
+    assert [c for *_, c in on] == [0, 0, 3 * B, 3 * B]
+
+
+def test_prompt_logprobs_requests_reuse_nothing(model):
+    """A request that asks for its prompt's logprobs needs every position's logits: it is not
+    served from the cache (and gets the same logprobs as the first time)."""
+    rng = random.Random(23)
+    prompt = _tokens(rng, 2 * B + 7)
+    engine = _engine(model)
+    scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    _run(engine, [prompt], scored)
+    assert _run(engine, [prompt])[0][2] == 2 * B            # it is cached, for requests without them
+    outs = []
+    for _ in range(2):
+        rid = engine.add_request(prompt, scored)
+        while engine.has_unfinished:
+            for o in engine.step():
+                if o.finished and o.request_id == rid:
+                    outs.append(o.output)
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert len(outs[1].prompt_logprobs) == len(prompt)
+    assert outs[1].prompt_logprobs[1:] == pytest.approx(outs[0].prompt_logprobs[1:], abs=1e-5)

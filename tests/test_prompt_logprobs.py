@@ -21,7 +21,7 @@ def model():
 
 def _direct(model, prompt: list[int]) -> torch.Tensor:
     """log_softmax of every position's logits, the prompt prefilled in one chunk: [len, vocab]."""
-    runner = Runner(model, max_slots=1, max_context=128, prefill_chunk=128)
+    runner = Runner(model, max_num_seqs=1, max_model_len=128, max_num_batched_tokens=128)
     runner.start(0, SamplingParams(), prompt)
     return torch.log_softmax(prefill(runner, 0, prompt, all_logits=True).float(), dim=-1)
 
@@ -40,8 +40,8 @@ def _run(engine: Engine, prompt: list[int], params: SamplingParams):
 def test_prompt_logprobs_match_a_direct_computation_across_chunks(model):
     prompt = list(range(3, 40))                                  # 37 tokens in chunks of 5
     direct = _direct(model, prompt)
-    engine = Engine(Runner(model, max_slots=2, max_context=128, prefill_chunk=5), None, eos_id=1,
-                    max_num_batched_tokens=8)
+    engine = Engine(Runner(model, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=8), None, eos_id=1,
+                    long_prefill_token_threshold=5)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3, ignore_eos=True)
     (lps, tops), final = _run(engine, prompt, params)
     assert len(lps) == len(prompt) and lps[0] is None and tops[0] == []
@@ -53,13 +53,13 @@ def test_prompt_logprobs_match_a_direct_computation_across_chunks(model):
         assert list(ids) == ref.indices.tolist()
         torch.testing.assert_close(torch.tensor(values), ref.values, atol=1e-4, rtol=0)
     # asking for prompt logprobs changes nothing about the generated tokens
-    plain = Engine(Runner(model, max_slots=2, max_context=128, prefill_chunk=5), None, eos_id=1)
+    plain = Engine(Runner(model, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=5), None, eos_id=1)
     _, alone = _run(plain, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     assert final.token_ids == alone.token_ids and alone.prompt_logprobs is None
 
 
 def test_one_token_prompt_and_zero_top(model):
-    engine = Engine(Runner(model, max_slots=1, max_context=64), None, eos_id=1)
+    engine = Engine(Runner(model, max_num_seqs=1, max_model_len=64), None, eos_id=1)
     (lps, tops), _ = _run(engine, [7], SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert lps == [None] and tops == [[]]
     (lps, tops), _ = _run(engine, [7, 8, 9], SamplingParams(max_tokens=1, prompt_logprobs=0))

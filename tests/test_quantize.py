@@ -237,7 +237,7 @@ def test_refuses_overwrite_and_names_culprits(src: Path, tmp_path: Path) -> None
 
 
 def _logits(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    runner = Runner(model, max_slots=1, max_context=max(len(s) for s in seqs) + 8)
+    runner = Runner(model, max_num_seqs=1, max_model_len=max(len(s) for s in seqs) + 8)
     out = []
     for s in seqs:
         runner.reset([0])

@@ -31,9 +31,9 @@ def test_the_scan_sees_what_it_looks_for():
     # the scan flags the accesses the server used to make, and sees the server's engine calls
     assert _attributes("self.engine.scheduler.check(x)\nself.engine._inflight.clear()") >= {"scheduler", "_inflight"}
     used = _attributes((SERVE / "async_engine.py").read_text())
-    assert {"check", "add_request", "abort", "step", "fail_all", "stats", "vocab_size", "max_slots"} <= used
+    assert {"check", "add_request", "abort", "step", "fail_all", "stats", "vocab_size", "max_num_seqs"} <= used
     # the names are really the engine's internals (a renamed one must be renamed here too)
-    engine = Engine(Runner(random_model(parity_config(), seed=1), max_slots=1, max_context=32), None, eos_id=1)
+    engine = Engine(Runner(random_model(parity_config(), seed=1), max_num_seqs=1, max_model_len=32), None, eos_id=1)
     assert all(hasattr(engine, name) for name in INTERNAL)
 
 

@@ -67,13 +67,13 @@ def test_rollback_leaves_the_state_plain_decoding_leaves(model, k):
     rng = random.Random(k)
     prompt = [rng.randrange(2, 512) for _ in range(11 + k)]
     total = 140
-    ref = Runner(model, max_slots=1, max_context=CONTEXT, speculative=spec)   # the tokens to draft from
+    ref = Runner(model, max_num_seqs=1, max_model_len=CONTEXT, speculative=spec)   # the tokens to draft from
     tokens = [_first(ref, 0, prompt, greedy)[0]]
     for _ in range(total + k):
         tokens.append(int(ref.run(ScheduledBatch((Row(0, len(prompt) + len(tokens) - 1),))).sampled.token_ids[0]))
 
-    a_run = Runner(model, max_slots=2, max_context=CONTEXT, speculative=spec)
-    b_run = Runner(model, max_slots=2, max_context=CONTEXT, speculative=spec)
+    a_run = Runner(model, max_num_seqs=2, max_model_len=CONTEXT, speculative=spec)
+    b_run = Runner(model, max_num_seqs=2, max_model_len=CONTEXT, speculative=spec)
     slot = 1
     ta, _ = _first(a_run, slot, prompt, greedy)
     tb, _ = _first(b_run, slot, prompt, greedy)
@@ -125,10 +125,10 @@ def test_bad_config_is_one_clear_error(text, msg):
 
 def test_config_checked_against_the_model(model):
     with pytest.raises(UsageError, match="exceeds the sliding window"):
-        Runner(model, max_slots=1, max_context=64, speculative={"method": "ngram", "num_speculative_tokens": 8})
+        Runner(model, max_num_seqs=1, max_model_len=64, speculative={"method": "ngram", "num_speculative_tokens": 8})
     plain = random_model(parity_config(), seed=5)
     with pytest.raises(UsageError, match="needs the checkpoint's MTP block"):
-        Runner(plain, max_slots=1, max_context=64, speculative={"method": "mtp", "num_speculative_tokens": 1})
+        Runner(plain, max_num_seqs=1, max_model_len=64, speculative={"method": "mtp", "num_speculative_tokens": 1})
 
 
 # ----------------------------------------------------------------------------- through the engine
@@ -136,8 +136,8 @@ def test_config_checked_against_the_model(model):
 
 def _engine(model, spec, slots: int = 3, budget: int = 64):
     from dsv4.engine.core import Engine
-    runner = Runner(model, max_slots=slots, max_context=CONTEXT, prefill_chunk=budget, speculative=spec)
-    return Engine(runner, None, eos_id=1, max_num_batched_tokens=budget)
+    runner = Runner(model, max_num_seqs=slots, max_model_len=CONTEXT, max_num_batched_tokens=budget, speculative=spec)
+    return Engine(runner, None, eos_id=1)
 
 
 def _generate(engine, requests):
@@ -191,9 +191,9 @@ def test_speculation_with_prefix_caching(model, plain_outputs):
     prompts' states come from the cache): the tokens and logprobs of plain decoding."""
     from dsv4.engine.core import Engine
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    runner = Runner(model, max_slots=3, max_context=CONTEXT, prefill_chunk=24, speculative=spec,
+    runner = Runner(model, max_num_seqs=3, max_model_len=CONTEXT, max_num_batched_tokens=24, speculative=spec,
                     prefix_cache_bytes=8 << 20)
-    engine = Engine(runner, None, eos_id=1, max_num_batched_tokens=24)
+    engine = Engine(runner, None, eos_id=1)
     for _ in range(2):
         got = _generate(engine, _greedy_requests(1))
         for g, w in zip(got, plain_outputs):
@@ -273,7 +273,7 @@ def test_speculative_sampling_matches_plain_sampling_distribution(model):
     assert engine.spec_stats.num_drafts > 0
     # the exact conditional distribution of token 2 given token 1, from plain forwards
     firsts = sorted({o.token_ids[0] for o in outs})
-    plain = Runner(model, max_slots=1, max_context=64)
+    plain = Runner(model, max_num_seqs=1, max_model_len=64)
     cond = {}
     for t in firsts:
         ids = prompt + [t]
@@ -296,7 +296,7 @@ def test_verify_step_of_the_graph_equals_the_varlen_step(model, method):
     spec = {"method": method, "num_speculative_tokens": k}
     greedy = SamplingParams(temperature=0.0, max_tokens=1000, logprobs=0)
     rng = random.Random(3)
-    runners = [Runner(model, max_slots=3, max_context=CONTEXT, speculative=spec) for _ in range(2)]
+    runners = [Runner(model, max_num_seqs=3, max_model_len=CONTEXT, speculative=spec) for _ in range(2)]
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 17, 30)]
     for r in runners:
         for s, p in enumerate(prompts):
@@ -311,7 +311,7 @@ def test_verify_step_of_the_graph_equals_the_varlen_step(model, method):
         want = varlen.run(ScheduledBatch(rows))
         idx = torch.arange(3)
         host = torch.tensor(drafts) if method == "ngram" else None
-        out, kept = graph._verify_step(idx, host, SampleFlags(logprobs=0), graph.max_context)
+        out, kept = graph._verify_step(idx, host, SampleFlags(logprobs=0), graph.max_model_len)
         assert kept.tolist() == want.emitted
         for s in range(3):
             graph.lengths[s] += kept[s].item()
@@ -322,3 +322,46 @@ def test_verify_step_of_the_graph_equals_the_varlen_step(model, method):
         assert torch.equal(varlen.tokens, graph.tokens)
         if method == "mtp":
             assert torch.equal(varlen.drafts, graph.drafts)
+
+
+INJECT_CONTEXT = 640
+
+
+def _inject_engine(model, spec):
+    from dsv4.engine.core import Engine
+    runner = Runner(model, max_num_seqs=2, max_model_len=INJECT_CONTEXT, max_num_batched_tokens=96, speculative=spec)
+    return Engine(runner, None, eos_id=1)
+
+
+@pytest.fixture(scope="module")
+def plain_500(model):
+    rng = random.Random(10)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (13, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=500, logprobs=0, ignore_eos=True)
+    return [(p, params) for p in prompts], _generate(_inject_engine(model, None), [(p, params) for p in prompts])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_injected_drafts_500_tokens_equal_plain_decoding(model, plain_500, k):
+    """Two requests decoding 500 tokens together (62 window wraps, 31 HCA windows, 125 CSA windows)
+    with drafts that are plain decoding's own tokens, each right with probability 0.6 (so every
+    accepted length 0..k occurs): the tokens and logprobs of plain decoding."""
+    requests, want = plain_500
+    rng = random.Random(k)
+    oracle = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
+    engine = _inject_engine(model, {"method": "ngram", "num_speculative_tokens": k})
+
+    def propose(req):
+        ref = oracle[tuple(req.prompt_ids)]
+        n = len(req.output_ids)
+        right = ref[n:n + k] + [3] * (n + k - len(ref))
+        return [t if rng.random() < 0.6 else (t + 1 + rng.randrange(500)) % 512 for t in right]
+    engine.propose = propose
+    got = _generate(engine, requests)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
+    stats = engine.spec_stats
+    assert stats.num_drafts > 100
+    assert len(stats.accepted_per_pos) == k and all(n > 0 for n in stats.accepted_per_pos)   # every depth reached
+    assert stats.num_accepted_tokens < stats.num_draft_tokens                                   # and rejections

@@ -593,7 +593,7 @@ def test_decode_with_small_kernels_equals_reference(qat, monkeypatch):
     config = parity_config(num_hidden_layers=3, layer_kinds=kinds, compress_ratios=[0, 4, 16],
                            hash_layers=[True, False, False])
     model = random_model(config, seed=5).to(DEV)
-    runners = [Runner(model, max_slots=2, max_context=64, qat_sim=qat) for _ in range(2)]
+    runners = [Runner(model, max_num_seqs=2, max_model_len=64, qat_sim=qat) for _ in range(2)]
     with ops.reference_only():
         for r in runners:
             prefill(r, 0, list(range(2, 17)))

@@ -69,7 +69,7 @@ def record_keys(monkeypatch):
 @pytest.mark.parametrize("model", ["tiny", "tiny:nvfp4"])
 def test_no_new_variant_after_warm_up(record_keys, model):
     net, _ = load_model(resolve_model(model), torch.device("cpu"), torch.float16, progress=False)
-    runner = Runner(net, max_slots=2, max_context=1200, qat_sim=True, prefill_chunk=300)
+    runner = Runner(net, max_num_seqs=2, max_model_len=1200, qat_sim=True, max_num_batched_tokens=300)
     warm_up(runner, progress=False)
     before = variants.snapshot()
     assert sum(map(len, before.values())) > 20          # the kernels really ran (as key records)
@@ -86,7 +86,7 @@ def test_no_new_variant_in_engine_steps_after_warm_up(record_keys):
     from dsv4.engine.core import Engine
     from dsv4.engine.sampling import SamplingParams
     net, _ = load_model(resolve_model("tiny"), torch.device("cpu"), torch.float16, progress=False)
-    runner = Runner(net, max_slots=4, max_context=700, qat_sim=True, prefill_chunk=300)
+    runner = Runner(net, max_num_seqs=4, max_model_len=700, qat_sim=True, max_num_batched_tokens=300)
     warm_up(runner, progress=False)
     before = variants.snapshot()
     engine = Engine(runner, None, eos_id=-1)

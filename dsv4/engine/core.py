@@ -18,7 +18,7 @@ alone with reason ``error``; the others keep going.
 
 What a front end (the server's engine thread) may use is the public part: ``check``,
 ``add_request``, ``abort``, ``step``, ``has_unfinished``, ``fail_all``, ``stats`` and the read-only
-sizes ``vocab_size``, ``max_slots``, ``max_model_len``. The scheduler, the per-request output
+sizes ``vocab_size``, ``max_num_seqs``, ``max_model_len``. The scheduler, the per-request output
 state and the steps in flight are the engine's own.
 """
 
@@ -143,18 +143,18 @@ class Engine:
     """Continuous batching over one model: ``max_num_seqs`` slots of ``max_model_len`` positions."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer | None, eos_id: int, *,
-                 max_num_batched_tokens: int | None = None):
+                 long_prefill_token_threshold: int = 0):
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
-        # one step's tokens (decode rows + prompt chunks) run as one forward: by default as many as
-        # the runner takes in one forward; one prompt's chunk may fill what decodes leave
-        budget = max_num_batched_tokens or runner.prefill_chunk
-        if budget <= runner.max_slots:
-            raise ValueError(f"max_num_batched_tokens ({budget}) must exceed max_num_seqs ({runner.max_slots})")
+        # one step's tokens (decode rows + prompt chunks) run as one forward of at most the runner's
+        # max_num_batched_tokens; one prompt's chunk may fill what decodes leave, or the threshold
+        budget = runner.max_num_batched_tokens
+        if budget <= runner.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must exceed max_num_seqs ({runner.max_num_seqs})")
         store = runner.prefix_store
         #: the prefix cache's index (None: caching off); its pages live in the runner
         self.prefix_cache = (PrefixCache(store.block, store.num_pages, store.tail_pages, store.page_bytes)
                              if store is not None else None)
-        self.scheduler = Scheduler(runner.max_slots, runner.max_context, budget, min(budget, runner.prefill_chunk),
+        self.scheduler = Scheduler(runner.max_num_seqs, runner.max_model_len, budget, long_prefill_token_threshold,
                                    prefix_cache=self.prefix_cache)
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
@@ -163,6 +163,9 @@ class Engine:
         #: acceptance over all requests
         self.speculative = runner.speculative
         self.spec_stats = SpecStats()
+        #: n-gram drafts: ``propose(request) -> k ids or None`` (None: a plain decode row); tests inject
+        #: drafts of a chosen quality here
+        self.propose = self._ngram_draft
         if self.speculative is not None:
             self.scheduler.decode_tokens = 1 + self.speculative.k
         # the next plan needs the host to know this step's tokens when verify rows keep a varying count
@@ -175,14 +178,14 @@ class Engine:
         return self.runner.model.config.vocab_size
 
     @property
-    def max_slots(self) -> int:
+    def max_num_seqs(self) -> int:
         """Requests that can run at once (``max_num_seqs``)."""
-        return self.runner.max_slots
+        return self.runner.max_num_seqs
 
     @property
     def max_model_len(self) -> int:
         """Positions per request, prompt and output together."""
-        return self.runner.max_context
+        return self.runner.max_model_len
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -204,16 +207,17 @@ class Engine:
             raise RequestError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    detokenize: bool = True, skip_special_tokens: bool = True) -> str:
+                    detokenize: bool = True, skip_special_tokens: bool = True, cache_salt: str | None = None) -> str:
         """Queue a tokenized prompt; returns its request id. Raises a ``RequestError`` naming the
         problem (and changes nothing) when the request can never run.
 
         ``skip_special_tokens=False`` keeps special tokens (``</think>``, DSML) in the output text,
-        which the chat parser needs; stop strings are then matched against that text."""
+        which the chat parser needs; stop strings are then matched against that text. ``cache_salt``:
+        the request shares cached prefixes only with requests of the same salt (vLLM's)."""
         ids = [int(t) for t in prompt_ids]
         self._check_ids(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(rid, ids, params)
+        request = Request(rid, ids, params, cache_salt=cache_salt)
         self.scheduler.add(request)
         self.tracks[rid] = _Track(request, self.tokenizer, self.eos_id, detokenize, skip_special_tokens)
         if self.speculative is not None:
@@ -251,8 +255,8 @@ class Engine:
         cache = None if self.prefix_cache is None else dataclasses.replace(self.prefix_cache.stats)
         spec = None if self.speculative is None else dataclasses.replace(
             self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos or []))
-        return EngineStats(len(sched.running), len(sched.waiting), self.max_slots - len(sched.free_slots),
-                           self.max_slots, cache, spec)
+        return EngineStats(len(sched.running), len(sched.waiting), self.max_num_seqs - len(sched.free_slots),
+                           self.max_num_seqs, cache, spec)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -305,12 +309,12 @@ class Engine:
                 self.tracks[req.request_id].out.num_cached_tokens = req.num_cached_tokens
             end = chunk.start + len(chunk.token_ids)
             if cache is not None and end in req.save_at:
-                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block)
+                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block, req.cache_salt)
                 if planned is not None:
                     saves.append(planned[0])
                     published.append(planned[1])
                     req.saved_blocks = end // cache.block
-                elif cache.has_tail(req.prompt_ids, end // cache.block):
+                elif cache.has_tail(req.prompt_ids, end // cache.block, req.cache_salt):
                     req.saved_blocks = end // cache.block
             want_logits = req.params.prompt_logprobs is not None
             if want_logits:
@@ -322,7 +326,12 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        try:
+            out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+        except BaseException:
+            for _, _, blocks, tail in published:      # planned saves that never ran
+                cache.release(list(blocks) + list(tail))
+            raise
         for req in restored:
             if req.cached is not None:
                 cache.unref(req.cached)
@@ -348,14 +357,20 @@ class Engine:
         and more than one token is still wanted (MTP drafting runs ``k - 1`` positions further)."""
         start = self.runner.lengths[req.slot]
         if spec is None or req.params.max_tokens - len(req.output_ids) <= 1 or \
-                start + 2 * spec.k + 1 > self.runner.max_context:
+                start + 2 * spec.k + 1 > self.runner.max_model_len:
             return Row(req.slot, start)
         if spec.method == "mtp":
             return Row(req.slot, start, device_draft=spec.k)
-        draft = ngram_propose(req.prompt_ids + req.output_ids, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        draft = self.propose(req)
         if draft is None:
             return Row(req.slot, start)
+        if len(draft) != spec.k:
+            raise ValueError(f"a draft of {len(draft)} tokens, num_speculative_tokens is {spec.k}")
         return Row(req.slot, start, draft=tuple(draft))
+
+    def _ngram_draft(self, req: Request) -> list[int] | None:
+        spec = self.speculative
+        return ngram_propose(req.prompt_ids + req.output_ids, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _save_decoded(self, req, n_blocks: int) -> list:
         """Decoding brings ``req``'s slot to the end of block ``n_blocks``: save the blocks since its

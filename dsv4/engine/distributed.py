@@ -14,7 +14,7 @@ broadcast inside the decode step (graph-capturable), not through the host.
 
     def worker(tp):                       # every rank
         model, _ = load_model(path, parallel=tp)
-        runner = Runner(model, max_slots=4)
+        runner = Runner(model, max_num_seqs=4)
         if tp.rank != 0:
             return follow(runner, tp)     # until rank 0 closes
         with ParallelRunner(runner, tp) as r:
@@ -83,7 +83,7 @@ class ParallelRunner:
         self.runner, self.tp, self.closed, self.health = runner, tp, False, health
         self.broken = False
 
-    def __getattr__(self, name: str) -> Any:   # lengths, max_slots, max_context, device, state, model ...
+    def __getattr__(self, name: str) -> Any:   # lengths, max_num_seqs, max_model_len, device, state, model ...
         return getattr(self.runner, name)
 
     def _send(self, message: Message) -> None:

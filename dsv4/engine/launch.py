@@ -44,6 +44,7 @@ class RankSpec:
     load_mtp: bool = False
     threads: int | None = None
     max_num_batched_tokens: int = 8192    # tokens of one step, run as one forward
+    prefix_cache_bytes: int = 0           # every rank holds the same prefix-cache pages
     speculative: object | None = None     # a SpeculativeConfig (speculative decoding), or None
 
 
@@ -68,8 +69,9 @@ def build_runner(spec: RankSpec, tp: ParallelGroup, progress: bool) -> tuple[Run
     """Load this rank's shard of ``spec.path`` and build its runner (every rank calls this together)."""
     net, report = load_model(spec.path, tp.device, spec.dtype, load_mtp=spec.load_mtp, progress=progress,
                              parallel=tp)
-    runner = Runner(net, max_slots=spec.max_num_seqs, max_context=spec.max_model_len, qat_sim=spec.qat_sim,
-                    prefill_chunk=spec.max_num_batched_tokens, speculative=spec.speculative)
+    runner = Runner(net, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, qat_sim=spec.qat_sim,
+                    max_num_batched_tokens=spec.max_num_batched_tokens, prefix_cache_bytes=spec.prefix_cache_bytes,
+                    speculative=spec.speculative)
     return runner, report
 
 

@@ -27,9 +27,13 @@ from ..errors import UsageError
 from .state import GenerationState
 
 DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # vLLM's default
 DEFAULT_MAX_NUM_SEQS = 8               # sequences when none is given and the device cannot size them (CPU)
 MAX_DERIVED_NUM_SEQS = 256             # at most this many when derived from memory (vLLM's default max_num_seqs)
+# The prefix cache's default byte budget (--prefix-cache-gib): on a CUDA device this share of the
+# engine's memory (gpu_memory_utilization x total), set aside before the state is sized; on the CPU a
+# fixed size (its pages are only touched as they fill).
+DEFAULT_PREFIX_CACHE_SHARE = 0.1
+DEFAULT_CPU_PREFIX_CACHE_BYTES = 1 << 30
 # Kept free within the share for what is not weights or state: one step's activations, the CUDA graph
 # pool (592 MiB for 12 graphs of a Flash slice, bench/RESULTS.md) and Triton's workspaces.
 WORKING_MARGIN_BYTES = 2 << 30
@@ -121,7 +125,8 @@ def check_state_fits(config: ModelConfig, slots: int, context: int, dtype: torch
 
 def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torch.dtype, device: torch.device,
                qat_sim: bool, gpu_memory_utilization: float, weight_bytes: Callable[[], int],
-               memory: DeviceMemory | None = None, include_mtp: bool = False) -> tuple[int, int]:
+               memory: DeviceMemory | None = None, reserve: int = 0, include_mtp: bool = False
+               ) -> tuple[int, int]:
     """``(slots, state bytes)`` for ``context`` positions per sequence on ``device``.
 
     On a CUDA device the engine may use ``gpu_memory_utilization`` of the GPU's total memory (and no
@@ -130,7 +135,8 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
     fit (at most :data:`MAX_DERIVED_NUM_SEQS`); a given ``slots`` whose state does not fit is a
     :class:`UsageError` naming the flags. Elsewhere ``slots=None`` is :data:`DEFAULT_MAX_NUM_SEQS`
     and the state is only checked against the free memory (:func:`check_state_fits`).
-    ``memory`` overrides what the device reports (tests); ``include_mtp`` counts the MTP block's state.
+    ``memory`` overrides what the device reports (tests). ``reserve``: bytes of that share kept for
+    the prefix cache; ``include_mtp`` counts the MTP block's state.
     """
     check_fraction("gpu_memory_utilization (--gpu-memory-utilization)", gpu_memory_utilization)
     if device.type != "cuda":
@@ -139,11 +145,12 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
     memory = memory or device_memory(device)
     share = int(gpu_memory_utilization * memory.total)
     weights = weight_bytes()
-    room = min(share, memory.free) - weights - WORKING_MARGIN_BYTES
+    room = min(share, memory.free) - weights - WORKING_MARGIN_BYTES - reserve
     where = (f"{gpu_memory_utilization:g} (--gpu-memory-utilization) of {device}'s {format_bytes(memory.total)} "
              f"is {format_bytes(share)}" + (f", {format_bytes(memory.free)} of it free now" if memory.free < share
                                              else ""))
-    layout = f"weights {format_bytes(weights)} + {format_bytes(WORKING_MARGIN_BYTES)} working margin"
+    layout = f"weights {format_bytes(weights)} + {format_bytes(WORKING_MARGIN_BYTES)} working margin" + (
+        f" + {format_bytes(reserve)} prefix cache (--prefix-cache-gib)" if reserve else "")
     if slots is not None:
         need = state_bytes(config, slots, context, dtype, qat_sim, include_mtp)
         if need > room:
@@ -166,6 +173,23 @@ def size_state(config: ModelConfig, slots: int | None, context: int, dtype: torc
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo, state_bytes(config, lo, context, dtype, qat_sim, include_mtp)
+
+
+def prefix_cache_budget(enabled: bool, gib: float | None, device: torch.device, gpu_memory_utilization: float,
+                        memory: DeviceMemory | None = None) -> int:
+    """The prefix cache's bytes: 0 when off; ``gib`` when given; else on a CUDA device
+    :data:`DEFAULT_PREFIX_CACHE_SHARE` of ``gpu_memory_utilization`` of its memory, elsewhere
+    :data:`DEFAULT_CPU_PREFIX_CACHE_BYTES`."""
+    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0):
+        raise UsageError(f"prefix_cache_gib (--prefix-cache-gib) must be a positive number of GiB, got {gib!r}")
+    if not enabled:
+        return 0
+    if gib is not None:
+        return int(gib * 2**30)
+    if device.type != "cuda":
+        return DEFAULT_CPU_PREFIX_CACHE_BYTES
+    memory = memory or device_memory(device)
+    return int(DEFAULT_PREFIX_CACHE_SHARE * gpu_memory_utilization * memory.total)
 
 
 def format_bytes(n: float) -> str:

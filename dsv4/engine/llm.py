@@ -8,6 +8,7 @@ text never contains half a UTF-8 character or the beginning of a stop string.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -17,25 +18,22 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..cpu_threads import apply_threads, check_threads
+from ..cpu_threads import apply_threads
 from ..devices import resolve_device
 from ..errors import ContextOverflowError, RequestError, UsageError
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerNotFoundError
 from ..weights.loader import CheckpointError, LoadReport, load_model, weight_bytes
 from .inputs import check_text, params_list, prompt_list, single_prompt
-from .limits import (DEFAULT_GPU_MEMORY_UTILIZATION, check_positive, format_bytes, resolve_max_model_len,
-                     size_state)
+from .config import EngineConfig
+from .limits import format_bytes, prefix_cache_budget, resolve_max_model_len, size_state
 from .runner import Runner
 from .core import CompletionOutput, Engine
 from .launch import RankSpec, torchrun_world_size
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
 
-#: tokens of one engine step (decode rows + prompt chunks, one forward) unless told otherwise (vLLM's default)
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "EnginePlan", "plan_engine",
-           "resolve_qat_sim"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "CompletionOutput", "ChatOutput", "StreamEvent", "EnginePlan",
+           "plan_engine", "resolve_qat_sim"]
 
 
 @dataclass
@@ -92,16 +90,19 @@ def _world_size(requested: int | None) -> int:
     env = torchrun_world_size()
     if requested is None:
         return env
-    check_positive("tensor_parallel_size (--tensor-parallel-size)", requested)
     if env > 1 and requested != env:
-        raise UsageError(f"tensor_parallel_size {requested} differs from torchrun's WORLD_SIZE {env}")
+        raise UsageError(f"tensor_parallel_size (--tensor-parallel-size) {requested} differs from torchrun's "
+                         f"WORLD_SIZE {env}")
     return requested
 
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """An engine's arguments resolved and checked (see :func:`plan_engine`); nothing is loaded yet."""
+    """An :class:`EngineConfig` resolved against the machine and the checkpoint (see
+    :func:`plan_engine`); nothing is loaded yet. ``max_num_seqs`` and ``max_model_len`` are the
+    resolved values of the config's fields of the same names."""
 
+    engine: EngineConfig
     path: Path
     config: ModelConfig
     device: torch.device
@@ -112,31 +113,26 @@ class EnginePlan:
     max_model_len: int
     state_bytes: int
     has_tokenizer: bool
+    load_mtp: bool                               # asked for, or needed by speculative decoding
+    prefix_cache_bytes: int = 0                  # 0: prefix caching off
     speculative: SpeculativeConfig | None = None
 
 
-def plan_engine(model: str | Path | None = None, *, device: str | torch.device = "auto",
-                dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int | None = 4,
-                max_model_len: int | None = None, tensor_parallel_size: int | None = None,
-                max_num_batched_tokens: int | None = None,
-                gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
-                load_mtp: bool = False, speculative_config: "str | dict | SpeculativeConfig | None" = None) -> EnginePlan:
-    """Check every engine argument against the machine and the checkpoint's config, tokenizer and
+def plan_engine(engine: EngineConfig, *, require_tokenizer: bool = False) -> EnginePlan:
+    """Check an engine config against the machine and the checkpoint's config, tokenizer and
     headers, reading no weight: the device, dtype, path, limits and the state's size (see
     :mod:`dsv4.engine.limits`). :class:`LLM` starts with it; ``dsv4 serve`` calls it before it
-    binds its port. Raises a :class:`~dsv4.errors.Dsv4Error` naming the argument at fault."""
+    binds its port. Raises a :class:`~dsv4.errors.Dsv4Error` naming the field at fault."""
     from ..tiny import resolve_model
-    if max_num_seqs is not None:
-        check_positive("max_num_seqs (--max-num-seqs)", max_num_seqs)
-    world = _world_size(tensor_parallel_size)
-    dev = resolve_device(device)
+    world = _world_size(engine.tensor_parallel_size)
+    dev = resolve_device(engine.device)
     if world > 1 and dev.type == "cuda" and dev.index not in (None, 0):
         raise UsageError(f"with tensor_parallel_size {world} the ranks use cuda:0..{world - 1}; choose the "
-                         f"GPUs with CUDA_VISIBLE_DEVICES, not device={device!r}")
+                         f"GPUs with CUDA_VISIBLE_DEVICES, not device={engine.device!r}")
     if world > 1 and dev.type == "cuda":
         dev = torch.device("cuda", 0)
-    act_dtype = resolve_dtype(dtype, dev)
-    path = resolve_model(model)
+    act_dtype = resolve_dtype(engine.dtype, dev)
+    path = resolve_model(engine.model)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     has_tokenizer = (path / "tokenizer.json").is_file()
@@ -144,132 +140,127 @@ def plan_engine(model: str | Path | None = None, *, device: str | torch.device =
         raise TokenizerNotFoundError(f"{path} has no tokenizer.json, so text cannot be encoded (without one only "
                                      "token-id prompts work: dsv4 generate --prompt-ids, LLM.generate([[0, 15]]))")
     config = ModelConfig.from_file(path / "config.json")
-    spec = SpeculativeConfig.parse(speculative_config)
+    spec = engine.speculative_config
     if spec is not None:
         spec.check_model(config, config.num_nextn_predict_layers > 0)
-        load_mtp = load_mtp or spec.method == "mtp"
-    context = resolve_max_model_len(max_model_len, config)
-    sim = resolve_qat_sim(qat_sim, config)
-    slots, size = size_state(config, max_num_seqs, context, act_dtype, dev, sim, gpu_memory_utilization,
-                             lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world),
-                             include_mtp=spec is not None and spec.method == "mtp")
-    if max_num_batched_tokens is not None:
-        check_positive("max_num_batched_tokens (--max-num-batched-tokens)", max_num_batched_tokens)
-        if max_num_batched_tokens <= slots:
-            raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {max_num_batched_tokens} must "
-                             f"exceed max_num_seqs (--max-num-seqs) {slots}")
-    return EnginePlan(path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer, spec)
+    load_mtp = engine.load_mtp or (spec is not None and spec.method == "mtp")
+    context = resolve_max_model_len(engine.max_model_len, config)
+    sim = resolve_qat_sim(engine.qat_sim, config)
+    cache = prefix_cache_budget(engine.enable_prefix_caching, engine.prefix_cache_gib, dev,
+                                engine.gpu_memory_utilization)
+    weights = lambda: weight_bytes(path, act_dtype, load_mtp=load_mtp, world_size=world)   # noqa: E731
+    mtp = spec is not None and spec.method == "mtp"
+    try:
+        slots, size = size_state(config, engine.max_num_seqs, context, act_dtype, dev, sim,
+                                 engine.gpu_memory_utilization, weights, reserve=cache if dev.type == "cuda" else 0,
+                                 include_mtp=mtp)
+    except UsageError:
+        if engine.prefix_cache_gib is not None or not cache:
+            raise
+        # the state asked for leaves no room for the default cache: serve without one
+        slots, size = size_state(config, engine.max_num_seqs, context, act_dtype, dev, sim,
+                                 engine.gpu_memory_utilization, weights, include_mtp=mtp)
+        cache = 0
+    if engine.max_num_batched_tokens <= slots:      # max_num_seqs None: checked once it is sized
+        raise UsageError(f"max_num_batched_tokens (--max-num-batched-tokens) {engine.max_num_batched_tokens} must "
+                         f"exceed max_num_seqs (--max-num-seqs) {slots}")
+    return EnginePlan(engine, path, config, dev, act_dtype, sim, world, slots, context, size, has_tokenizer,
+                      load_mtp, cache, spec)
 
 
 class LLM:
     """A loaded model ready to generate.
 
-    Args:
-        model: a checkpoint directory, or ``None`` / ``"tiny"`` / ``"tiny:nvfp4"`` / ``"tiny:bf16"``
-            for the embedded tiny model.
-        device: ``auto`` (a CUDA GPU when torch sees one, else the CPU), ``cpu``, ``cuda[:N]``.
-        dtype: activations and unquantized weights: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16``,
-            ``fp16``, ``fp32``.
-        qat_sim: simulate the FP8 KV cache / FP4 indexer of quantized releases (``auto``: on for them).
-        max_num_seqs: sequences generated together (the state holds this many). ``None``: on a CUDA
-            device as many as fit in ``gpu_memory_utilization`` (at most 256), elsewhere 8.
-        max_model_len: positions per sequence, prompt included (default: 4096, or the model's
-            ``max_position_embeddings`` if smaller; more than that is refused). A request whose
-            prompt plus ``max_tokens`` does not fit is refused with a named error.
-        enforce_eager: no CUDA graphs (on a GPU the decode step is otherwise captured at start-up,
-            one graph per batch bucket, and replayed).
-        max_num_batched_tokens: tokens per engine step (decode rows plus prompt chunks of several
-            requests, run as one forward); default 8192 (vLLM's). One prompt's chunk may take what
-            the running decodes leave of it.
-        warm_up: on a GPU, compile at start-up every kernel variant that prompts of any length at any
-            position reach (:mod:`dsv4.engine.warmup`), so no request waits for a compile later.
-        tensor_parallel_size: split every layer over this many ranks, one process per GPU
-            (``cuda:0..N-1``; on the CPU, N processes over gloo). This process is rank 0 and starts
-            the others; :meth:`close` (or the end of a ``with`` block) stops them. Under ``torchrun``
-            the group comes from its environment instead, and on ranks other than 0 the constructor
-            follows rank 0 until it closes, then exits the process (see :mod:`dsv4.engine.launch`).
-        gpu_memory_utilization: on a CUDA device, the fraction of the GPU's total memory the engine
-            may use (weights, state and a working margin); vLLM's name and default (0.9). Ignored on
-            the CPU, where the state is checked against the free RAM.
-        require_tokenizer: refuse a checkpoint without ``tokenizer.json`` (before reading weights).
-        load_mtp: also load the checkpoint's multi-token-prediction layers (``model.mtp``; speculative
-            decoding with ``method: "mtp"`` loads them anyway).
-        speculative_config: speculative decoding, vLLM's form: ``{"method": "mtp" | "ngram",
-            "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}`` (a dict, its
-            JSON text or a :class:`~dsv4.engine.speculative.SpeculativeConfig`); see
-            :mod:`dsv4.engine.speculative`. Greedy requests give exactly the tokens of plain decoding,
-            sampled ones the same distribution.
+    ``LLM(model, **engine_args)``: ``model`` and the keyword arguments are the fields of
+    :class:`~dsv4.engine.config.EngineConfig` (each documented there, and checked when it is built):
+    ``device``, ``dtype``, ``qat_sim``, ``max_num_seqs``, ``max_model_len``,
+    ``max_num_batched_tokens``, ``long_prefill_token_threshold``, ``tensor_parallel_size``,
+    ``enforce_eager``, ``warm_up``, ``gpu_memory_utilization``, ``threads``, ``load_mtp``,
+    ``enable_prefix_caching``, ``prefix_cache_gib``,
+    ``speculative_config`` (see :mod:`dsv4.engine.speculative`: greedy requests give exactly the tokens
+    of plain decoding, sampled ones the same distribution); the CLI's
+    flags of the same names set the same fields. ``model`` is a checkpoint directory, or ``None`` /
+    ``"tiny"`` / ``"tiny:nvfp4"`` / ``"tiny:bf16"`` for the embedded tiny model. The config is
+    ``self.engine_config``.
+
+    Besides them:
         progress: print the state size, a loading progress bar and the load summary on stderr.
-        threads: torch's CPU threads: ``"auto"`` (the physical cores other processes leave free, or
-            ``OMP_NUM_THREADS`` when set; the policy of ``dsv4 --threads auto``, see
-            :mod:`dsv4.cpu_threads`), a number, or ``None`` to leave torch's setting alone. This is a
-            process-wide setting: :meth:`close` puts back the previous one.
+        require_tokenizer: refuse a checkpoint without ``tokenizer.json`` (before reading weights).
+
+    With ``tensor_parallel_size`` N, this process is rank 0 and starts the others; :meth:`close`
+    (or the end of a ``with`` block) stops them. Under ``torchrun`` the group comes from its
+    environment instead, and on ranks other than 0 the constructor follows rank 0 until it closes,
+    then exits the process (see :mod:`dsv4.engine.launch`). ``threads`` is a process-wide setting:
+    :meth:`close` puts back the previous one.
 
     Every argument is checked (:func:`plan_engine`: limits against the config and the free memory)
     before any weight is read.
     """
 
-    def __init__(self, model: str | Path | None = None, *, device: str | torch.device = "auto",
-                 dtype: str | torch.dtype = "auto", qat_sim: str | bool = "auto", max_num_seqs: int | None = 4,
-                 max_model_len: int | None = None, load_mtp: bool = False, progress: bool = True,
-                 enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
-                 tensor_parallel_size: int | None = None, warm_up: bool = True,
-                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, require_tokenizer: bool = False,
-                 threads: int | str | None = "auto",
-                 speculative_config: "str | dict | SpeculativeConfig | None" = None):
-        check_threads(threads, "threads (--threads)")
-        plan = plan_engine(model, device=device, dtype=dtype, qat_sim=qat_sim, max_num_seqs=max_num_seqs,
-                           max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                           max_num_batched_tokens=max_num_batched_tokens,
-                           gpu_memory_utilization=gpu_memory_utilization, require_tokenizer=require_tokenizer,
-                           load_mtp=load_mtp, speculative_config=speculative_config)
-        self.speculative = plan.speculative
-        load_mtp = load_mtp or (plan.speculative is not None and plan.speculative.method == "mtp")
+    def __init__(self, model: str | Path | None = None, *, progress: bool = True, require_tokenizer: bool = False,
+                 **engine_args):
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - names)
+        if unknown:
+            raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r} (its engine arguments are "
+                            f"EngineConfig's fields: {', '.join(sorted(names - {'model'}))})")
+        engine = EngineConfig(model=model, **engine_args)
+        plan = plan_engine(engine, require_tokenizer=require_tokenizer)
+        self.engine_config = engine
         self.path, self.max_model_len, self.max_num_seqs = plan.path, plan.max_model_len, plan.max_num_seqs
-        dev, act_dtype, world, max_num_seqs = plan.device, plan.dtype, plan.world_size, plan.max_num_seqs
+        dev = plan.device
         if progress:
-            print(f"state: {max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(plan.state_bytes)} "
-                  f"on {dev}", file=sys.stderr)
+            cache = (f"; prefix cache {format_bytes(plan.prefix_cache_bytes)}" if plan.prefix_cache_bytes
+                     else "; prefix caching off")
+            print(f"state: {self.max_num_seqs} x {self.max_model_len:,} positions, {format_bytes(plan.state_bytes)} "
+                  f"on {dev}{cache}", file=sys.stderr)
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path) if plan.has_tokenizer else None
         self.qat_sim = plan.qat_sim
-        self.tensor_parallel_size = world
-        self.device, self.threads = dev, threads
+        self.speculative = plan.speculative
+        self.prefix_cache_bytes = plan.prefix_cache_bytes
+        self.tensor_parallel_size = plan.world_size
+        self.device, self.threads = dev, engine.threads
         self._group = None
-        self._restore_threads = apply_threads(threads, announce=progress)  # before the ranks copy it
+        self._restore_threads = apply_threads(engine.threads, announce=progress)  # before the ranks copy it
         try:
-            self._load(dev, act_dtype, load_mtp, world, progress, enforce_eager, warm_up, max_num_batched_tokens)
+            self._load(plan, progress)
         except BaseException:   # a failed load leaves the process as it found it
             self._restore_threads()
             raise
 
-    def _load(self, dev: torch.device, act_dtype: torch.dtype, load_mtp: bool, world: int, progress: bool,
-              enforce_eager: bool, warm_up: bool, max_num_batched_tokens: int | None) -> None:
+    @classmethod
+    def from_config(cls, engine: EngineConfig, **kwargs) -> "LLM":
+        """``LLM`` for an :class:`EngineConfig` (``kwargs``: ``progress``, ``require_tokenizer``)."""
+        args = {f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)}
+        return cls(args.pop("model"), **args, **kwargs)
+
+    def _load(self, plan: EnginePlan, progress: bool) -> None:
         """Load the weights (this rank's, or start the group), capture, warm up, build the engine."""
-        max_num_seqs = self.max_num_seqs
-        step_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        spec = RankSpec(str(self.path), dev.type, act_dtype, self.qat_sim, max_num_seqs, self.max_model_len,
-                        load_mtp, torch.get_num_threads() if dev.type == "cpu" else None, step_tokens,
-                        self.speculative)
-        if world == 1:
-            net, report = load_model(self.path, dev, act_dtype, load_mtp=load_mtp, progress=progress)
-            runner = Runner(net, max_slots=max_num_seqs, max_context=self.max_model_len, qat_sim=self.qat_sim,
-                            prefill_chunk=step_tokens, speculative=self.speculative)
+        engine, dev = plan.engine, plan.device
+        spec = RankSpec(str(self.path), dev.type, plan.dtype, self.qat_sim, self.max_num_seqs, self.max_model_len,
+                        plan.load_mtp, torch.get_num_threads() if dev.type == "cpu" else None,
+                        engine.max_num_batched_tokens, self.prefix_cache_bytes, self.speculative)
+        if plan.world_size == 1:
+            net, report = load_model(self.path, dev, plan.dtype, load_mtp=plan.load_mtp, progress=progress)
+            runner = Runner(net, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                            qat_sim=self.qat_sim, max_num_batched_tokens=engine.max_num_batched_tokens,
+                            prefix_cache_bytes=self.prefix_cache_bytes, speculative=self.speculative)
         else:
-            runner, report = self._start_group(spec, world, progress)
+            runner, report = self._start_group(spec, plan.world_size, progress)
         self.load_report: LoadReport = report
         if progress:
             print(self.load_report.one_line(), file=sys.stderr)
         self.model: torch.nn.Module = runner.model
         self.config: ModelConfig = runner.model.config
         self.runner = runner
-        if dev.type == "cuda" and not enforce_eager:
+        if dev.type == "cuda" and not engine.enforce_eager:
             self.runner.capture(progress=progress)
-            if self.speculative is not None and world == 1:
+            if self.speculative is not None and plan.world_size == 1:
                 self.runner.capture_verify(progress=progress)
-        if dev.type == "cuda" and warm_up:     # Triton compiles now, not in the middle of serving
+        if dev.type == "cuda" and engine.warm_up:     # Triton compiles now, not in the middle of serving
             self.runner.warm_up(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,
-                             max_num_batched_tokens=step_tokens)
+                             long_prefill_token_threshold=engine.long_prefill_token_threshold)
 
     # ------------------------------------------------------------------ tensor parallel
     def _start_group(self, spec: RankSpec, world: int, progress: bool):

@@ -6,8 +6,11 @@ equal ids whatever follows them. A :class:`Node` per cached block holds the page
 compressed entries and indexer keys (append-only state, shared by every longer prefix); a node may
 also hold a *tail*: the window ring and the overlapping compressors' last windows at its end, which
 is what lets a request start there. Tails are saved where a request's prompt reaches its last block
-boundary and where a request's decoding last crossed one (kept when the request ends), so turn k+1
-of a conversation hits everything up to turn k's last full block.
+boundaries, where it parts from cached blocks other requests saved (so the second user of a shared
+system prompt saves a tail at its end, and the third one hits it), and where a request's decoding
+last crossed a boundary (kept when the request ends), so turn k+1 of a conversation hits
+everything up to turn k's last full block. Each save point in a prompt ends a prompt chunk there
+(one more step for the rest of that prompt).
 
 A new request starts from its longest cached boundary at most ``len(prompt) - 1`` tokens in (at
 least one token is run, for the logits of the first output token); only the rest is prefilled.
@@ -66,6 +69,11 @@ class Pending:
     first_block: int
     pages: list[int] = field(default_factory=list)
     tail: tuple[int, ...] = ()
+
+
+def root_key(salt: str | None) -> bytes:
+    """The id every chain starts from: one per cache salt."""
+    return _ROOT if salt is None else hashlib.sha256(_ROOT + b"/salt/" + salt.encode()).digest()
 
 
 def block_keys(tokens: Sequence[int], block: int, n_blocks: int, parent: bytes = _ROOT) -> list[bytes]:
@@ -132,13 +140,13 @@ class PrefixCache:
         self._account()
 
     # ------------------------------------------------------------------ lookups
-    def match(self, tokens: Sequence[int]) -> CachedPrefix | None:
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> CachedPrefix | None:
         """The longest cached boundary at most ``len(tokens) - 1`` in, referenced (evictions spare it)
         until :meth:`unref`; None on a miss. Counts the query in the stats."""
         self.stats.queries += len(tokens)
         usable = (len(tokens) - 1) // self.block
         chain, hit = [], None
-        for key in block_keys(tokens, self.block, usable):
+        for key in block_keys(tokens, self.block, usable, root_key(salt)):
             nd = self.nodes.get(key)
             if nd is None:
                 break
@@ -155,9 +163,20 @@ class PrefixCache:
         return CachedPrefix(hit * self.block, tuple(nd.page for nd in chain), chain[-1].tail,
                             tuple(nd.key for nd in chain))
 
-    def has_tail(self, tokens: Sequence[int], n_blocks: int) -> bool:
+    def shared_length(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """Tokens of the longest chain of cached blocks ``tokens`` starts with (tails or not), up to
+        ``len(tokens) - 1``: where this prompt parts from what other requests sent. A tail saved
+        there serves every later prompt with the same beginning (a shared system prompt)."""
+        n = 0
+        for key in block_keys(tokens, self.block, (len(tokens) - 1) // self.block, root_key(salt)):
+            if key not in self.nodes:
+                break
+            n += 1
+        return n * self.block
+
+    def has_tail(self, tokens: Sequence[int], n_blocks: int, salt: str | None = None) -> bool:
         """Whether the first ``n_blocks`` blocks of ``tokens`` are cached with a tail at their end."""
-        keys = block_keys(tokens, self.block, n_blocks)
+        keys = block_keys(tokens, self.block, n_blocks, root_key(salt))
         return all(k in self.nodes for k in keys) and bool(keys) and bool(self.nodes[keys[-1]].tail)
 
     def unref(self, cached: CachedPrefix) -> None:
@@ -168,12 +187,13 @@ class PrefixCache:
                 nd.refs -= 1
 
     # ------------------------------------------------------------------ saving
-    def plan_save(self, slot: int, tokens: Sequence[int], n_blocks: int) -> tuple[Save, tuple] | None:
+    def plan_save(self, slot: int, tokens: Sequence[int], n_blocks: int, salt: str | None = None
+                  ) -> tuple[Save, tuple] | None:
         """Plan saving ``slot``'s first ``n_blocks`` blocks of ``tokens`` and its tail at their end
         (the slot holds exactly that many tokens when the save runs). Blocks already cached are
         kept, not copied. Returns the runner's :class:`Save` and what :meth:`publish` takes after
         the step ran, or None when nothing is to be saved or the pages do not fit."""
-        keys = block_keys(tokens, self.block, n_blocks)
+        keys = block_keys(tokens, self.block, n_blocks, root_key(salt))
         have = []
         for key in keys:
             nd = self.nodes.get(key)

@@ -25,9 +25,16 @@ from .h2d import upload_ints
 from .state import GenerationState
 
 
+ALIGN = 16   # every piece starts 16-byte aligned in a page (any dtype can be viewed there, kernels like it)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes, ``[..., last * itemsize]`` uint8 (a view)."""
     return t.view(torch.uint8)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 class PrefixStore:
@@ -46,17 +53,24 @@ class PrefixStore:
         for p in self.entries:
             n = block // p.ratio * p.nbytes_per_row()
             self._entry_spans.append((off, n))
-            off += n
+            off = _align(off + n)
         self.block_bytes = off
-        self.tail_bytes = sum(p.nbytes_per_slot() for p in self.window)
-        self.page_bytes = max(self.block_bytes, 1)
+        # a tail: each window piece's slot bytes, back to back (aligned)
+        self._tail_spans, off = [], 0
+        for p in self.window:
+            self._tail_spans.append((off, p.nbytes_per_slot()))
+            off = _align(off + p.nbytes_per_slot())
+        self.tail_bytes = off
+        self.page_bytes = max(self.block_bytes, ALIGN)
         self.tail_pages = -(-self.tail_bytes // self.page_bytes)
         self.num_pages = int(budget_bytes // self.page_bytes)
         if self.num_pages < self.tail_pages + 1:
             raise ValueError(f"a prefix cache of {budget_bytes / 2**20:.1f} MiB cannot hold one cached prefix "
                              f"({(self.tail_pages + 1) * self.page_bytes / 2**20:.1f} MiB); give more memory or "
                              "turn prefix caching off")
-        self.pool = torch.zeros(self.num_pages, self.page_bytes, dtype=torch.uint8, device=state.device)
+        # never read before written (a page is entered only after its save ran): no need to clear it, and on
+        # the CPU untouched pages cost no RAM
+        self.pool = torch.empty(self.num_pages, self.page_bytes, dtype=torch.uint8, device=state.device)
 
     @property
     def nbytes(self) -> int:
@@ -66,10 +80,18 @@ class PrefixStore:
         r = self.block // p.ratio
         return p.tensor[slot, first_block * r:(first_block + n_blocks) * r]
 
+    def _check(self, blocks: Sequence[int], tail: Sequence[int], allow_no_tail: bool) -> None:
+        if len(tail) != self.tail_pages and not (allow_no_tail and not tail):
+            raise ValueError(f"a tail takes {self.tail_pages} pages, got {len(tail)}")
+        bad = [p for p in [*blocks, *tail] if not 0 <= p < self.num_pages]
+        if bad:
+            raise ValueError(f"prefix-cache pages out of range [0, {self.num_pages}): {bad[:5]}")
+
     # ------------------------------------------------------------------ slot -> pages
     def save(self, slot: int, first_block: int, blocks: Sequence[int], tail: Sequence[int]) -> None:
         """Copy ``slot``'s entry rows of blocks ``first_block ..`` into pages ``blocks`` (one page a
         block, in order) and, with ``tail``, its window pieces into those pages."""
+        self._check(blocks, tail, allow_no_tail=True)
         dev = self.state.device
         if blocks:
             pages = upload_ints(list(blocks), dev)
@@ -77,25 +99,24 @@ class PrefixStore:
                 src = _bytes(self._rows(p, slot, first_block, len(blocks))).reshape(len(blocks), n)
                 self.pool[:, off:off + n].index_copy_(0, pages, src)
         if tail:
-            flat = torch.cat([_bytes(p.tensor[slot]).reshape(-1) for p in self.window])
-            flat = torch.nn.functional.pad(flat, (0, len(tail) * self.page_bytes - flat.numel()))
+            flat = self.pool.new_zeros(len(tail) * self.page_bytes)
+            for p, (off, n) in zip(self.window, self._tail_spans):
+                flat[off:off + n] = _bytes(p.tensor[slot]).reshape(-1)
             self.pool.index_copy_(0, upload_ints(list(tail), dev), flat.view(len(tail), self.page_bytes))
 
     # ------------------------------------------------------------------ pages -> slot
     def restore(self, slot: int, blocks: Sequence[int], tail: Sequence[int]) -> None:
         """Make ``slot`` hold the prefix of ``len(blocks)`` blocks: entry rows from ``blocks`` (block
         0 first) and the window pieces from ``tail``. The caller sets the slot's length."""
+        self._check(blocks, tail, allow_no_tail=False)
         dev = self.state.device
         pages = upload_ints(list(blocks) + list(tail), dev)
         if blocks:
             chosen = self.pool.index_select(0, pages[:len(blocks)])
             for p, (off, n) in zip(self.entries, self._entry_spans):
                 dst = self._rows(p, slot, 0, len(blocks))
-                dst.copy_(chosen[:, off:off + n].contiguous().view(p.tensor.dtype).view(dst.shape))
+                dst.view(len(blocks), -1).copy_(chosen[:, off:off + n].view(p.tensor.dtype))
         flat = self.pool.index_select(0, pages[len(blocks):]).view(-1)
-        off = 0
-        for p in self.window:
+        for p, (off, n) in zip(self.window, self._tail_spans):
             dst = p.tensor[slot]
-            n = p.nbytes_per_slot()
             dst.copy_(flat[off:off + n].view(p.tensor.dtype).view(dst.shape))
-            off += n

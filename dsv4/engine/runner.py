@@ -1,6 +1,6 @@
 """Runs the network over generation slots: one step (:meth:`Runner.run`) at a time.
 
-The runner owns the fixed-shape state (:class:`GenerationState`, ``max_slots`` slots plus one
+The runner owns the fixed-shape state (:class:`GenerationState`, ``max_num_seqs`` slots plus one
 scratch slot), each slot's last sampled token (on the device: a decode step reads its input ids
 from there, so sampled ids never travel device -> host -> device), and the per-slot sampling rows
 (:class:`SlotSampling`). It knows slots and token ids, never requests (DESIGN decision 5).
@@ -12,6 +12,11 @@ from there, so sampled ids never travel device -> host -> device), and the per-s
   batch of slots at their own positions. With CUDA graphs on (:meth:`capture`), it is one graph
   replay per batch bucket (1, 2, 4, ...): the batch is padded with the scratch slot, whose state
   nobody reads.
+- Speculative decoding (``speculative``, :mod:`dsv4.engine.speculative`): a verify row feeds a
+  slot's last token plus ``k`` drafts (from the host, or the MTP block's in ``drafts``); verify rows
+  of one length form one group of the varlen forward, then acceptance and the rollback of every
+  layer to the kept length. A step of verify rows only replays a verify graph per batch bucket
+  (:meth:`capture_verify`). The host learns each row's kept count at the end of the step (one sync).
 
 The host keeps its own count of each slot's length (it issued every token), which it uses to refuse
 a context overflow before touching any state.
@@ -82,14 +87,16 @@ class _SlotUpload:
 
 
 class Runner:
-    """One model + its fixed-shape state for ``max_slots`` sequences of ``max_context`` positions."""
+    """One model + its fixed-shape state for ``max_num_seqs`` sequences of ``max_model_len`` positions,
+    run in steps of at most ``max_num_batched_tokens`` tokens (the names of
+    :class:`~dsv4.engine.config.EngineConfig`; the engine passes its resolved values)."""
 
-    def __init__(self, model: Transformer, max_slots: int = 4, max_context: int = 4096,
-                 qat_sim: bool = False, prefill_chunk: int = 8192, prefix_cache_bytes: int = 0,
+    def __init__(self, model: Transformer, max_num_seqs: int = 4, max_model_len: int = 4096,
+                 qat_sim: bool = False, max_num_batched_tokens: int = 8192, prefix_cache_bytes: int = 0,
                  speculative: SpeculativeConfig | dict | str | None = None):
-        if prefill_chunk <= 0:
-            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
-        self.model, self.qat_sim, self.prefill_chunk = model, qat_sim, prefill_chunk
+        if max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+        self.model, self.qat_sim, self.max_num_batched_tokens = model, qat_sim, max_num_batched_tokens
         self.device = model.embed.weight.device
         #: tensor-parallel group of the model: every rank runs the sampler, rank 0's ids win
         self.tp = getattr(model, "tp", SINGLE)
@@ -97,23 +104,23 @@ class Runner:
         self.speculative = spec = SpeculativeConfig.parse(speculative)
         if spec is not None:
             spec.check_model(model.config, hasattr(model, "mtp"))
-        self.state = GenerationState(model.config, max_slots + 1, max_context, model.dtype, self.device,
+        self.state = GenerationState(model.config, max_num_seqs + 1, max_model_len, model.dtype, self.device,
                                      include_mtp=spec is not None and spec.method == "mtp", qat_sim=qat_sim)
         if spec is not None:
             for layer in self.state.layers:
                 for comp in (layer.compressor, layer.indexer):
                     if comp is not None:
                         comp.enable_log(spec.k + 1)
-        self.drafts = torch.zeros(max_slots + 1, spec.k if spec else 1, dtype=torch.int64, device=self.device)
-        self.scratch = max_slots                      # padding rows of a graph bucket run here
-        self.lengths = [0] * max_slots                # host mirror of state.positions
-        self.tokens = torch.zeros(max_slots + 1, dtype=torch.int64, device=self.device)
-        self.sampling = SlotSampling(max_slots + 1, model.config.vocab_size, self.device)
+        self.drafts = torch.zeros(max_num_seqs + 1, spec.k if spec else 1, dtype=torch.int64, device=self.device)
+        self.scratch = max_num_seqs                   # padding rows of a graph bucket run here
+        self.lengths = [0] * max_num_seqs             # host mirror of state.positions
+        self.tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        self.sampling = SlotSampling(max_num_seqs + 1, model.config.vocab_size, self.device)
         self.graphs: dict[tuple[int, SampleFlags], _Graph] = {}
         #: speculative verify steps captured like decode steps: (bucket, flags, host drafts?) -> graph
         self.verify_graphs: dict[tuple[int, SampleFlags, bool], _Graph] = {}
         #: eager steps read compressed entries up to the batch's longest context; a graph reads up
-        #: to ``max_context`` (its shapes are fixed). True makes eager steps do the same, so eager
+        #: to ``max_model_len`` (its shapes are fixed). True makes eager steps do the same, so eager
         #: and replay compute bit-identical steps (tests).
         self.full_bound = False
         self.graph_pool = None
@@ -125,11 +132,11 @@ class Runner:
                              if prefix_cache_bytes > 0 else None)
 
     @property
-    def max_slots(self) -> int:
+    def max_num_seqs(self) -> int:
         return self.scratch
 
     @property
-    def max_context(self) -> int:
+    def max_model_len(self) -> int:
         return self.state.max_context
 
     @property
@@ -158,15 +165,15 @@ class Runner:
         self.sampling.assign(slot, params, prompt_ids)
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_slots:
-            raise IndexError(f"slot {slot} out of range (max_slots={self.max_slots})")
+        if not 0 <= slot < self.max_num_seqs:
+            raise IndexError(f"slot {slot} out of range (max_num_seqs={self.max_num_seqs})")
 
     def _reserve(self, slot: int, n: int) -> int:
         self._check_slot(slot)
         start = self.lengths[slot]
-        if start + n > self.max_context:
+        if start + n > self.max_model_len:
             raise ContextOverflowError(
-                f"slot {slot}: {start} + {n} tokens exceed max_context={self.max_context}")
+                f"slot {slot}: {start} + {n} tokens exceed max_model_len={self.max_model_len}")
         return start
 
     # ------------------------------------------------------------------ one step
@@ -194,9 +201,9 @@ class Runner:
                 raise ValueError(f"slot {r.slot}: row starts at {r.start}, the slot holds {have} tokens")
             if r.token_ids is not None and not r.token_ids:
                 raise ValueError(f"slot {r.slot}: a row needs at least one token")
-            if r.start + r.num_tokens > self.max_context:
+            if r.start + r.num_tokens > self.max_model_len:
                 raise ContextOverflowError(f"slot {r.slot}: {r.start} + {r.num_tokens} tokens exceed "
-                                           f"max_context={self.max_context}")
+                                           f"max_model_len={self.max_model_len}")
         ends = {r.slot: r.start + r.num_tokens for r in rows}
         for sv in batch.saves:
             self._check_slot(sv.slot)
@@ -273,10 +280,10 @@ class Runner:
             ids = ids.index_copy(0, at, self.drafts[dslot, col])
         groups = []
         if k:
-            bound = self.max_context if self.full_bound else max(r.start for r in singles) + 1
+            bound = self.max_model_len if self.full_bound else max(r.start for r in singles) + 1
             groups.append((one_slot, one_start, 1, bound))
         for j, g in enumerate(longer):
-            bound = self.max_context if self.full_bound and g[0].is_verify else max(r.start + r.num_tokens for r in g)
+            bound = self.max_model_len if self.full_bound and g[0].is_verify else max(r.start + r.num_tokens for r in g)
             groups.append((parts[3 + 2 * j], parts[4 + 2 * j], g[0].num_tokens, bound))
         # verify groups: what their tokens overwrite, for the rollback (``groups`` index 1.. when k)
         vgroups = [(groups[int(bool(k)) + j], verify[S]) for j, S in enumerate(sorted(verify))]
@@ -374,7 +381,7 @@ class Runner:
             length.append(vstart + kept)
         sel, slots, length = torch.cat(sel), torch.cat(slots), torch.cat(length)
         drafts = mtp_drafts(self.model, self.state.layers, h, nxt, ctx, sel, slots, length, self.speculative.k,
-                            self.qat_sim, self.max_context)
+                            self.qat_sim, self.max_model_len)
         self.drafts[slots] = drafts
 
     def _agree(self, out: SampleOutput) -> SampleOutput:
@@ -404,7 +411,7 @@ class Runner:
         bucket = next((b for b in self._buckets() if b >= n), None) if self.use_graphs else None
         if bucket is None:
             idx = upload_ints(slots, self.device)
-            bound = self.max_context if self.full_bound else max(self.lengths[s] for s in slots) + 1
+            bound = self.max_model_len if self.full_bound else max(self.lengths[s] for s in slots) + 1
             out = self._step(idx, flags, bound)
         else:
             graph = self.graphs.get((bucket, flags)) or self._capture_one(bucket, flags)
@@ -479,7 +486,7 @@ class Runner:
         n, slots = len(rows), [r.slot for r in rows]
         flags = self.sampling.flags(slots)
         host = bool(rows[0].draft)
-        bucket = next(b for b in sorted({b for b, *_ in self.verify_graphs}) + [self.max_slots] if b >= n)
+        bucket = next(b for b in sorted({b for b, *_ in self.verify_graphs}) + [self.max_num_seqs] if b >= n)
         graph = self.verify_graphs.get((bucket, flags, host)) or self._capture_verify(bucket, flags, host)
         padded = tuple(slots) + (self.scratch,) * (bucket - n)
         if padded != graph.loaded:
@@ -503,7 +510,7 @@ class Runner:
         does the decode step): host drafts (n-gram) or the draft buffer (MTP)."""
         if self.speculative is None:
             raise RuntimeError("verify graphs need speculative decoding on")
-        buckets = sorted(buckets) if buckets else batch_buckets(self.max_slots)
+        buckets = sorted(buckets) if buckets else batch_buckets(self.max_num_seqs)
         host = self.speculative.method != "mtp"
         for b in tqdm(sorted(buckets, reverse=True), desc="capturing verify graphs", disable=not progress,
                       file=sys.stderr):
@@ -520,11 +527,11 @@ class Runner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), ops.sync_free():
             for _ in range(2):
-                self._verify_step(idx, drafts, flags, self.max_context)
+                self._verify_step(idx, drafts, flags, self.max_model_len)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with ops.sync_free(), torch.cuda.graph(graph, pool=self.graph_pool):
-            out, kept = self._verify_step(idx, drafts, flags, self.max_context)
+            out, kept = self._verify_step(idx, drafts, flags, self.max_model_len)
         entry = _Graph(graph, idx, out, (self.scratch,) * bucket, drafts, kept)
         self.verify_graphs[(bucket, flags, host)] = entry
         return entry
@@ -536,9 +543,9 @@ class Runner:
         Prints the time taken and the pool's size."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
-        buckets = sorted(buckets) if buckets else batch_buckets(max_batch or self.max_slots)
-        if buckets[-1] > self.max_slots:
-            raise ValueError(f"graph bucket {buckets[-1]} exceeds max_slots={self.max_slots}")
+        buckets = sorted(buckets) if buckets else batch_buckets(max_batch or self.max_num_seqs)
+        if buckets[-1] > self.max_num_seqs:
+            raise ValueError(f"graph bucket {buckets[-1]} exceeds max_num_seqs={self.max_num_seqs}")
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
         todo = [(b, f) for b in sorted(buckets, reverse=True) for f in flag_sets]
@@ -558,7 +565,7 @@ class Runner:
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
         idx = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
-        bound = self.max_context
+        bound = self.max_model_len
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), ops.sync_free():

@@ -26,7 +26,7 @@ from enum import Enum
 
 from ..errors import ContextOverflowError, RequestError
 from .batch import CachedPrefix
-from .prefix_cache import Pending, PrefixCache, block_keys
+from .prefix_cache import Pending, PrefixCache, block_keys, root_key
 from .sampling import SamplingParams
 
 
@@ -44,6 +44,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None    # shares cached prefixes only with requests of the same salt
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     slot: int | None = None
@@ -105,17 +106,19 @@ class Scheduler:
     """FCFS continuous batching over ``max_num_seqs`` slots of ``max_model_len`` positions.
 
     ``max_num_batched_tokens`` bounds the tokens of one step (decodes + prompt chunks);
-    ``prefill_chunk`` bounds one prompt chunk. With ``prefix_cache``, an admitted request starts
-    from its longest cached prefix, and a prompt chunk that would cross one of the prompt's save
-    boundaries (``Request.save_at``) ends there instead (the slot's state is saved there).
+    ``long_prefill_token_threshold`` (when > 0) bounds one prompt's chunk. With ``prefix_cache``, an
+    admitted request starts from its longest cached prefix, and a prompt chunk that would cross one
+    of the prompt's save boundaries (``Request.save_at``) ends there instead (the slot's state is
+    saved there).
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 512,
-                 prefill_chunk: int = 512, prefix_cache: PrefixCache | None = None):
-        if min(max_num_seqs, max_model_len, max_num_batched_tokens, prefill_chunk) <= 0:
+                 long_prefill_token_threshold: int = 0, prefix_cache: PrefixCache | None = None):
+        if min(max_num_seqs, max_model_len, max_num_batched_tokens) <= 0 or long_prefill_token_threshold < 0:
             raise ValueError("scheduler sizes must be positive")
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.max_num_batched_tokens, self.prefill_chunk = max_num_batched_tokens, prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -186,7 +189,8 @@ class Scheduler:
         if reason == "error" or len(tokens) < n * cache.block:
             cache.release(pend.pages + list(pend.tail))
         else:
-            cache.publish(block_keys(tokens, cache.block, n), pend.first_block, pend.pages, pend.tail)
+            cache.publish(block_keys(tokens, cache.block, n, root_key(request.cache_salt)), pend.first_block,
+                          pend.pages, pend.tail)
 
     def append_token(self, request: Request, token_id: int) -> None:
         """Record a sampled token; a request at ``max_tokens`` finishes with reason ``length``."""
@@ -217,13 +221,14 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self._start_from_cache(req)
         budget = self.max_num_batched_tokens
+        chunk = self.long_prefill_token_threshold or budget       # the most tokens of one prompt in a step
         plan.decode = [r for r in self.running if not r.in_prefill]
         budget -= len(plan.decode) * self.decode_tokens
         for req in self.running:
             if budget <= 0:
                 break
             if req.in_prefill:
-                n = min(budget, self.prefill_chunk, len(req.prompt_ids) - req.num_prefilled)
+                n = min(budget, chunk, len(req.prompt_ids) - req.num_prefilled)
                 start = req.num_prefilled
                 for q in req.save_at:
                     if start < q < start + n:
@@ -235,12 +240,15 @@ class Scheduler:
 
     def _start_from_cache(self, req: Request) -> None:
         cache = self.prefix_cache
-        hit = cache.match(req.prompt_ids)
+        # prompt logprobs need every prompt position's logits: such a request reuses nothing
+        hit = cache.match(req.prompt_ids, req.cache_salt) if req.params.prompt_logprobs is None else None
         if hit is not None:
             req.cached = hit
             req.num_prefilled = req.num_cached_tokens = hit.length
         req.saved_blocks = req.num_cached_tokens // cache.block
         # the prompt's last boundary (where the next turn of a conversation continues) and the last
         # one before its final token (all that the same prompt sent again can reuse: one token runs)
+        # and where it parts from the blocks other requests saved (a shared system prompt)
         L, b = len(req.prompt_ids), cache.block
-        req.save_at = tuple(sorted(q for q in {(L - 1) // b * b, L // b * b} if q > req.num_cached_tokens))
+        points = {(L - 1) // b * b, L // b * b, cache.shared_length(req.prompt_ids, req.cache_salt)}
+        req.save_at = tuple(sorted(q for q in points if q > req.num_cached_tokens))

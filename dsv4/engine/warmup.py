@@ -2,20 +2,20 @@
 
 A Triton kernel is compiled once per specialization (:mod:`dsv4.ops.triton.variants`): constexpr
 tile choices bucketed by row count (powers of two), and integer arguments that are 1 or a
-multiple of 16. Prompt chunks come in every length from 1 to ``prefill_chunk`` at every position,
+multiple of 16. Prompt chunks come in every length from 1 to ``max_num_batched_tokens`` at every position,
 so without a warm-up the first prompt of a new length class stalls the engine — and every request
 running with it — for seconds per kernel while Triton compiles (measured on an H100: a throughput
 run of mixed prompts took 120 s instead of 4 s, time-to-first-token p90 13 s).
 
 :func:`warm_up` runs, on the runner's scratch slot (whose state nobody reads):
 
-- prefill chunks of every length class up to ``prefill_chunk`` (the tokens of one step,
+- prefill chunks of every length class up to ``max_num_batched_tokens`` (the tokens of one step,
   :func:`length_classes`), in a row, so they land at many positions (the window ring wraps,
   compressed entries appear), the last chunk of each length class also with every position's
-  logits (prompt logprobs); a class longer than ``max_context`` as a step of several rows;
-- eager decode steps for every batch-size class up to ``max_slots`` (without CUDA graphs every
+  logits (prompt logprobs); a class longer than ``max_model_len`` as a step of several rows;
+- eager decode steps for every batch-size class up to ``max_num_seqs`` (without CUDA graphs every
   decode step is eager; with them, the one-token rows of a step that also runs prompt chunks);
-- the indexer's top-k for every power-of-two count of compressed entries up to ``max_context``
+- the indexer's top-k for every power-of-two count of compressed entries up to ``max_model_len``
   (position-dependent tile sizes a short warm-up never reaches).
 
 Tests (interpreter, CPU) check that prefills of random lengths at random positions after it add no
@@ -56,13 +56,13 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     before = compiled_variants()
     scratch, model = runner.scratch, runner.model
     config = model.config
-    lengths = length_classes(runner.prefill_chunk)
+    lengths = length_classes(runner.max_num_batched_tokens)
     # eager decode batches: without graphs every decode step, with graphs the one-token rows of a
     # step that also runs prompt chunks
-    batches = length_classes(runner.max_slots) if decode else []
+    batches = length_classes(runner.max_num_seqs) if decode else []
     ratios = sorted({r for r in (config.compress_ratios or []) if r})
     k = getattr(config, "index_topk", 0) or 0
-    counts = length_classes(max(1, runner.max_context // min(ratios))) if k and ratios else []
+    counts = length_classes(max(1, runner.max_model_len // min(ratios))) if k and ratios else []
     steps = len(lengths) + len(batches) + len(counts)
     bar = tqdm(total=steps, desc="compiling kernels (warm-up)", disable=not progress, file=sys.stderr)
     gen = torch.Generator().manual_seed(0)
@@ -70,13 +70,13 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     pos = 0
     runner.state.reset([scratch])
     for i, n in enumerate(lengths):
-        if pos + n > runner.max_context:
+        if pos + n > runner.max_model_len:
             runner.state.reset([scratch])
             pos = 0
         ids = torch.randint(0, vocab, (n,), generator=gen).to(runner.device)
-        if n > runner.max_context:     # a step of several prompts' chunks: rows on the scratch slot in turn
+        if n > runner.max_model_len:     # a step of several prompts' chunks: rows on the scratch slot in turn
             _several_rows(runner, ids)
-            pos = runner.max_context
+            pos = runner.max_model_len
         else:
             _one_row(runner, ids, pos, all_logits=(i % 3 == 2))
             pos += n
@@ -85,7 +85,7 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     for b in batches:
         # near the start and as deep as the state goes: the attention splits its keys more with more
         # compressed entries (another variant past FUSED_MAX_SPLITS splits)
-        for bound in sorted({min(runner.max_context, b + 1), runner.max_context}):
+        for bound in sorted({min(runner.max_model_len, b + 1), runner.max_model_len}):
             runner.state.reset([scratch])
             runner._step(idx_all[:b], SampleFlags(), bound)
         bar.update()
@@ -117,9 +117,9 @@ def _one_row(runner, ids: torch.Tensor, start: int, all_logits: bool) -> None:
 
 
 def _several_rows(runner, ids: torch.Tensor) -> None:
-    """One varlen forward of ``ids`` cut into rows of at most ``max_context`` tokens, every row on
+    """One varlen forward of ``ids`` cut into rows of at most ``max_model_len`` tokens, every row on
     the scratch slot from position 0 (what a step of several prompts' chunks runs token-wise)."""
-    n, cap = ids.numel(), runner.max_context
+    n, cap = ids.numel(), runner.max_model_len
     zero = torch.zeros(1, dtype=torch.int64, device=runner.device)
     slot = zero + runner.scratch
     groups = [(slot, zero, min(cap, n - lo), min(cap, n - lo)) for lo in range(0, n, cap)]

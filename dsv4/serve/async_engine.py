@@ -46,6 +46,7 @@ class Delta:
     prompt_logprobs: list[float | None] | None = None          # first delta only
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache
 
 
 @dataclass
@@ -55,6 +56,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -81,6 +83,8 @@ class Submission:
         self.unfinished = set(range(len(request_ids)))
         self.ttft: list[float | None] = [None] * len(request_ids)
         self.completion_tokens = [0] * len(request_ids)
+        #: prompt tokens each request took from the prefix cache (known with its first output)
+        self.cached_tokens = [0] * len(request_ids)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Delta]]:
         while self.unfinished:
@@ -88,6 +92,11 @@ class Submission:
             if delta.finished:
                 self.unfinished.discard(index)
             yield index, delta
+
+    def cached(self, per_prompt: int = 1) -> int:
+        """Prompt tokens served by the prefix cache, counted once per prompt like ``prompt_tokens``
+        (the first of each prompt's ``per_prompt`` choices)."""
+        return sum(self.cached_tokens[::max(per_prompt, 1)])
 
     def abort(self, index: int | None = None) -> None:
         """Abort one request (or every unfinished one): its slot frees within one engine step."""
@@ -117,6 +126,7 @@ class EngineStats:
     slots_total: int = 0
     steps: int = 0
     errors: int = 0
+    prefix_cache: object = None   # the engine's CacheStats (None: prefix caching off)
     spec_decode: object | None = None    # SpecStats: speculative decoding's acceptance (None: off)
 
 
@@ -129,7 +139,7 @@ class AsyncEngine:
         # the CPU-thread policy ("auto" only) is re-evaluated between steps: load comes and goes
         self.thread_monitor = ThreadMonitor(threads, threads_interval)
         self.vocab_size = engine.vocab_size
-        self.stats = EngineStats(slots_total=engine.max_slots)
+        self.stats = EngineStats(slots_total=engine.max_num_seqs)
         self.state = "ready"
         self.loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, _Live] = {}
@@ -242,7 +252,7 @@ class AsyncEngine:
                 _, rid, req = cmd
                 try:
                     self.engine.add_request(req.prompt_ids, req.params, request_id=rid,
-                                            skip_special_tokens=req.skip_special_tokens)
+                                            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
                 except Exception as e:  # checked before submit; this is a bug, but it fails alone
                     log.exception("request %s could not be added", rid)
                     failed.append((rid, Delta([], "", True, "error", error=f"{type(e).__name__}: {e}")))
@@ -266,6 +276,7 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         now, s = self.engine.stats(), self.stats
         s.running, s.waiting, s.slots_used, s.slots_total = now.running, now.waiting, now.slots_used, now.slots_total
+        s.prefix_cache = now.prefix_cache
         s.spec_decode = getattr(now, "spec_decode", None)
         if self.metrics is not None:
             self.metrics.engine_state(s)
@@ -285,6 +296,7 @@ class AsyncEngine:
                     self.metrics.request_done(live.prompt_tokens, live.tokens, now - live.arrival,
                                               live.reason or delta.finish_reason)
             live.submission.completion_tokens[live.index] = live.tokens
+            live.submission.cached_tokens[live.index] = delta.num_cached_tokens
             live.submission.queue.put_nowait((live.index, delta))
 
     def _timing(self, live: _Live, now: float, n: int) -> None:
@@ -305,7 +317,7 @@ def _delta(out: RequestOutput) -> Delta:
     """Copy what the loop needs out of a :class:`RequestOutput` (on the engine thread)."""
     o, n = out.output, len(out.new_token_ids)
     d = Delta(list(out.new_token_ids), out.new_text, out.finished, o.finish_reason if out.finished else None,
-              error=o.error if out.finished else None)
+              error=o.error if out.finished else None, num_cached_tokens=o.num_cached_tokens)
     if o.logprobs is not None and n:
         d.logprobs, d.top_logprobs = list(o.logprobs[-n:]), [list(t) for t in o.top_logprobs[-n:]]
     if o.prompt_logprobs is not None and n and len(o.token_ids) == n:   # the first output

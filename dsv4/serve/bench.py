@@ -278,6 +278,9 @@ def run_bench(args) -> int:
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise UsageError(f"the server at {base} (--base-url) did not answer /v1/models as an OpenAI-compatible "
                          f"server: {e}") from None
+    if args.dataset == "agent":
+        from .bench_agent import run_agent_bench
+        return run_agent_bench(args, model, headers)
     requests = build_requests(args, vocab, model)
     mode = (f"rate {args.request_rate}/s" if args.request_rate else "all at once") + \
         (f", concurrency {args.concurrency}" if args.concurrency else "")

@@ -8,6 +8,7 @@ import os
 import socket
 
 from ..cli_common import HelpFormatter, positive_int
+from ..engine.config import EngineConfig
 from ..errors import UsageError
 
 
@@ -31,28 +32,9 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
-    return value
-
-
 def add_serve_parser(p: argparse.ArgumentParser) -> None:
-    """The server's own flags (the engine flags are added by :mod:`dsv4.cli`)."""
-    # with no --max-num-seqs the state is sized from the GPU's memory (8 sequences on the CPU)
-    p.set_defaults(max_num_seqs=None)
-    for action in p._actions:
-        if action.dest == "max_num_seqs":
-            action.help = ("sequences generated together (default: on a CUDA device as many as fit in "
-                           "--gpu-memory-utilization, at most 256; 8 on the CPU)")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
-                   help="on a CUDA device, the fraction of the GPU's total memory the engine may use (weights, "
-                        "generation state, working margin); without --max-num-seqs the state takes what the "
-                        "weights leave of it. Ignored on the CPU")
+    """The server's own flags (the engine flags, :class:`~dsv4.engine.config.EngineConfig`'s, are
+    added by :mod:`dsv4.cli`)."""
     p.add_argument("--seed", type=int, default=None,
                    help="the seed of requests that give none (choice k uses seed + k), so the same request "
                         "gives the same answer; default: each unseeded request draws a random seed")
@@ -65,9 +47,6 @@ def add_serve_parser(p: argparse.ArgumentParser) -> None:
                         "$DSV4_API_KEY if set, else no key)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds running requests may take to finish before they are aborted")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="tokens per engine step, decode rows plus prompt chunks, run as one forward (default: 8192)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="also log uvicorn's access line per HTTP request")
 
@@ -86,12 +65,13 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(args: argparse.Namespace, engine_args: dict, load) -> int:
-    """``dsv4 serve``: check the engine arguments (:func:`~dsv4.engine.llm.plan_engine`: device,
-    dtype, limits, checkpoint, tokenizer), bind, then load the model while answering 503, then serve
-    until a signal. A failed load ends the process (re-raised for the CLI to print once)."""
+def serve(args: argparse.Namespace, engine: EngineConfig, load) -> int:
+    """``dsv4 serve``: check the engine config against the machine and the checkpoint
+    (:func:`~dsv4.engine.llm.plan_engine`: device, dtype, limits, checkpoint, tokenizer), bind, then
+    load the model while answering 503, then serve until a signal. A failed load ends the process
+    (re-raised for the CLI to print once)."""
     from ..engine.llm import plan_engine
-    plan_engine(**engine_args)          # an unusable argument fails here, before the port is taken
+    plan_engine(engine, require_tokenizer=True)   # an unusable argument fails here, before the port is taken
     from .server import run_server
     names = args.served_model_name or [args.model or "tiny"]
     sock = _listen(args.host, args.port)
@@ -123,7 +103,15 @@ def add_bench_parser(sub) -> None:
                    help="requests per second, Poisson arrivals (default, or inf: send as concurrency allows)")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help="prompts: one JSON object per line with 'prompt' (text) or 'messages', optional "
-                        "'max_tokens' (default: synthetic prompts)")
+                        "'max_tokens' (default: synthetic prompts); 'agent': multi-turn conversations sharing a "
+                        "system prompt, run with prefix caching off and then on (dsv4.serve.bench_agent)")
+    p.add_argument("--conversations", type=positive_int, default=16,
+                   help="--dataset agent: conversations run concurrently (one user each)")
+    p.add_argument("--turns", type=positive_int, default=8, help="--dataset agent: turns of each conversation")
+    p.add_argument("--system-len", type=positive_int, default=4096,
+                   help="--dataset agent: tokens of the system prompt every conversation shares")
+    p.add_argument("--turn-len", type=positive_int, default=1024,
+                   help="--dataset agent: tokens of each turn's new user or tool message")
     p.add_argument("--input-len", "--random-input-len", type=positive_int, default=256,
                    help="synthetic prompt length in tokens (mean)")
     p.add_argument("--output-len", "--random-output-len", type=positive_int, default=128,

@@ -7,6 +7,10 @@ follow Prometheus conventions with a ``dsv4_`` prefix:
   ``dsv4_slots_total``, ``dsv4_slot_usage_ratio`` (written by the engine thread after each step);
 - counters ``dsv4_prompt_tokens_total``, ``dsv4_generation_tokens_total``,
   ``dsv4_requests_finished_total{finish_reason}``, ``dsv4_http_requests_total{endpoint,status}``;
+- prefix cache: counters ``dsv4_prefix_cache_queries_total`` (prompt tokens looked up),
+  ``dsv4_prefix_cache_hits_total`` (prompt tokens served from it), ``dsv4_prefix_cache_evictions_total``
+  (tails and blocks evicted), gauges ``dsv4_prefix_cache_bytes`` (in use) and
+  ``dsv4_prefix_cache_capacity_bytes`` (its budget; absent with caching off);
 - histograms ``dsv4_time_to_first_token_seconds``, ``dsv4_inter_token_latency_seconds``,
   ``dsv4_e2e_request_latency_seconds``;
 - speculative decoding (vLLM's ``spec_decode`` set): counters ``dsv4_spec_decode_num_drafts_total``
@@ -57,6 +61,16 @@ class Metrics:
         self.e2e = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ["model_name"],
                              buckets=_E2E, registry=r).labels(**label)
         self.model_name = model_name
+        self._cache_counters = {
+            name: Counter(f"dsv4_prefix_cache_{name}", doc, ["model_name"], registry=r).labels(**label)
+            for name, doc in (("queries", "Prompt tokens looked up in the prefix cache"),
+                              ("hits", "Prompt tokens served from the prefix cache"),
+                              ("evictions", "Prefix-cache tails and blocks evicted"))}
+        self._cache_bytes = Gauge("dsv4_prefix_cache_bytes", "Prefix-cache memory in use", ["model_name"],
+                                  registry=r).labels(**label)
+        self._cache_capacity = Gauge("dsv4_prefix_cache_capacity_bytes", "Prefix-cache memory budget",
+                                     ["model_name"], registry=r).labels(**label)
+        self._cache_seen = {"queries": 0, "hits": 0, "evictions": 0}
         spec = lambda name, doc: Counter(f"dsv4_spec_decode_{name}", doc, ["model_name"], registry=r).labels(**label)  # noqa: E731
         self.spec_drafts = spec("num_drafts", "Speculative verify rows run")
         self.spec_draft_tokens = spec("num_draft_tokens", "Draft tokens proposed")
@@ -74,6 +88,14 @@ class Metrics:
         self.slots_used.set(stats.slots_used)
         self.slots_total.set(stats.slots_total)
         self.slot_usage.set(stats.slots_used / stats.slots_total if stats.slots_total else 0.0)
+        cache = getattr(stats, "prefix_cache", None)
+        if cache is not None:
+            for name, counter in self._cache_counters.items():
+                now = getattr(cache, name)
+                counter.inc(max(now - self._cache_seen[name], 0))
+                self._cache_seen[name] = now
+            self._cache_bytes.set(cache.used_bytes)
+            self._cache_capacity.set(cache.capacity_bytes)
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:        # the engine's totals: the counters advance by what is new
             seen = self._spec_seen or type(spec)()

@@ -52,10 +52,15 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
 
 
@@ -81,6 +86,8 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
     user: str | None = None
+    cache_salt: str | None = Field(None, max_length=256, description="vLLM's: the prefix cache is shared only "
+                                   "between requests with the same salt (none: shared by all)")
 
 
 # ------------------------------------------------------------------ /v1/completions

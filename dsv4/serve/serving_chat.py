@@ -141,7 +141,7 @@ class ChatServing:
         for k in range(req.n):
             params = sampling_params(req, max_tokens, logprobs=logprobs, choice=k, seed=seed)
             check_request(self.ctx, ids, params, "messages")
-            reqs.append(EngineRequest(ids, params, skip_special_tokens=False))
+            reqs.append(EngineRequest(ids, params, skip_special_tokens=False, cache_salt=req.cache_salt))
             parser = StreamingParser(thinking, call_id_prefix=f"call_{secrets.token_hex(8)}_")
             choice = _Choice(k, parser, thinking, stop_ids, tools_allowed, in_reasoning=thinking)
             if req.skip_special_tokens:
@@ -174,7 +174,7 @@ class ChatServing:
             raise APIError(500, f"the request failed in the engine: {failed.error}", code="engine_error", logged=True)
         return {**head, "object": "chat.completion", "system_fingerprint": None,
                 "choices": [self._final_choice(c, want_logprobs) for c in choices],
-                "usage": _usage(len(ids), choices)}
+                "usage": _usage(len(ids), choices, sub.cached(len(choices)))}
 
     def _final_choice(self, c: _Choice, want_logprobs: bool) -> dict:
         content = "".join(c.content)
@@ -299,7 +299,7 @@ class ChatServing:
                     break
             if usage and status == "200":
                 yield sse({**head, "object": "chat.completion.chunk", "choices": [],
-                           "usage": _usage(prompt_tokens, choices)})
+                           "usage": _usage(prompt_tokens, choices, sub.cached(len(choices)))})
             yield sse("[DONE]")
         finally:
             if not all(c.done for c in choices) and status == "200":
@@ -316,10 +316,10 @@ class ChatServing:
         return out
 
 
-def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict:
+def _usage(prompt_tokens: int, choices: list[_Choice], cached: int) -> dict:
     completion = sum(c.tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached},
             "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}}
 
 

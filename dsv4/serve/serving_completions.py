@@ -92,7 +92,8 @@ class CompletionServing:
                 params = sampling_params(req, max(max_tokens, 1), logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                                          choice=k, seed=seed)
                 check_request(self.ctx, ids, params, f"prompt[{p}]" if len(prompts) > 1 else "prompt")
-                reqs.append(EngineRequest(ids, params, skip_special_tokens=req.skip_special_tokens))
+                reqs.append(EngineRequest(ids, params, skip_special_tokens=req.skip_special_tokens,
+                                          cache_salt=req.cache_salt))
                 choices.append(_Choice(len(choices), text, ids, req.echo, max_tokens > 0, stop_ids))
         return reqs, choices
 
@@ -116,7 +117,7 @@ class CompletionServing:
         head = {"id": rid, "created": int(time.time()), "model": model}
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(sub, choices, head, usage, req.logprobs, prompt_tokens, started)
+            body = self._stream(sub, choices, head, usage, req.logprobs, prompt_tokens, started, req.n)
             return StreamingResponse(aclosing_iter(body, sub.abort), media_type="text/event-stream")
         result = await until_done_or_disconnect(raw, self._collect(sub, choices), sub.abort)
         if result is None:
@@ -127,7 +128,7 @@ class CompletionServing:
                     [c.finish_reason for c in choices], result if error else "")
         if error is not None:
             raise APIError(500, f"the request failed in the engine: {result}", code="engine_error", logged=True)
-        usage = _usage(prompt_tokens, choices)
+        usage = _usage(prompt_tokens, choices, sub.cached(req.n))
         return {**head, "object": "text_completion", "system_fingerprint": None, "usage": usage,
                 "choices": [{"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
                              "logprobs": self._logprobs(c, c.entries) if req.logprobs is not None else None}
@@ -168,7 +169,7 @@ class CompletionServing:
         return error
 
     async def _stream(self, sub: Submission, choices: list[_Choice], head: dict, usage: bool, logprobs,
-                      prompt_tokens: int, started: float):
+                      prompt_tokens: int, started: float, per_prompt: int = 1):
         status = "200"
         extra = {"usage": None} if usage else {}
         try:
@@ -187,7 +188,8 @@ class CompletionServing:
                           "logprobs": self._logprobs(c, entries) if logprobs is not None else None}
                 yield sse({**head, "object": "text_completion", "choices": [choice], **extra})
             if usage and status == "200":
-                yield sse({**head, "object": "text_completion", "choices": [], "usage": _usage(prompt_tokens, choices)})
+                yield sse({**head, "object": "text_completion", "choices": [], "usage": _usage(prompt_tokens, choices,
+                                                                                         sub.cached(per_prompt))})
             yield sse("[DONE]")
         finally:
             if not sub.done and status == "200":
@@ -212,7 +214,7 @@ class CompletionServing:
         return out.model_dump()
 
 
-def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict:
+def _usage(prompt_tokens: int, choices: list[_Choice], cached: int) -> dict:
     completion = sum(c.tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}

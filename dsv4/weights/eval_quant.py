@@ -81,13 +81,13 @@ def model_logits(path: Path, seqs: Sequence[torch.Tensor], bar=None) -> list[tor
     """fp32 logits ``[seq_len, vocab]`` of every position of each sequence, checkpoint at ``path``
     loaded in float32 (quantized weights stay packed). ``bar`` (a tqdm) advances per token."""
     model, _ = load_model(path, dtype=torch.float32, progress=False)
-    runner = Runner(model, max_slots=1, max_context=max(len(s) for s in seqs) + 8)
+    runner = Runner(model, max_num_seqs=1, max_model_len=max(len(s) for s in seqs) + 8)
     out = []
     for ids in seqs:
         runner.reset([0])
         chunks = []
-        for lo in range(0, len(ids), runner.prefill_chunk):  # the runner's own chunks: same numbers
-            chunk = ids[lo:lo + runner.prefill_chunk]
+        for lo in range(0, len(ids), runner.max_num_batched_tokens):  # the runner's own chunks: same numbers
+            chunk = ids[lo:lo + runner.max_num_batched_tokens]
             row = Row(0, lo, tuple(chunk.tolist()), sample=False, logits=True)   # every position's logits
             chunks.append(runner.run(ScheduledBatch((row,))).logits[0].float())
             if bar is not None:

@@ -1,0 +1,83 @@
+"""Prefix caching on the GPU (run by bench/gpu_check.sh): a Flash slice with random FP8 + MXFP4 weights,
+CUDA graphs captured, caching on against off through the engine; the state is copied into a slot by
+device copies only (no device -> host synchronization).
+
+In fp32 without the QAT simulation the first tokens agree and the first token's logprob to kernel
+precision; in BF16 with the simulation (production) only the first token is compared, a later
+near-tie can go either way (see test_gpu_batched_step.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, cuda]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16-qat"])
+def test_cached_prefixes_equal_caching_off_on_the_gpu(dtype):
+    from dsv4.config import preset
+    from dsv4.engine.core import Engine
+    from dsv4.engine.runner import Runner
+    from dsv4.engine.sampling import SamplingParams
+    from dsv4.model.random_weights import build_random_model
+
+    config = preset("flash", num_layers=2)
+    qat = dtype == "bf16-qat"
+    model = build_random_model(config, "fp8-mxfp4", "cuda", dtype=torch.bfloat16 if qat else torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(2, config.vocab_size, (n,), generator=g).tolist()   # noqa: E731
+    system = ids(600)
+    prompts = [system + ids(50), system + ids(70), system + ids(90), system + ids(20)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def run(cache_bytes):
+        runner = Runner(model, max_num_seqs=2, max_model_len=2048, qat_sim=qat, prefix_cache_bytes=cache_bytes)
+        runner.capture(progress=False)
+        engine = Engine(runner, None, eos_id=1)
+        outs = []
+        for p in prompts:
+            rid = engine.add_request(p, params)
+            while engine.has_unfinished:
+                for o in engine.step():
+                    if o.finished and o.request_id == rid:
+                        outs.append(o.output)
+        return outs
+
+    on, off = run(256 << 20), run(0)
+    # the first user saves at its prompt's last block boundary (512, inside the shared 600 tokens);
+    # the others start there
+    assert [o.num_cached_tokens for o in on] == [0, 512, 512, 512]
+    for a, b in zip(on, off):
+        assert a.token_ids[0] == b.token_ids[0]
+        tol = 5e-2 if qat else 2e-3
+        assert abs(a.logprobs[0] - b.logprobs[0]) <= tol * max(1.0, abs(b.logprobs[0]))
+        if not qat:
+            assert a.token_ids == b.token_ids
+
+
+def test_restore_and_save_never_wait_for_the_device():
+    """A restore and a save are device copies: neither synchronizes with the device."""
+    from dsv4.config import preset
+    from dsv4.engine.prefix_store import PrefixStore
+    from dsv4.engine.state import GenerationState
+    from dsv4.model.cache import block_size
+
+    config = preset("flash", num_layers=3)
+    state = GenerationState(config, 3, 1024, torch.bfloat16, "cuda", qat_sim=True)
+    store = PrefixStore(state, block_size(config), 64 << 20)
+    tail = list(range(8, 8 + store.tail_pages))
+    store.save(0, 0, [0, 1, 2], tail)       # first calls may allocate; then measure
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        store.save(0, 0, [0, 1, 2], tail)
+        store.restore(1, [0, 1, 2], tail)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for p in state.pieces():
+        if p.kind == "window":
+            assert torch.equal(p.tensor[1].view(torch.uint8), p.tensor[0].view(torch.uint8))
