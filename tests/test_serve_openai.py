@@ -133,8 +133,9 @@ def test_async_client_concurrent(aclient):
         chats = [aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"n{i}"}],
                                                  max_tokens=3, seed=i) for i in range(6)]
         comps = [aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=3) for i in range(6)]
+        # ignore_eos: a sample may draw the end token first and finish with "stop"
         stream = await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
-                                                       max_tokens=3, stream=True)
+                                                       max_tokens=3, stream=True, extra_body={"ignore_eos": True})
         streamed = [c async for c in stream]
         return await asyncio.gather(*chats, *comps), streamed
 

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ContextOverflowError  # noqa: F401  (raised by the runner; defined with the other user errors)
-from ..model.cache import CompressorState, LayerCache, RowStore, StatePiece  # noqa: F401
+from ..model.cache import CompressorState, LayerCache, StatePiece
 from .h2d import upload
 
 

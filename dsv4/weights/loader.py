@@ -333,9 +333,9 @@ class _Collector:
                 stack.name = f"{key}.weight"
             self.stacks[key] = stack
         if _format_key(stack) != _format_key(weight):
-            kinds = sorted({_format_name(stack), _format_name(weight)})
-            raise CheckpointError(f"{file}: routed expert tensor `{name}` is {_format_name(weight)} but other experts of "
-                                  f"`{key}` are {_format_name(stack)}: routed experts mix weight formats ({kinds})")
+            raise CheckpointError(f"{file}: routed expert tensor `{_global_name(name, self.slicer)}` is "
+                                  f"{_format_name(weight)} but the other experts of `{key}` are {_format_name(stack)}: "
+                                  "routed experts mix weight formats")
         if isinstance(weight, torch.Tensor):
             stack[e].copy_(weight)
             return stack[e]
