@@ -33,19 +33,16 @@ def test_create_text_with_usage_and_stop_sequence(client):
     assert msg.stop_reason in ("end_turn", "max_tokens")
     assert msg.usage.input_tokens > 0 and 0 < msg.usage.output_tokens <= 12
     assert all(b.type == "text" for b in msg.content)
-    # a stop sequence the output is sure to hold: the second character of the first answer
-    first = "".join(b.text for b in msg.content)
-    if len(first) > 2 and msg.stop_reason == "max_tokens":
-        again = client.messages.create(model=MODEL, max_tokens=12, system="Be brief.", extra_body={"temperature": 0},
-                                       messages=[{"role": "user", "content": "Tell me a story."}])
-        text = "".join(b.text for b in again.content)
-        if len(text) > 3:
-            stop = text[2:4]
-            cut = client.messages.create(model=MODEL, max_tokens=12, system="Be brief.", extra_body={"temperature": 0},
-                                         stop_sequences=[stop],
-                                         messages=[{"role": "user", "content": "Tell me a story."}])
-            assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
-            assert "".join(b.text for b in cut.content) == text[:text.index(stop)]
+    # a stop sequence the greedy answer is sure to hold: two of its characters
+    again = client.messages.create(model=MODEL, max_tokens=12, system="Be brief.", extra_body={"temperature": 0},
+                                   messages=[{"role": "user", "content": "Tell me a story."}])
+    text = "".join(b.text for b in again.content)
+    assert again.stop_reason == "max_tokens" and len(text) > 4, again
+    stop = text[2:4]
+    cut = client.messages.create(model=MODEL, max_tokens=12, system="Be brief.", extra_body={"temperature": 0},
+                                 stop_sequences=[stop], messages=[{"role": "user", "content": "Tell me a story."}])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert "".join(b.text for b in cut.content) == text[:text.index(stop)]
 
 
 def test_stream_events_and_final_message(client):
