@@ -19,8 +19,8 @@ with ``<think>``) the reasoning is free text (no special token, no EOS) and the 
 A grammar alone does not bound the output's length: a JSON string from a weak (or random) model may
 run on until ``max_tokens`` cuts it, and the answer does not parse. So a constraint knows its token
 limit (``max_tokens``, or what is left of ``max_model_len``) and keeps a reserve: a quarter of the
-limit, at most 512 tokens, at least the shortest answer (a JSON schema's shortest instance, the
-tool-call block's ``min_reserve``), at most half the limit. Once only twice the reserve is left, a
+limit, at most 512 tokens, but at least the shortest answer (a JSON schema's shortest instance,
+the tool-call block's ``min_reserve``; with a small ``max_tokens`` that may be the whole limit). Once only twice the reserve is left, a
 reasoning phase gets ``</think>``; once only the reserve is left, the mask keeps, where the grammar
 allows any, just the tokens made of closing characters (``"``, then ``}]``, ``</``, ``,``, ``0``),
 which finish a JSON value in a few tokens. A capable model rarely comes near that point; a tiny
@@ -184,7 +184,7 @@ class GrammarCompiler:
         reserve = 0
         if spec is not None:
             least = spec.min_reserve or self.shortest_answer(spec)
-            reserve = min(max(min(limit // 4, 512), least), limit // 2)
+            reserve = min(max(min(limit // 4, 512), least), limit)
         return Constraint(matcher, reasoning, self.think_end, budget, self.tokenizer.eos_id, limit, reserve,
                           self.token_classes if matcher is not None else None)
 
