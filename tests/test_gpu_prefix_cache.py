@@ -22,7 +22,7 @@ def test_cached_prefixes_equal_caching_off_on_the_gpu(dtype):
     from dsv4.engine.core import Engine
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampling import SamplingParams
-    from dsv4.model.random_weights import build_random_model
+    from dsv4.random_weights import build_random_model
 
     config = preset("flash", num_layers=2)
     qat = dtype == "bf16-qat"

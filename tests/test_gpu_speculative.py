@@ -64,12 +64,14 @@ def test_greedy_generation_with_speculation_in_graphs(model, method):
     prompts = [base * 3, base[:17] * 5, base[5:30]]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
 
-    def generate(spec):
+    def generate(spec, oracle=None):
         runner = Runner(model, max_num_seqs=4, max_model_len=1024, speculative=spec, max_num_batched_tokens=512)
         runner.capture(buckets=[4], progress=False)
         if spec:
             runner.capture_verify(buckets=[4], progress=False)
         engine = Engine(runner, None, eos_id=1)
+        if oracle is not None:
+            engine.propose = oracle
         rids = [engine.add_request(p, params) for p in prompts]
         done = {}
         while engine.has_unfinished:
@@ -79,7 +81,20 @@ def test_greedy_generation_with_speculation_in_graphs(model, method):
         return [done[r] for r in rids], engine
 
     want, _ = generate(None)
-    got, engine = generate({"method": method, "num_speculative_tokens": 3})
+    oracle = None
+    if method == "ngram":
+        # a random model's greedy output rarely repeats itself within 64 tokens, so real n-gram
+        # lookups would draft almost nothing: inject drafts instead (plain decoding's own next
+        # tokens, the j-th call's draft wrong from position j % 4 on: every accepted length 0..3)
+        truth = {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+        calls = iter(range(10 ** 6))
+
+        def oracle(req):
+            ahead = list(truth[tuple(req.prompt_ids)][len(req.output_ids):len(req.output_ids) + 3])
+            ahead += [2] * (3 - len(ahead))
+            cut = next(calls) % 4
+            return ahead[:cut] + [(t + 1) % model.config.vocab_size for t in ahead[cut:]]
+    got, engine = generate({"method": method, "num_speculative_tokens": 3}, oracle)
     assert engine.spec_stats.num_drafts > 0
     for w, o in zip(want, got):
         same = next((i for i, (a, b) in enumerate(zip(w.token_ids, o.token_ids)) if a != b), len(w.token_ids))
