@@ -70,7 +70,9 @@ def plain_decode(runner: Runner, n: int) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
     outs = []
     for _ in range(n):
-        outs.append(runner.run(ScheduledBatch(tuple(Row(s, runner.lengths[s]) for s in slots))).sampled.token_ids)
+        # a copy: with CUDA graphs the sampled ids live in the graph's output buffer, which the next
+        # replay overwrites (the drafts of the simulated table are built from these tokens)
+        outs.append(runner.run(ScheduledBatch(tuple(Row(s, runner.lengths[s]) for s in slots))).sampled.token_ids.clone())
     sync(str(runner.device))
     dt = time.perf_counter() - t0
     for o in outs:
