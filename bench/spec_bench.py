@@ -130,7 +130,7 @@ def simulated(model, args, qat: bool) -> None:
     V = model.config.vocab_size
     for b in args.batch:
         prompts = [tuple(rng.randrange(2, V) for _ in range(args.context)) for _ in range(b)]
-        ctx = args.context + args.tokens + 4 * args.k + 8
+        ctx = args.context + (args.k + 1) * args.tokens + 8     # a slot ahead keeps verifying while others catch up
         spec = {"method": "ngram", "num_speculative_tokens": args.k}
         r = runner_for(model, b, ctx, spec, args.graphs, qat)
         prefill(r, prompts)
@@ -205,12 +205,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="prompt length")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--fp32", action="store_true",
+                    help="fp32 weights, QAT off (on the GPU; separates near-tie flips of bf16 from acceptance)")
     ap.add_argument("--tables", nargs="+", default=["cost", "simulated", "real"], choices=["cost", "simulated", "real"])
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     args.graphs = cuda and not args.eager
-    dtype = torch.bfloat16 if cuda else torch.float32
-    qat = cuda and args.format != "bf16"
+    dtype = torch.bfloat16 if cuda and not args.fp32 else torch.float32
+    qat = cuda and args.format != "bf16" and not args.fp32
     config = preset(args.preset, num_layers=args.layers)
     model = build_random_model(config, args.format, args.device, dtype=dtype, with_mtp=True)
     name = torch.cuda.get_device_name() if cuda else "cpu"
