@@ -94,31 +94,28 @@ def tiny_checkpoint(tmp_path_factory):
 __all__ = ["parity_config", "tp_config", "random_model", "dataclasses"]
 
 
-@pytest.fixture(scope="session")
-def served():
-    """`dsv4 serve` on the embedded tiny model, in a subprocess shared by the server tests."""
+def _serve_tiny(*flags: str):
+    """`dsv4 serve` on the embedded tiny model with ``flags``, in a subprocess, until the session ends."""
     from serve_util import ServerProcess
-    server = ServerProcess("--max-num-seqs", "16", "--max-model-len", "512", "--served-model-name", "tiny", "dsv4-tiny",
-                           env={"OMP_NUM_THREADS": "1"})
+    server = ServerProcess(*flags, env={"OMP_NUM_THREADS": "1"})
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def served():
+    """`dsv4 serve` on the embedded tiny model, in a subprocess shared by the server tests."""
+    yield from _serve_tiny("--max-num-seqs", "16", "--max-model-len", "512", "--served-model-name", "tiny", "dsv4-tiny")
 
 
 @pytest.fixture(scope="session")
 def served_long():
     """`dsv4 serve` on the tiny model with a 2048-token context, for prompts that carry tool schemas or
     a response format (in the tiny tokenizer those take hundreds of tokens)."""
-    from serve_util import ServerProcess
-    server = ServerProcess("--max-num-seqs", "8", "--max-model-len", "2048", "--served-model-name", "tiny",
-                           env={"OMP_NUM_THREADS": "1"})
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from _serve_tiny("--max-num-seqs", "8", "--max-model-len", "2048", "--served-model-name", "tiny")
 
 
 if os.environ.get("DSV4_REPORT_AT_ONCE"):
