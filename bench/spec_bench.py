@@ -99,6 +99,16 @@ def spec_decode(runner: Runner, n: int, k: int, draft) -> tuple[float, int, int]
     return time.perf_counter() - t0, steps, sum(emitted)
 
 
+def ngram_runner(model, args, qat: bool, b: int, ctx: int, rng: random.Random):
+    """A runner of ``b`` slots speculating with ``k`` host drafts, and ``b`` random prompts of
+    ``--context`` tokens already prefilled: ``(runner, prompts)``."""
+    V = model.config.vocab_size
+    prompts = [tuple(rng.randrange(2, V) for _ in range(args.context)) for _ in range(b)]
+    r = runner_for(model, b, ctx, {"method": "ngram", "num_speculative_tokens": args.k}, args.graphs, qat)
+    prefill(r, prompts)
+    return r, prompts
+
+
 def verify_cost(model, args, qat: bool) -> None:
     print(f"\n## verify cost: 1 + k = {1 + args.k} tokens per row against 1, drafts always rejected "
           f"(context {args.context})")
@@ -106,11 +116,7 @@ def verify_cost(model, args, qat: bool) -> None:
     rng = random.Random(0)
     V = model.config.vocab_size
     for b in args.batch:
-        prompts = [tuple(rng.randrange(2, V) for _ in range(args.context)) for _ in range(b)]
-        ctx = args.context + 2 * args.steps + 4 * args.k + 8
-        spec = {"method": "ngram", "num_speculative_tokens": args.k}
-        r = runner_for(model, b, ctx, spec, args.graphs, qat)
-        prefill(r, prompts)
+        r, _ = ngram_runner(model, args, qat, b, args.context + 2 * args.steps + 4 * args.k + 8, rng)
         plain_decode(r, 2)                                           # warm
         t_dec, _ = plain_decode(r, args.steps)
         junk = lambda s, e: [rng.randrange(2, V) for _ in range(args.k)]   # noqa: E731
@@ -129,11 +135,8 @@ def simulated(model, args, qat: bool) -> None:
     rng = random.Random(1)
     V = model.config.vocab_size
     for b in args.batch:
-        prompts = [tuple(rng.randrange(2, V) for _ in range(args.context)) for _ in range(b)]
-        ctx = args.context + (args.k + 1) * args.tokens + 8     # a slot ahead keeps verifying while others catch up
-        spec = {"method": "ngram", "num_speculative_tokens": args.k}
-        r = runner_for(model, b, ctx, spec, args.graphs, qat)
-        prefill(r, prompts)
+        # a slot ahead keeps verifying while others catch up
+        r, prompts = ngram_runner(model, args, qat, b, args.context + (args.k + 1) * args.tokens + 8, rng)
         plain_decode(r, 1)
         r.reset(list(range(b)))
         prefill(r, prompts)
