@@ -128,6 +128,43 @@ def verify_cost(model, args, qat: bool) -> None:
         del r
 
 
+def _profiled(fn, top: int) -> None:
+    """Run ``fn`` once under the profiler (after it ran once unprofiled); print its kernel count,
+    kernel time and top kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels)
+    print(f"  {len(kernels)} kernels, {total / 1e3:.3f} ms of kernel time")
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:80], []).append(e.device_time)
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(times) / 1e3:8.3f} ms {100 * sum(times) / max(total, 1e-9):5.1f}%  x{len(times):<4} {name}")
+
+
+def profile_steps(model, args, qat: bool) -> None:
+    """Where a verify step's time goes against a decode step of the same rows and of as many rows
+    as the verify step has tokens (``b * (1 + k)``): the kernels of one step of each, graph replay."""
+    rng = random.Random(3)
+    V = model.config.vocab_size
+    for b in args.batch:
+        for rows, verify in ((b, False), (b * (1 + args.k), False), (b, True)):
+            r, _ = ngram_runner(model, args, qat, rows, args.context + 16 * args.k + 16, rng)
+            junk = lambda s, e: [rng.randrange(2, V) for _ in range(args.k)]   # noqa: E731
+            what = f"verify step, {b} rows x {1 + args.k} tokens" if verify else f"decode step, {rows} rows"
+            print(f"\n## profile: {what} (context {args.context})")
+            if verify:
+                _profiled(lambda: spec_decode(r, 1, args.k, junk), args.top)
+            else:
+                _profiled(lambda: plain_decode(r, 1), args.top)
+            del r
+
+
 def simulated(model, args, qat: bool) -> None:
     print(f"\n## simulated acceptance: drafts = the target's own tokens, each wrong with probability 1 - p "
           f"(k = {args.k}, {args.tokens} tokens per row)")
@@ -210,7 +247,10 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--fp32", action="store_true",
                     help="fp32 weights, QAT off (on the GPU; separates near-tie flips of bf16 from acceptance)")
-    ap.add_argument("--tables", nargs="+", default=["cost", "simulated", "real"], choices=["cost", "simulated", "real"])
+    ap.add_argument("--tables", nargs="+", default=["cost", "simulated", "real"],
+                    choices=["cost", "simulated", "real", "profile"],
+                    help="profile (GPU): the kernels of a verify step against decode steps of as many rows and tokens")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled step")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     args.graphs = cuda and not args.eager
@@ -227,6 +267,8 @@ def main() -> None:
         simulated(model, args, qat)
     if "real" in args.tables:
         real_drafts(model, args, qat)
+    if "profile" in args.tables and cuda:
+        profile_steps(model, args, qat)
 
 
 if __name__ == "__main__":
