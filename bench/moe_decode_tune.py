@@ -48,7 +48,7 @@ def main() -> None:
     g = GEOS[a.geo]
     E, D, I, k = g["E"], g["D"], g["I"], g["k"]
     w1, w3, w2 = _weights(E, I, D, 1), _weights(E, I, D, 3), _weights(E, D, I, 2)
-    per_expert = sum(w.data[0].numel() + w.scale[0].numel() for w in (w1, w3, w2))
+    per_expert = sum(w.packed[0].numel() + w.scale[0].numel() for w in (w1, w3, w2))
     print(f"{a.geo}: E={E} D={D} I={I} k={k}, MXFP4 experts ({per_expert / 2**20:.1f} MiB each), act-quant pow2; "
           f"{torch.cuda.get_device_name()}")
     print(f"{'tokens':>6s} {'experts':>7s} {'path':>10s} {'ms':>8s} {'GB/s':>7s} {'max rel diff':>13s}")
