@@ -1,9 +1,13 @@
-"""Kernel launches of one decode step, per layer and per component, counted on CPU.
+"""Kernel launches of one step, per layer and per component, counted on CPU.
 
-    python bench/count_launches.py [--qat] [--batch 1] [--fused]
+    python bench/count_launches.py [--qat] [--batch 1] [--fused] [--verify K | --prefill N]
 
 A random model with every layer kind (sliding, CSA, HCA; hash and top-k MoE) runs a few prefill
-tokens, then one batched decode step under ``torch.profiler``. Each block, and each component
+tokens, then one step under ``torch.profiler``: by default the decode step a CUDA graph captures
+(``Runner._step``, ``--batch`` rows of one token); ``--verify K`` the speculative verify step a
+verify graph captures (``Runner._verify_step``: ``--batch`` rows of 1 + K tokens, n-gram drafts,
+with the state saves, the acceptance and the rollback); ``--prefill N`` one prompt chunk of ``N``
+tokens through ``Runner.run`` (the varlen forward of an engine step). Each block, and each component
 inside it (mHC, norms, attention projections, compressor, indexer, attention core, MoE), is
 wrapped in a ``record_function`` region; the count of a region is the number of *launching* ops
 in it: aten ops with no aten op below them (what would become one GPU kernel each), leaving out
@@ -13,6 +17,8 @@ the ones that launch nothing (views, ``empty*``, ``detach``), plus one per Trito
 interpreter, ``TRITON_INTERPRET=1``), which the model's fused decode ops then use; the other hot ops
 (linear, MoE, attention, indexer scores) stay on their references and are counted as they are.
 Geometry does not change the counts (no op count depends on sizes), so the model is small.
+Launches outside the layers (embedding, context, head, sampler, verify, state saves and rollback)
+are counted per step in a second table; the saves and rollbacks are also split by layer kind.
 """
 
 from __future__ import annotations
@@ -51,20 +57,35 @@ COMPONENTS = ("mhc_pre", "mhc_post", "attn_norm/ffn_norm", "q_path", "kv_path", 
 def _wrap(owner, meth, label) -> None:
     import torch
     orig = getattr(owner, meth)
+    static = isinstance(owner, type) and isinstance(owner.__dict__.get(meth), staticmethod)
 
     def fn(*a, **k):
         name = label(a[0]) if callable(label) else label
         with torch.profiler.record_function(name):
             return orig(*a, **k)
-    setattr(owner, meth, fn)
+    setattr(owner, meth, staticmethod(fn) if static else fn)
+
+
+def _cache_kind(cache) -> str:
+    return "csa" if cache.indexer is not None else "hca" if cache.compressor is not None else "sliding"
 
 
 def _hooks() -> None:
     """Wrap blocks, their parts and the big ops in record_function regions."""
     from dsv4 import ops
-    from dsv4.model import attention, compressor, indexer, mhc, moe, transformer
+    from dsv4.engine import runner, sampling, speculative
+    from dsv4.model import attention, cache, common, compressor, indexer, mhc, moe, transformer
 
     _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
+    # per step (outside the layers)
+    _wrap(transformer.Transformer, "context", "s:context")
+    _wrap(transformer.Transformer, "logits", "s:head")
+    _wrap(transformer.Transformer, "hidden_streams", "s:embed")    # what the layers leave: the embedding
+    _wrap(common.ForwardContext, "varlen", "s:context")
+    _wrap(sampling.SlotSampling, "sample", "s:sampler")
+    _wrap(runner, "verify_tokens", "s:verify (acceptance)")
+    _wrap(cache.LayerCache, "save", lambda c: f"state:save:{_cache_kind(c)}")
+    _wrap(cache.LayerCache, "rollback", lambda c: f"state:rollback:{_cache_kind(c)}")
     _wrap(mhc.HyperConnection, "pre", "c:mhc_pre")
     _wrap(mhc.HyperConnection, "post", "c:mhc_post")
     _wrap(attention.Attention, "_store_window", "c:kv_store")
@@ -78,56 +99,77 @@ def _hooks() -> None:
                 getattr(mod, op)._counted = True
 
 
-def count(prof, launches_of) -> dict:
-    """{layer kind: Counter{label: launches}} averaged over the layers of each kind."""
-    out: dict[str, collections.Counter] = {}
+def count(prof, launches_of) -> tuple[dict, dict, collections.Counter]:
+    """``(layers, state, step)``: ``{layer kind: {label: launches}}`` averaged over the layers of
+    each kind; ``{"save"/"rollback": {layer kind: launches}}`` likewise; the step's other launches
+    by label."""
+    per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     n: collections.Counter = collections.Counter()
-    for e in prof.events():
-        if e.name.startswith("layer:") and e.cpu_parent is None or e.name.startswith("layer:") and \
-                not e.cpu_parent.name.startswith("layer:"):
-            comp = collections.Counter()
-            _walk(e, "other", None, comp, launches_of)
-            out.setdefault(e.name[6:], collections.Counter()).update(comp)
-            n[e.name[6:]] += 1
-    return {k: {c: v / n[k] for c, v in comp.items()} for k, comp in out.items()}
+    tops = [e for e in prof.events() if e.cpu_parent is None]
+    for e in tops:
+        _walk(e, "step", "other", None, per, n, launches_of)
+    layers = {k[6:]: {c: v / n[k] for c, v in comp.items()} for k, comp in per.items() if k.startswith("layer:")}
+    state: dict[str, dict[str, float]] = {}
+    for k, comp in per.items():
+        if k.startswith("state:"):
+            _, what, kind = k.split(":")
+            state.setdefault(what, {})[kind] = sum(comp.values()) / n[k]
+    return layers, state, per["step"]
 
 
-def _walk(e, comp: str, big: str | None, counter, launches_of) -> int:
-    """Add ``e``'s launches to ``counter``; an op launches once unless something below it does."""
-    if e.name.startswith("c:"):
+def _walk(e, scope: str, comp: str, big: str | None, per, n, launches_of) -> int:
+    """Add ``e``'s launches to ``per[scope]``; an op launches once unless something below it does."""
+    if e.name.startswith(("layer:", "state:")) and not scope.startswith(("layer:", "state:")):
+        scope, comp, big = e.name, "other", None
+        n[scope] += 1
+    elif e.name.startswith("c:") or e.name.startswith("s:") and scope == "step":
         comp = e.name[2:]
     elif e.name.startswith("op:") and big is None:
         big = e.name[3:]
     label = big or comp
-    if e.name.startswith("triton::"):
-        counter[label] += 1
+    if e.name.startswith("triton::") or not e.cpu_children and launches_of(e.name):
+        per[scope][label] += 1
+        OPS[scope.split(":")[0] + ":" + label][e.name] += 1
         return 1
-    below = sum(_walk(k, comp, big, counter, launches_of) for k in e.cpu_children)
+    below = sum(_walk(k, scope, comp, big, per, n, launches_of) for k in e.cpu_children)
     if below == 0 and launches_of(e.name):
-        counter[label] += 1
+        per[scope][label] += 1
+        OPS[scope.split(":")[0] + ":" + label][e.name] += 1
         return 1
     return below
+
+
+#: ``--ops``: launching op names per (scope, label), summed over the layers
+OPS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--qat", action="store_true", help="QAT simulation on (FP8 KV, FP4 indexer keys)")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="rows of the decode or verify step")
     ap.add_argument("--fused", action="store_true", help="small-op Triton kernels (interpreter) + fused ops")
+    ap.add_argument("--ops", action="store_true", help="also list the launching ops of each component")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--verify", type=int, metavar="K", help="a verify step of 1 + K tokens per row")
+    what.add_argument("--prefill", type=int, metavar="N", help="one prompt chunk of N tokens")
     args = ap.parse_args()
     if args.fused:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
     torch.set_num_threads(1)
     from dsv4.config import preset
+    from dsv4.engine.batch import Row, ScheduledBatch
     from dsv4.engine.runner import Runner
-    from dsv4.testing import decode, prefill
+    from dsv4.engine.sampling import SampleFlags
+    from dsv4.testing import prefill
     from dsv4.model.init import init_random
     from dsv4.model.transformer import Transformer
 
     config = preset("tiny", num_layers=4)
     model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
-    runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256, qat_sim=args.qat)
+    spec = {"method": "ngram", "num_speculative_tokens": args.verify} if args.verify else None
+    runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256 + (args.prefill or 0),
+                    qat_sim=args.qat, max_num_batched_tokens=max(512, args.prefill or 0), speculative=spec)
     for s in range(args.batch):
         prefill(runner, s, list(range(2, 2 + 37 + s)))
     if args.fused:
@@ -140,19 +182,48 @@ def main() -> None:
             cache[name] = 0 if (name in NO_LAUNCH or _is_view(name) or not name.startswith("aten::")) else 1
         return cache[name]
 
-    ids = torch.arange(args.batch) + 5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        decode(runner, list(range(args.batch)), ids)
-    table = count(prof, launches_of)
-    labels = sorted({c for comp in table.values() for c in comp}, key=lambda c: (c in BIG_OPS, c))
-    print(f"launches per decode layer (batch {args.batch}, qat_sim={args.qat}, "
-          f"{'fused small ops' if args.fused else 'reference ops'}); big ops of other areas last")
-    print(f"{'':<22}" + "".join(f"{k:>9}" for k in table))
+    idx = torch.arange(args.batch)
+    bound = runner.max_model_len
+    if args.verify:
+        step = f"verify step ({args.batch} rows x {1 + args.verify} tokens, Runner._verify_step)"
+        drafts = torch.full((args.batch, args.verify), 7)
+        run = lambda: runner._verify_step(idx, drafts, SampleFlags(), bound)    # noqa: E731
+    elif args.prefill:
+        step = f"prefill chunk ({args.prefill} tokens, Runner.run)"
+        row = Row(args.batch, 0, tuple(3 + i % (config.vocab_size - 3) for i in range(args.prefill)), sample=True)
+        run = lambda: runner.run(ScheduledBatch((row,)))                        # noqa: E731
+        if args.batch >= runner.max_num_seqs:
+            raise SystemExit("--prefill needs a free slot: use --batch below max_num_seqs")
+    else:
+        step = f"decode step ({args.batch} rows, Runner._step)"
+        run = lambda: runner._step(idx, SampleFlags(), bound)                   # noqa: E731
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    layers, state, rest = count(prof, launches_of)
+    print(f"# {step}, qat_sim={args.qat}, {'fused small ops' if args.fused else 'reference ops'}")
+    print("launches per layer; big ops of other areas last")
+    labels = sorted({c for comp in layers.values() for c in comp}, key=lambda c: (c in BIG_OPS, c))
+    print(f"{'':<22}" + "".join(f"{k:>9}" for k in layers))
     for c in labels:
-        print(f"{c:<22}" + "".join(f"{table[k].get(c, 0):>9.0f}" for k in table))
+        print(f"{c:<22}" + "".join(f"{layers[k].get(c, 0):>9.0f}" for k in layers))
     for name, sel in (("small ops + glue", lambda c: c not in BIG_OPS), ("big ops", lambda c: c in BIG_OPS),
                       ("total", lambda c: True)):
-        print(f"{name:<22}" + "".join(f"{sum(v for c, v in table[k].items() if sel(c)):>9.0f}" for k in table))
+        print(f"{name:<22}" + "".join(f"{sum(v for c, v in layers[k].items() if sel(c)):>9.0f}" for k in layers))
+    for what, kinds in state.items():
+        print(f"{'state ' + what:<22}" + "".join(f"{kinds.get(k, 0):>9.0f}" for k in layers))
+    n_layers = collections.Counter(b.attn.kind for b in model.layers)
+    in_layers = sum(n_layers[k] * sum(v.values()) for k, v in layers.items())
+    in_state = sum(n_layers[k] * v for kinds in state.values() for k, v in kinds.items())
+    print("launches per step outside the layers")
+    for c, v in sorted(rest.items()):
+        print(f"{c:<22}{v:>9.0f}")
+    total = in_layers + in_state + sum(rest.values())
+    print(f"{'step total':<22}{total:>9.0f}   ({len(model.layers)} layers: "
+          f"{', '.join(f'{v} {k}' for k, v in n_layers.items())})")
+    if args.ops:
+        for where, names in sorted(OPS.items()):
+            print(f"\n{where} (all layers): " + ", ".join(f"{k.removeprefix('aten::')} x{v}"
+                                                        for k, v in names.most_common()))
 
 
 def _use_fused(model) -> None:
