@@ -28,16 +28,24 @@ at batch 32. Two rules keep that loss small:
   decode rows than this decode plainly. Above 32 rows nothing is measured; a verify step of b rows
   feeds ``4 b`` tokens, and once the step's cost grows linearly with its tokens (at the latest above
   the 128 tokens of the measured batch-32 verify step) a verify step of 64 rows costs
-  ``2 x 15.7 = 31.4`` ms against a decode step of about 12.4 ms (9.7 ms at 32 rows, 15.7 ms at 128
-  tokens, interpolated in log-log): 2.5x, the accepted length good MTP drafts give (2.5 tokens a
+  ``2 x 15.7 = 31.4`` ms against a decode step of about 12.3 ms (9.7 ms at 32 rows, 15.7 ms at 128
+  tokens, interpolated in log-log): 2.55x, the accepted length good MTP drafts give (2.5 tokens a
   step with 3 drafts). Above 64 rows even good acceptance rarely pays.
 - Per request, an exponential moving average of its tokens per verify step (accepted drafts + 1;
-  it starts at ``1 + k / 2``, above every ratio): while it is below the verify step's cost ratio at
-  the step's batch size (:func:`verify_cost_ratio`: the measured table, interpolated in log2 of the
-  batch), the request decodes plainly, and drafts again only on every ``probe_every``-th engine step
-  (one probe step for all such requests, so the probe is one verify step of the whole batch, not a
-  mix of verify and plain rows). At zero acceptance the probes cost ``(ratio - 1) / probe_every``:
-  2.2% at batch 1 and 1.0% at batch 32 for ``probe_every = 64``.
+  it starts at ``1 + k / 2``, above every ratio; weight 0.25, 0.5 for a probe and for the first
+  verify step). While it is below the verify step's cost ratio at the step's batch size
+  (:func:`verify_cost_ratio`: the measured table, interpolated in log2 of the batch, its extra cost
+  scaled by ``k / 3``) the request decodes plainly and drafts again only on every
+  ``probe_every``-th engine step, the same step for every such request (at zero acceptance a probe
+  is one verify step of the whole batch, not a mix of verify and plain rows, and costs
+  ``(ratio - 1) / probe_every``: 2.2% at batch 1, 1.0% at batch 32 for ``probe_every = 64``).
+  A table, not a ratio timed at start-up: the same decisions on every run and device (and in the
+  CPU tests), no timing noise; a GPU or model far from the measured one keeps speculating while
+  its acceptance pays by this table. A step with both verify and plain rows is correct but runs
+  the eager varlen step (graphs replay steps of one kind). MTP: a plain decode step does not run
+  the MTP block, so its drafts go stale; the probe's first verify step refreshes them and does not
+  count, its second does (the block's window misses the plain steps' positions, which only makes
+  its drafts poorer until it refills).
 """
 
 from __future__ import annotations
@@ -203,6 +211,8 @@ class Acceptance:
 
     ema: float
     """moving average of its tokens per verify step (accepted drafts + 1)"""
+    probing: bool = True
+    """its next verify step is a probe (its first, or one while its average is below the cost)"""
     stale: bool = False
     """MTP: its drafts in the runner's buffer are not from its last step (a step without the MTP
     block ran since): the next verify step only refreshes them and does not count"""
@@ -216,8 +226,12 @@ class SpecPolicy:
     verify step are at least the verify step's cost ratio at this batch size, else only on probe
     steps (every ``probe_every``-th engine step)."""
 
-    alpha: float = 0.5
-    """weight of the newest verify step in the moving average"""
+    alpha: float = 0.25
+    """weight of a verify step in the moving average while the request speculates (a few rejected
+    steps in a row turn off a request whose drafts are usually right, one does not)"""
+    probe_alpha: float = 0.5
+    """weight of a probe (and of a request's first verify step): rarer, so it counts more; one
+    fully accepted probe turns speculation on again"""
     probe_every: int = 64
     """engine steps between probes of requests decoding plainly"""
     cost: Sequence[tuple[int, float]] = VERIFY_COST_K3
@@ -229,13 +243,17 @@ class SpecPolicy:
 
     def speculate(self, acc: Acceptance, batch: int, k: int, step: int) -> bool:
         """Whether the request verifies drafts at engine step ``step`` with ``batch`` decode rows."""
-        return acc.follow or step % self.probe_every == 0 or acc.ema >= verify_cost_ratio(batch, k, self.cost)
+        if acc.ema >= verify_cost_ratio(batch, k, self.cost):
+            return True
+        acc.probing = True
+        return acc.follow or step % self.probe_every == 0
 
     def verified(self, acc: Acceptance, accepted: int) -> None:
         """A verify step of the request accepted ``accepted`` drafts."""
         acc.follow = acc.stale             # a refresh: the probe's next step counts
         if not acc.stale:
-            acc.ema += self.alpha * (1 + accepted - acc.ema)
+            acc.ema += (self.probe_alpha if acc.probing else self.alpha) * (1 + accepted - acc.ema)
+            acc.probing = False
         acc.stale = False
 
 
