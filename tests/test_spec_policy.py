@@ -166,3 +166,29 @@ def test_policy_applies_to_mtp_drafts(model, plain):
         s = g.spec_decode
         assert s.num_policy_plain_rows > TOKENS // 2
         assert s.num_drafts <= 4 + 2 * (TOKENS // PROBE)
+
+
+def test_plain_steps_overlap_while_every_request_is_off(model, plain):
+    """As on a GPU (``overlap``: a step stays in flight while the host plans the next): always-wrong
+    drafts for every request, so after their first verify step the steps overlap, and each probe
+    collects the steps in flight first (the drafts follow the last token). Plain decoding's tokens;
+    the verify steps only the first and the probes."""
+    requests, want = plain
+    truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
+    engine = _engine(model, {"method": "ngram", "num_speculative_tokens": 3})
+    engine.overlap = True
+    engine.spec_policy = SpecPolicy(probe_every=PROBE)
+    in_flight = []
+    launch = engine._launch
+
+    def spy(plan):
+        in_flight.append(len(engine._inflight))
+        return launch(plan)
+    engine._launch = spy
+    engine.propose = lambda req: [(t + 1) % 512 for t in (list(truth[tuple(req.prompt_ids)][len(req.output_ids):]) + [3] * 3)[:3]]
+    got = _generate(engine, requests)
+    _same(got, want)
+    assert sum(n > 0 for n in in_flight) > TOKENS // 2            # most steps launched with one in flight
+    for g in got:
+        assert g.spec_decode.num_accepted_tokens == 0
+        assert 1 + (TOKENS // 2) // PROBE <= g.spec_decode.num_drafts <= 1 + TOKENS // PROBE

@@ -173,10 +173,12 @@ class Engine:
         #: None: every step it can (tests that need every rollback depth)
         self.spec_policy = SpecPolicy() if self.speculative is not None else None
         self._spec_step = 0                 # engine steps with decode rows (the probe schedule)
+        self._verified = False              # the last step had verify rows
         if self.speculative is not None:
             self.scheduler.decode_tokens = 1 + self.speculative.k
         # the next plan needs the host to know this step's tokens when verify rows keep a varying count
-        self.overlap = runner.device.type == "cuda" and self.speculative is None
+        # (with speculation only while no request verifies: see _may_verify)
+        self.overlap = runner.device.type == "cuda"
         self._pinned = _PinnedPool()
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
 
@@ -288,7 +290,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan, launch and collect one step; returns the outputs that changed."""
         outputs: list[RequestOutput] = []
-        if self._inflight and any(t.constraint is not None and t.pending for t in self.tracks.values()):
+        if self._inflight and (any(t.constraint is not None and t.pending for t in self.tracks.values())
+                               or self._may_verify()):
             # a constrained row's next mask needs the token still in flight: collect it first (the
             # steps with a constrained row give up overlapping the host with the device)
             for tracks, sampled, event, emitted in self._inflight:
@@ -381,6 +384,7 @@ class Engine:
             cache.publish(*p)
         for i, logits in out.logits.items():
             _add_prompt_logprobs(self.tracks[chunks[i].request.request_id].out, chunks[i], logits)
+        self._verified = out.emitted is not None
         if out.sampled is None:
             return False
         if out.emitted is not None:
@@ -405,6 +409,20 @@ class Engine:
         policy = self.spec_policy
         return policy is None or policy.speculate(track.acceptance, batch, self.speculative.k, self._spec_step)
 
+    def _may_verify(self) -> bool:
+        """Whether the next step may have a verify row (n-gram drafts and the kept counts need the
+        host to know every token: the steps in flight are collected first). Plain steps of a
+        speculating engine overlap like a plain engine's while the policy keeps every request off."""
+        policy, spec = self.spec_policy, self.speculative
+        if spec is None:
+            return False
+        if policy is None or self._verified or (self._spec_step + 1) % policy.probe_every == 0:
+            return True         # (the scheduler counts a verify row in flight as one token: collect it)
+        running = [self.tracks[r.request_id] for r in self.scheduler.running if r.request_id in self.tracks]
+        # the policy's ratio falls with the batch: at the running count it is at most the next step's
+        return any(t.constraint is None and (t.acceptance.follow or policy.pays(t.acceptance, len(running), spec.k))
+                   for t in running)
+
     def _decode_row(self, req: Request, spec, policy_off: bool) -> Row:
         """A decode row, or with speculation a verify row of ``k`` drafts when they fit the context,
         more than one token is still wanted (MTP drafting runs ``k - 1`` positions further) and the
@@ -419,6 +437,8 @@ class Engine:
             return Row(req.slot, start)
         if spec.method == "mtp":
             return Row(req.slot, start, device_draft=spec.k)
+        if self.tracks[req.request_id].pending:
+            return Row(req.slot, start)          # a token still in flight: the host cannot draft after it
         draft = self.propose(req)
         if draft is None:
             return Row(req.slot, start)

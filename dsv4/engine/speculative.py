@@ -241,9 +241,13 @@ class SpecPolicy:
         """A new request's state: half its drafts accepted, which is above every ratio (it speculates)."""
         return Acceptance(1 + k / 2)
 
+    def pays(self, acc: Acceptance, batch: int, k: int) -> bool:
+        """The request's average tokens per verify step pay for a verify step of ``batch`` rows."""
+        return acc.ema >= verify_cost_ratio(batch, k, self.cost)
+
     def speculate(self, acc: Acceptance, batch: int, k: int, step: int) -> bool:
         """Whether the request verifies drafts at engine step ``step`` with ``batch`` decode rows."""
-        if acc.ema >= verify_cost_ratio(batch, k, self.cost):
+        if self.pays(acc, batch, k):
             return True
         acc.probing = True
         return acc.follow or step % self.probe_every == 0
