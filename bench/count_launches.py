@@ -13,7 +13,8 @@ the ones that launch nothing (views, ``empty*``, ``detach``), plus one per Trito
 interpreter, ``TRITON_INTERPRET=1``), which the model's fused decode ops then use; the other hot ops
 (linear, MoE, attention, indexer scores) stay on their references and are counted as they are.
 Geometry does not change the counts (no op count depends on sizes), so the model is small (the tiny
-one, with index heads of 32 dims so that the indexer kernel takes them). ``--list`` shows each layer
+one, with index heads of 32 dims so that the indexer kernel takes them, and the attention's
+projections in FP8 blocks as released). ``--list`` shows each layer
 kind's launches in order. Per-forward work (RoPE tables, visible counts) lands on the first layer
 that asks for it.
 """
@@ -46,7 +47,7 @@ def _is_view(name: str) -> bool:
 
 
 #: ops owned by other kernel areas (linear, MoE, attention, indexer): counted apart
-BIG_OPS = ("linear", "grouped_linear", "moe", "sparse_attention", "indexer_scores", "topk_indices")
+BIG_OPS = ("linear", "linear_pair", "grouped_linear", "moe", "sparse_attention", "indexer_scores", "topk_indices")
 #: model components, innermost wins
 COMPONENTS = ("mhc_pre", "mhc_post", "attn_norm/ffn_norm", "q_path", "kv_path", "kv_store", "compressor",
               "indexer", "attn_out", "router+shared", "other")
@@ -69,7 +70,7 @@ def _wrap(owner, meth, label) -> None:
 def _hooks() -> None:
     """Wrap blocks, their parts and the big ops in record_function regions."""
     from dsv4 import ops
-    from dsv4.model import attention, compressor, indexer, mhc, moe, transformer
+    from dsv4.model import attention, compressor, indexer, mhc, moe, transformer  # noqa: F401
 
     _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
     _wrap(mhc.HyperConnection, "pre", "c:mhc_pre")
@@ -78,11 +79,12 @@ def _hooks() -> None:
     _wrap(compressor.Compressor, "forward", "c:compressor")
     _wrap(indexer.Indexer, "forward", "c:indexer")
     _wrap(moe.MoE, "forward", "c:router+shared")
+    from dsv4.ops import fused
     for op in BIG_OPS:
-        for mod in (ops, attention.ops, compressor.ops, indexer.ops, moe.ops):
-            if not hasattr(getattr(mod, op), "_counted"):
-                _wrap(mod, op, f"op:{op}")
-                getattr(mod, op)._counted = True
+        mod = fused if hasattr(fused, op) else ops      # the model looks them up there at each call
+        if not hasattr(getattr(mod, op), "_counted"):
+            _wrap(mod, op, f"op:{op}")
+            getattr(mod, op)._counted = True
 
 
 def count(prof, launches_of) -> tuple[dict, dict]:
@@ -143,6 +145,7 @@ def main() -> None:
     # index heads of 32 dims: the smallest the indexer kernel takes (the tiny model's 16 run the reference)
     config = dataclasses.replace(preset("tiny", num_layers=4), index_head_dim=32)
     model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
+    _fp8_attention(model)
     runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256, qat_sim=args.qat)
     for s in range(args.batch):
         prefill(runner, s, list(range(2, 2 + 37 + s)))
@@ -174,6 +177,17 @@ def main() -> None:
     for name, sel in (("small ops + glue", lambda c: c not in BIG_OPS), ("big ops", lambda c: c in BIG_OPS),
                       ("total", lambda c: True)):
         print(f"{name:<22}" + "".join(f"{sum(v for c, v in table[k].items() if sel(c)):>9.0f}" for k in table))
+
+
+def _fp8_attention(model) -> None:
+    """The attention's projections in FP8 blocks, as in the released checkpoints (plain weights run
+    on the reference: a pair of them would count as two launches; the BF16 precision floor stays)."""
+    from dsv4.model.attention import Attention
+    from dsv4.weights.formats import Fp8BlockWeight
+    for m in model.modules():
+        if isinstance(m, Attention):
+            for lin in (m.wq_a, m.wq_b, m.wkv, m.wo_a, m.wo_b, *([m.indexer.wq_b] if m.kind == "csa" else [])):
+                lin.set_weight(Fp8BlockWeight.quantize(lin.weight.detach(), ue8m0=True))
 
 
 def _use_fused(model) -> None:
