@@ -50,6 +50,11 @@ from .moe_experts import quantized
 
 #: pairs (tokens x top-k) up to which the decode kernels run; above, the grouped GEMM
 DECODE_MAX_PAIRS = 256
+#: tokens up to which the decode kernels run the CUDA-core GEMV per pair (BM = 1) rather than
+#: ``tl.dot`` on 16-pair tiles: a few tokens' random top-k rarely share an expert, so a 16-row
+#: tile is mostly padding and its QDOT products (four K = 32 dots per 128 block) cost more than
+#: streaming each pair's expert once (``bench/moe_decode_tune.py``)
+GEMV_MAX_TOKENS = 1
 #: tile configs per path and projection: (BN, BK, num_warps, num_stages, K-loop pipelining of the
 #: CUDA-core GEMV: 1 = plain loop); FP8 experts use BK 128
 CONFIGS = {
@@ -191,11 +196,12 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     g1, g3, g2 = (g if g is not None else topk_weights for g in (g1, g3, g2))   # unused placeholders
     P = T * k
     decode = P <= DECODE_MAX_PAIRS
-    qdot = bool(act_quant) and (T > 1 if decode else not _exact_dequantized(fmt, pow2, x.dtype))
+    gemv = decode and T <= GEMV_MAX_TOKENS
+    qdot = bool(act_quant) and (not gemv if decode else not _exact_dequantized(fmt, pow2, x.dtype))
     # the MXFP4 grouped GEMM on dequantized operands: larger tiles once experts average a full one
     mx_plain = not decode and not qdot and fmt == FormatCode.MXFP4
     if decode:
-        BM, path = (1, "gemv") if T == 1 else (16, "dot")
+        BM, path = (1, "gemv") if gemv else (16, "dot")
     elif P < 2048:
         BM, path = 16, "grouped"
     elif mx_plain:
