@@ -16,17 +16,13 @@ the ones that launch nothing (views, ``empty*``, ``detach``), plus one per Trito
 ``--fused`` registers the small-op Triton kernels for the CPU (run through Triton's
 interpreter, ``TRITON_INTERPRET=1``), which the model's fused decode ops then use; the other hot ops
 (linear, MoE, attention, indexer scores) stay on their references and are counted as they are.
-<<<<<<< HEAD
-Geometry does not change the counts (no op count depends on sizes), so the model is small.
-Launches outside the layers (embedding, context, head, sampler, verify, state saves and rollback)
-are counted per step in a second table; the saves and rollbacks are also split by layer kind.
-=======
 Geometry does not change the counts (no op count depends on sizes), so the model is small (the tiny
 one, with index heads of 32 dims so that the indexer kernel takes them, and the attention's
 projections in FP8 blocks as released). ``--list`` shows each layer
 kind's launches in order. Per-forward work (RoPE tables, visible counts) lands on the first layer
-that asks for it.
->>>>>>> main
+that asks for it. Launches outside the layers (embedding, context, head, sampler, verify, state
+saves and rollback) are counted per step in a second table; the saves and rollbacks are also split
+by layer kind. ``--ops`` lists the launching ops of each component, summed over the layers.
 """
 
 from __future__ import annotations
@@ -40,7 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-NO_LAUNCH = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::detach_", "aten::resize_", "aten::lift_fresh",
+NO_LAUNCH = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::detach_", "aten::resize_", "aten::new_empty",
+             "aten::lift_fresh", "aten::scalar_tensor",
              "aten::resolve_conj", "aten::resolve_neg", "aten::_local_scalar_dense", "aten::item",
              "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::size", "aten::stride", "aten::_unsafe_view",
              "aten::_reshape_alias", "aten::reshape", "aten::view_as", "aten::flatten", "aten::unflatten")
@@ -69,31 +66,23 @@ def _wrap(owner, meth, label) -> None:
     import torch
     static = isinstance(inspect.getattr_static(owner, meth), staticmethod)
     orig = getattr(owner, meth)
-    static = isinstance(owner, type) and isinstance(owner.__dict__.get(meth), staticmethod)
 
     def fn(*a, **k):
         name = label(a[0]) if callable(label) else label
         with torch.profiler.record_function(name):
             return orig(*a, **k)
     setattr(owner, meth, staticmethod(fn) if static else fn)
-<<<<<<< HEAD
 
 
 def _cache_kind(cache) -> str:
     return "csa" if cache.indexer is not None else "hca" if cache.compressor is not None else "sliding"
-=======
->>>>>>> main
 
 
 def _hooks() -> None:
     """Wrap blocks, their parts and the big ops in record_function regions."""
     from dsv4 import ops
-<<<<<<< HEAD
-    from dsv4.engine import runner, sampling, speculative
-    from dsv4.model import attention, cache, common, compressor, indexer, mhc, moe, transformer
-=======
-    from dsv4.model import attention, compressor, indexer, mhc, moe, transformer  # noqa: F401
->>>>>>> main
+    from dsv4.engine import runner, sampling
+    from dsv4.model import attention, cache, common, compressor, indexer, mhc, moe, transformer  # noqa: F401
 
     _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
     # per step (outside the layers)
@@ -119,14 +108,13 @@ def _hooks() -> None:
             getattr(mod, op)._counted = True
 
 
-<<<<<<< HEAD
 def count(prof, launches_of) -> tuple[dict, dict, collections.Counter]:
     """``(layers, state, step)``: ``{layer kind: {label: launches}}`` averaged over the layers of
     each kind; ``{"save"/"rollback": {layer kind: launches}}`` likewise; the step's other launches
     by label."""
     per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     n: collections.Counter = collections.Counter()
-    tops = [e for e in prof.events() if e.cpu_parent is None]
+    tops = sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start)
     for e in tops:
         _walk(e, "step", "other", None, per, n, launches_of)
     layers = {k[6:]: {c: v / n[k] for c, v in comp.items()} for k, comp in per.items() if k.startswith("layer:")}
@@ -143,60 +131,38 @@ def _walk(e, scope: str, comp: str, big: str | None, per, n, launches_of) -> int
     if e.name.startswith(("layer:", "state:")) and not scope.startswith(("layer:", "state:")):
         scope, comp, big = e.name, "other", None
         n[scope] += 1
+        _CURRENT[0] = id(e)
     elif e.name.startswith("c:") or e.name.startswith("s:") and scope == "step":
-=======
-def count(prof, launches_of) -> tuple[dict, dict]:
-    """({layer kind: Counter{label: launches}} averaged over the layers of each kind,
-    {layer kind: [(label, launching op)] of its first layer, in order})."""
-    out: dict[str, collections.Counter] = {}
-    seq: dict[str, list] = {}
-    n: collections.Counter = collections.Counter()
-    for e in prof.events():
-        if e.name.startswith("layer:") and e.cpu_parent is None or e.name.startswith("layer:") and \
-                not e.cpu_parent.name.startswith("layer:"):
-            comp, order = collections.Counter(), []
-            _walk(e, "other", None, comp, launches_of, order)
-            out.setdefault(e.name[6:], collections.Counter()).update(comp)
-            seq.setdefault(e.name[6:], order)
-            n[e.name[6:]] += 1
-    return {k: {c: v / n[k] for c, v in comp.items()} for k, comp in out.items()}, seq
-
-
-def _walk(e, comp: str, big: str | None, counter, launches_of, order) -> int:
-    """Add ``e``'s launches to ``counter`` (and ``(label, op)`` to ``order``); an op launches once
-    unless something below it does."""
-    if e.name.startswith("c:"):
->>>>>>> main
         comp = e.name[2:]
     elif e.name.startswith("op:") and big is None:
         big = e.name[3:]
     label = big or comp
-<<<<<<< HEAD
     if e.name.startswith("triton::") or not e.cpu_children and launches_of(e.name):
-        per[scope][label] += 1
-        OPS[scope.split(":")[0] + ":" + label][e.name] += 1
+        _add(e, scope, label, per)
         return 1
-    below = sum(_walk(k, scope, comp, big, per, n, launches_of) for k in e.cpu_children)
+    below = sum(_walk(k, scope, comp, big, per, n, launches_of)
+                for k in sorted(e.cpu_children, key=lambda c: c.time_range.start))
     if below == 0 and launches_of(e.name):
-        per[scope][label] += 1
-        OPS[scope.split(":")[0] + ":" + label][e.name] += 1
-=======
-    if e.name.startswith("triton::"):
-        counter[label] += 1
-        order.append((label, e.name))
-        return 1
-    below = sum(_walk(k, comp, big, counter, launches_of, order) for k in sorted(e.cpu_children,
-                                                                               key=lambda c: c.time_range.start))
-    if below == 0 and launches_of(e.name):
-        counter[label] += 1
-        order.append((label, e.name))
->>>>>>> main
+        _add(e, scope, label, per)
         return 1
     return below
 
 
 #: ``--ops``: launching op names per (scope, label), summed over the layers
 OPS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+#: ``--list``: the launches of the first layer of each kind, in order ``{scope: [(label, op)]}``
+ORDER: dict[str, list] = {}
+_FIRST: dict[str, int] = {}
+
+
+def _add(e, scope: str, label: str, per) -> None:
+    per[scope][label] += 1
+    OPS[scope.split(":")[0] + ":" + label][e.name] += 1
+    if scope.startswith("layer:") and _FIRST.setdefault(scope, _CURRENT[0]) == _CURRENT[0]:
+        ORDER.setdefault(scope, []).append((label, e.name))
+
+
+_CURRENT = [0]     # the layer region being walked
 
 
 def main() -> None:
@@ -204,14 +170,11 @@ def main() -> None:
     ap.add_argument("--qat", action="store_true", help="QAT simulation on (FP8 KV, FP4 indexer keys)")
     ap.add_argument("--batch", type=int, default=1, help="rows of the decode or verify step")
     ap.add_argument("--fused", action="store_true", help="small-op Triton kernels (interpreter) + fused ops")
-<<<<<<< HEAD
+    ap.add_argument("--list", action="store_true", help="also list each layer kind's launches in order")
     ap.add_argument("--ops", action="store_true", help="also list the launching ops of each component")
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--verify", type=int, metavar="K", help="a verify step of 1 + K tokens per row")
     what.add_argument("--prefill", type=int, metavar="N", help="one prompt chunk of N tokens")
-=======
-    ap.add_argument("--list", action="store_true", help="also list each layer kind's launches in order")
->>>>>>> main
     args = ap.parse_args()
     if args.fused:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -228,14 +191,10 @@ def main() -> None:
     # index heads of 32 dims: the smallest the indexer kernel takes (the tiny model's 16 run the reference)
     config = dataclasses.replace(preset("tiny", num_layers=4), index_head_dim=32)
     model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
-<<<<<<< HEAD
+    _fp8_attention(model)
     spec = {"method": "ngram", "num_speculative_tokens": args.verify} if args.verify else None
     runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256 + (args.prefill or 0),
                     qat_sim=args.qat, max_num_batched_tokens=max(512, args.prefill or 0), speculative=spec)
-=======
-    _fp8_attention(model)
-    runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256, qat_sim=args.qat)
->>>>>>> main
     for s in range(args.batch):
         prefill(runner, s, list(range(2, 2 + 37 + s)))
     if args.fused:
@@ -248,7 +207,6 @@ def main() -> None:
             cache[name] = 0 if (name in NO_LAUNCH or _is_view(name) or not name.startswith("aten::")) else 1
         return cache[name]
 
-<<<<<<< HEAD
     idx = torch.arange(args.batch)
     bound = runner.max_model_len
     if args.verify:
@@ -267,25 +225,15 @@ def main() -> None:
     with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run()
     layers, state, rest = count(prof, launches_of)
+    if args.list:
+        for kind, order in ORDER.items():
+            print(f"{kind[6:]} layer, in launch order:")
+            for label, name in order:
+                print(f"    {label:<18} {name}")
     print(f"# {step}, qat_sim={args.qat}, {'fused small ops' if args.fused else 'reference ops'}")
     print("launches per layer; big ops of other areas last")
     labels = sorted({c for comp in layers.values() for c in comp}, key=lambda c: (c in BIG_OPS, c))
     print(f"{'':<22}" + "".join(f"{k:>9}" for k in layers))
-=======
-    ids = torch.arange(args.batch) + 5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        decode(runner, list(range(args.batch)), ids)
-    table, seq = count(prof, launches_of)
-    if args.list:
-        for kind, order in seq.items():
-            print(f"{kind} layer, in launch order:")
-            for label, name in order:
-                print(f"    {label:<18} {name}")
-    labels = sorted({c for comp in table.values() for c in comp}, key=lambda c: (c in BIG_OPS, c))
-    print(f"launches per decode layer (batch {args.batch}, qat_sim={args.qat}, "
-          f"{'fused small ops' if args.fused else 'reference ops'}); big ops of other areas last")
-    print(f"{'':<22}" + "".join(f"{k:>9}" for k in table))
->>>>>>> main
     for c in labels:
         print(f"{c:<22}" + "".join(f"{layers[k].get(c, 0):>9.0f}" for k in layers))
     for name, sel in (("small ops + glue", lambda c: c not in BIG_OPS), ("big ops", lambda c: c in BIG_OPS),
