@@ -287,7 +287,7 @@ class Runner:
             groups.append((parts[3 + 2 * j], parts[4 + 2 * j], g[0].num_tokens, bound))
         # verify groups: what their tokens overwrite, for the rollback (``groups`` index 1.. when k)
         vgroups = [(groups[int(bool(k)) + j], verify[S]) for j, S in enumerate(sorted(verify))]
-        saved = [[layer.save(g[0], g[1], g[2]) for layer in self.state.layers] for g, _ in vgroups]
+        saved = [self._save(g[0], g[1], g[2]) for g, _ in vgroups]
         mtp = self.speculative is not None and self.speculative.method == "mtp"
         res = self.model.forward_varlen(ids, groups, self.state.layers, rows_t, self.qat_sim, streams=mtp)
         logits, h, ctx = res if mtp else (res, None, None)
@@ -452,6 +452,12 @@ class Runner:
         return sorted({b for b, _ in self.graphs})
 
     # ------------------------------------------------------------------ verify steps (speculative)
+    def _save(self, slots: torch.Tensor, start: torch.Tensor, S: int) -> list:
+        """Every layer's state a verify forward of ``S`` tokens may overwrite (for the rollback);
+        the ring rows' index tensors made once for all layers."""
+        plans: dict = {}
+        return [layer.save(slots, start, S, plans) for layer in self.state.layers]
+
     def _verify_step(self, idx: torch.Tensor, drafts: torch.Tensor | None, flags: SampleFlags, bound: int
                      ) -> tuple[SampleOutput, torch.Tensor]:
         """A verify step as device work only (what a verify graph captures): each slot of ``idx``
@@ -464,7 +470,7 @@ class Runner:
         start = positions[idx]
         drafts = self.drafts[idx] if drafts is None else drafts
         ids = torch.cat([self.tokens[idx].unsqueeze(1), drafts], 1)                  # [B, S]
-        saved = [layer.save(idx, start, S) for layer in self.state.layers]
+        saved = self._save(idx, start, S)
         ctx = self.model.context(ids, idx, start, self.qat_sim, bound)
         h = self.model.hidden_streams(ctx, self.state.layers)
         logits = self.model.logits(h)                                                # [B, S, V]

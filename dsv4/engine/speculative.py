@@ -334,9 +334,11 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
 
 
 def rollback(layers: Sequence[Any], saved: Sequence[Any], slots: Tensor, start: Tensor, S: int, kept: Tensor) -> None:
-    """Every layer keeps the first ``kept [b]`` of the ``S`` positions written since ``saved``."""
+    """Every layer keeps the first ``kept [b]`` of the ``S`` positions written since ``saved`` (the
+    index tensors, which depend only on the rows' positions, made once for all layers)."""
+    plans: dict = {}
     for layer, s in zip(layers, saved):
-        layer.rollback(s, slots, start, S, kept)
+        layer.rollback(s, slots, start, S, kept, plans)
 
 
 # ----------------------------------------------------------------------------- MTP drafts

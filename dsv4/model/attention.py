@@ -23,7 +23,7 @@ from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
 from .cache import LayerCache
 from .common import ForwardContext, GroupedLinear, Linear, RMSNorm, fp32_param
-from .compressor import Compressor, store_entries
+from .compressor import Compressor, store_entries, window_plan
 from .indexer import Indexer
 
 
@@ -137,7 +137,7 @@ class Attention(nn.Module):
         new = self.compressor(x, ctx, comp)
         if new is not None:                     # a chunk: RoPE at each window's first position, then store
             entries, pos = new
-            cos, sin = ctx.rope_at("compress", pos)
+            cos, sin = window_plan(ctx, self.ratio).entry_rope(ctx)      # shared by the ratio's compressors
             store_entries(comp, ctx, ops.apply_rope(entries, cos, sin), pos)
         bound = ctx.entry_bound(self.ratio, comp.max_entries)
         if self.kind == "csa":

@@ -245,32 +245,55 @@ class CompressorState:
         return out
 
     def rollback(self, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor, S: int,
-                 kept: torch.Tensor) -> None:
+                 kept: torch.Tensor, plans: dict | None = None) -> None:
         """After a forward of ``S >= 2`` tokens at ``start [B]`` (logged, see :meth:`enable_log`),
         keep its first ``kept [B]`` (0..S) positions: the windows become what plain decoding of those
         positions leaves. Plain decoding (``compressor_step``) writes row ``pos % ratio`` and clears
         the window when it closes, so row ``r`` holds position ``length // ratio * ratio + r`` if that
-        is below the length, else zero if a window closed during the kept positions, else what it held."""
-        m, dev = self.ratio, start.device
-        sl, st = slots.unsqueeze(1), start.unsqueeze(1)
-        length = (start + kept).unsqueeze(1)                                  # [B, 1]
-        base = torch.div(length, m, rounding_mode="floor") * m                # the open window's first position
-        closed = (base > st).unsqueeze(-1)                                    # a window closed at a kept position
-        q = base + torch.arange(m, device=dev)                                # [B, m] row r's position
-        from_log = ((q < length) & (q >= st)).unsqueeze(-1)
-        lj = (q - st).clamp(0, S - 1)
+        is below the length, else zero if a window closed during the kept positions, else what it held.
+
+        ``plans``: a dict shared by the rollbacks of one step (every layer's compressors of one
+        ratio use the same index tensors, made once)."""
+        m = self.ratio
+        plans = {} if plans is None else plans
+        if ("window", m) not in plans:
+            plans[("window", m)] = _window_rollback_plan(m, slots, start, S, kept)
+        sl, closed, from_log, lj, from_step, pj = plans[("window", m)]
         if self.prev_kv is not None:
             # the window that closed last at a kept position: its rows from the log, or (positions
             # before the step) from the window as it was
             d = self.prev_kv.shape[-1]
-            pq = q - m
-            pj = (pq - st).clamp(0, S - 1)
             for prev, log, win, old in ((self.prev_kv, self.log_kv, saved[0], saved[2]),
                                         (self.prev_gate, self.log_gate, saved[1], saved[3])):
-                rows = torch.where((pq >= st).unsqueeze(-1), log[sl, pj], win)[..., :d]
+                rows = torch.where(from_step, log[sl, pj], win)[..., :d]
                 prev[slots] = torch.where(closed, rows, old)
         for t, log, old in ((self.win_kv, self.log_kv, saved[0]), (self.win_gate, self.log_gate, saved[1])):
             t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
+
+
+def _ring_plan(W: int, slots: torch.Tensor, start: torch.Tensor, S: int, plans: dict
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slots [B, 1], rows [B, S])``: the ring rows ``pos % W`` of the step's positions, made once
+    per step in ``plans``."""
+    if ("ring", W) not in plans:
+        plans[("ring", W)] = (slots.unsqueeze(1), (start.unsqueeze(1) + torch.arange(S, device=start.device)) % W)
+    return plans[("ring", W)]
+
+
+def _window_rollback_plan(m: int, slots: torch.Tensor, start: torch.Tensor, S: int, kept: torch.Tensor
+                          ) -> tuple[torch.Tensor, ...]:
+    """The index tensors of :meth:`CompressorState.rollback` at ratio ``m`` (they depend only on
+    the rows' positions): ``(slots [B, 1], closed [B, 1, 1], from_log [B, m, 1], lj [B, m],
+    from_step [B, m, 1], pj [B, m])``."""
+    sl, st = slots.unsqueeze(1), start.unsqueeze(1)
+    length = (start + kept).unsqueeze(1)                                  # [B, 1]
+    base = torch.div(length, m, rounding_mode="floor") * m                # the open window's first position
+    closed = (base > st).unsqueeze(-1)                                    # a window closed at a kept position
+    q = base + torch.arange(m, device=start.device)                       # [B, m] row r's position
+    from_log = ((q < length) & (q >= st)).unsqueeze(-1)
+    lj = (q - st).clamp(0, S - 1)
+    pq = q - m                                                            # the previous window's rows
+    return sl, closed, from_log, lj, (pq >= st).unsqueeze(-1), (pq - st).clamp(0, S - 1)
 
 
 @dataclass
@@ -288,25 +311,30 @@ class LayerCache:
                 out += comp.tensors()
         return out
 
-    def save(self, slots: torch.Tensor, start: torch.Tensor, S: int) -> list:
+    def save(self, slots: torch.Tensor, start: torch.Tensor, S: int, plans: dict | None = None) -> list:
         """What a forward of ``S`` tokens at ``start [B]`` in ``slots [B]`` may overwrite, for
-        :meth:`rollback` (``S <= window``; compressors must have :meth:`CompressorState.enable_log`)."""
-        rows = (start.unsqueeze(1) + torch.arange(S, device=start.device)) % self.ring.rows
-        ring = tuple(t[slots.unsqueeze(1), rows] for t in self.ring.tensors())
+        :meth:`rollback` (``S <= window``; compressors must have :meth:`CompressorState.enable_log`).
+        ``plans``: a dict shared by the saves and rollbacks of one step (index tensors made once)."""
+        sl, rows = _ring_plan(self.ring.rows, slots, start, S, {} if plans is None else plans)
+        ring = tuple(t[sl, rows] for t in self.ring.tensors())
         return [ring] + [c.save(slots) if c is not None else None for c in (self.compressor, self.indexer)]
 
-    def rollback(self, saved: list, slots: torch.Tensor, start: torch.Tensor, S: int, kept: torch.Tensor) -> None:
+    def rollback(self, saved: list, slots: torch.Tensor, start: torch.Tensor, S: int, kept: torch.Tensor,
+                 plans: dict | None = None) -> None:
         """Keep the first ``kept [B]`` of the ``S`` positions a forward wrote since :meth:`save`:
-        the state becomes what plain decoding of them leaves (device ops only: capturable)."""
-        sl = slots.unsqueeze(1)
-        i = torch.arange(S, device=start.device)
-        rows = (start.unsqueeze(1) + i) % self.ring.rows
-        undo = (i >= kept.unsqueeze(1)).unsqueeze(-1)                      # [B, S, 1] rejected
+        the state becomes what plain decoding of them leaves (device ops only: capturable).
+        ``plans``: a dict shared by the rollbacks of one step (index tensors made once, not per layer)."""
+        plans = {} if plans is None else plans
+        sl, rows = _ring_plan(self.ring.rows, slots, start, S, plans)
+        if "undo" not in plans:
+            i = torch.arange(S, device=start.device)
+            plans["undo"] = (i >= kept.unsqueeze(1)).unsqueeze(-1)         # [B, S, 1] rejected
+        undo = plans["undo"]
         for t, old in zip(self.ring.tensors(), saved[0]):
             t[sl, rows] = torch.where(undo, old, t[sl, rows])
         for comp, s in zip((self.compressor, self.indexer), saved[1:]):
             if comp is not None:
-                comp.rollback(s, slots, start, S, kept)
+                comp.rollback(s, slots, start, S, kept, plans)
 
     def pieces(self) -> list[StatePiece]:
         """Every buffer with its kind, in :meth:`tensors` order."""

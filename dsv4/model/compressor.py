@@ -14,6 +14,8 @@ sink row). No host read of positions, fixed shapes for a given ``(B, S)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -63,7 +65,8 @@ class Compressor(nn.Module):
             fused.compressor_step(kv, gate, self.ape, state, slots, ctx.positions, self.norm.weight, self.norm.eps,
                                   cos, sin, self.rotate)
             return
-        gate = gate + self.ape[ctx.positions % m]
+        plan = window_plan(ctx, m)
+        gate = gate + self.ape[plan.ape_row]
         if state.log_kv is not None and S <= state.log_kv.shape[1]:      # a verify step: rollback reads these
             state.log_kv[slots, :S] = kv
             state.log_gate[slots, :S] = gate
@@ -80,10 +83,10 @@ class Compressor(nn.Module):
         #
         # n_closed = (offset + S) // m = 2 windows closed; entries are computed for all n_win
         # windows (fixed shapes), the open ones are written to the sink row by `store_entries`.
-        n_win = (m - 1 + S) // m + 1            # windows that can close, +1 for the next open one
-        offset = ctx.start % m                   # [B] rows already in the open window
-        w0 = ctx.start // m                      # [B]
-        rows = (offset.unsqueeze(1) + torch.arange(S, device=x.device)).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        # (the index tensors depend only on the rows' positions and m: `plan`, shared by every
+        # compressor of ratio m in this forward)
+        n_win = plan.n_win
+        rows = plan.rows.expand(-1, -1, kv.shape[-1])
         buf_kv = self._aligned(state.win_kv[slots], n_win * m).scatter(1, rows, kv)
         buf_gate = self._aligned(state.win_gate[slots], n_win * m).scatter(1, rows, gate)
         win_kv = buf_kv.unflatten(1, (n_win, m))                              # [B, n_win, m, width]
@@ -104,21 +107,18 @@ class Compressor(nn.Module):
             prev_gate = torch.cat([state.prev_gate[slots].unsqueeze(1), win_gate[:, :-1, :, :d]], dim=1)
         entry = ops.compress_windows(win_kv, win_gate, prev_kv, prev_gate)   # [B, n_win, dim] fp32
         entry = self.norm(entry)
-        index = w0.unsqueeze(1) + torch.arange(n_win, device=x.device)       # [B, n_win] entry index
 
-        # The new open window is window n_closed of the buffer; the last closed one feeds the overlap.
-        n_closed = (offset + S) // m                                          # [B]
-        pick = n_closed.view(B, 1, 1, 1).expand(-1, 1, m, win_kv.shape[-1])
+        # The new open window is window n_closed of the buffer; the last closed one feeds the
+        # overlap: window n_closed's predecessor, which is `prev_*` above (the state's own when no
+        # window closed)
+        pick = plan.n_closed.expand(-1, 1, m, win_kv.shape[-1])
         state.win_kv[slots] = win_kv.gather(1, pick).squeeze(1)
         state.win_gate[slots] = win_gate.gather(1, pick).squeeze(1)
         if self.overlap:
-            last = (n_closed - 1).clamp(min=0).view(B, 1, 1, 1).expand(-1, 1, m, self.dim)
-            any_closed = (n_closed > 0).view(B, 1, 1)
-            state.prev_kv[slots] = torch.where(any_closed, win_kv[..., :self.dim].gather(1, last).squeeze(1),
-                                               state.prev_kv[slots])
-            state.prev_gate[slots] = torch.where(any_closed, win_gate[..., :self.dim].gather(1, last).squeeze(1),
-                                                 state.prev_gate[slots])
-        return entry, index * m
+            pick = plan.n_closed.expand(-1, 1, m, self.dim)
+            state.prev_kv[slots] = prev_kv.gather(1, pick).squeeze(1)
+            state.prev_gate[slots] = prev_gate.gather(1, pick).squeeze(1)
+        return entry, plan.entry_pos
 
     @staticmethod
     def _aligned(window_rows: torch.Tensor, length: int) -> torch.Tensor:
@@ -126,6 +126,57 @@ class Compressor(nn.Module):
         B, m, w = window_rows.shape
         pad = window_rows.new_zeros(B, length - m, w)
         return torch.cat([window_rows, pad], dim=1)
+
+
+@dataclass
+class WindowPlan:
+    """The index tensors of a multi-token compressor update (``S >= 2`` tokens of ``B`` rows at
+    ratio ``m``), which depend only on the rows' positions: computed once per forward and ratio
+    (:func:`window_plan`) and shared by every compressor of that ratio (the attention's and the
+    indexer's, on every layer)."""
+
+    m: int
+    ape_row: torch.Tensor       # [B, S] pos % m: the row of ``ape`` each token adds
+    n_win: int                  # windows of the aligned buffer
+    rows: torch.Tensor          # [B, S, 1] each token's row in the aligned buffer (offset + i)
+    n_closed: torch.Tensor      # [B, 1, 1, 1] windows the chunk closes: the new open window's index
+    entry_pos: torch.Tensor     # [B, n_win] each buffer window's first position
+    last_pos: torch.Tensor      # [B, 1] the chunk's last position
+    #: the entries' RoPE tables ("rope") and store rows (by store size), made on first use
+    memo: dict = field(default_factory=dict)
+
+    def entry_rope(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at each window's first position (where its entry sits), compress theta."""
+        if "rope" not in self.memo:
+            self.memo["rope"] = ctx.rope_at("compress", self.entry_pos)
+        return self.memo["rope"]
+
+    def store_rows(self, max_entries: int) -> torch.Tensor:
+        """``[B, n_win]``: the entry row of each window that closed within the chunk (its last
+        position ``pos + m - 1`` reached), else the sink row ``max_entries``, which no read unmasks."""
+        if max_entries not in self.memo:
+            m = self.m
+            closed = self.entry_pos + m <= self.last_pos + 1
+            self.memo[max_entries] = torch.where(closed, self.entry_pos // m,
+                                                 torch.full_like(self.entry_pos, max_entries))
+        return self.memo[max_entries]
+
+
+def window_plan(ctx: ForwardContext, m: int) -> WindowPlan:
+    """The :class:`WindowPlan` of ``ctx``'s rows at ratio ``m``, made on first use in this forward."""
+    plans = ctx.__dict__.setdefault("_window_plans", {})
+    if m not in plans:
+        B, S = ctx.positions.shape
+        dev = ctx.positions.device
+        offset = ctx.start % m                   # [B] rows already in the open window
+        n_win = (m - 1 + S) // m + 1            # windows that can close, +1 for the next open one
+        plans[m] = WindowPlan(
+            m=m, ape_row=ctx.positions % m, n_win=n_win,
+            rows=(offset.unsqueeze(1) + torch.arange(S, device=dev)).unsqueeze(-1),
+            n_closed=((offset + S) // m).view(B, 1, 1, 1),
+            entry_pos=((ctx.start // m).unsqueeze(1) + torch.arange(n_win, device=dev)) * m,
+            last_pos=ctx.positions[:, -1:])
+    return plans[m]
 
 
 def store_entries(state: CompressorState, ctx: ForwardContext, entries: torch.Tensor, positions: torch.Tensor
@@ -136,8 +187,12 @@ def store_entries(state: CompressorState, ctx: ForwardContext, entries: torch.Te
     write with no host branch). The store rounds them as it keeps them (FP8 / FP4 under the QAT
     simulation)."""
     m = state.ratio
-    # a window [pos, pos + m) closed if the chunk reached its last position pos + m - 1; the
-    # others (still open) are written to the sink row, which no read ever unmasks
-    closed = positions + m <= ctx.positions[:, -1:] + 1                       # [B, W]
-    rows = torch.where(closed, positions // m, torch.full_like(positions, state.max_entries))
+    plan = window_plan(ctx, m)
+    if positions is plan.entry_pos:         # from Compressor.forward: the plan's rows, shared
+        rows = plan.store_rows(state.max_entries)
+    else:
+        # a window [pos, pos + m) closed if the chunk reached its last position pos + m - 1; the
+        # others (still open) are written to the sink row, which no read ever unmasks
+        closed = positions + m <= ctx.positions[:, -1:] + 1                   # [B, W]
+        rows = torch.where(closed, positions // m, torch.full_like(positions, state.max_entries))
     fused.store_rows(state.entries, ctx.slots.unsqueeze(1), rows, entries)

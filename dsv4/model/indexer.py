@@ -22,7 +22,7 @@ from ..ops import fused
 from ..config import ModelConfig
 from .cache import CompressorState
 from .common import ForwardContext, Linear
-from .compressor import Compressor, store_entries
+from .compressor import Compressor, store_entries, window_plan
 
 
 class Indexer(nn.Module):
@@ -50,7 +50,7 @@ class Indexer(nn.Module):
         new = self.compressor(x, ctx, state)
         if new is not None:                     # a chunk: RoPE, the Hadamard rotation, then store
             entries, pos = new
-            cos, sin = ctx.rope_at("compress", pos)
+            cos, sin = window_plan(ctx, self.ratio).entry_rope(ctx)      # shared by the ratio's compressors
             store_entries(state, ctx, ops.hadamard(ops.apply_rope(entries, cos, sin)), pos)  # FP4 under QAT
 
         # queries from the attention's low-rank qr, rotated like the keys (RoPE, then Hadamard; QAT: FP4)

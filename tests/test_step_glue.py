@@ -1,0 +1,59 @@
+"""The index bookkeeping of multi-token steps (prefill chunks, speculative verify) is made once per
+step, not once per layer: the compressors' window plans once per forward and ratio, the rollback's
+ring rows and window indices once per step and ratio (issue 25: a verify step launched ~390 more
+small kernels than a decode step, most of them this per-layer glue). Exactness is the other tests'
+(tests/test_speculative.py, tests/test_generation_state.py, tests/test_batched_step.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import parity_config, random_model
+from dsv4.engine.runner import Runner
+from dsv4.engine.sampling import SampleFlags
+from dsv4.model import cache, compressor
+from dsv4.testing import prefill
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(parity_config(), seed=5)
+
+
+def _ratios(model) -> set[int]:
+    return {model.config.layer_ratio(i) for i in range(model.config.num_hidden_layers)} - {0}
+
+
+def _counting(monkeypatch, owner, name: str) -> list:
+    calls, orig = [], getattr(owner, name)
+
+    def fn(*a, **k):
+        out = orig(*a, **k)
+        calls.append(out)
+        return out
+    monkeypatch.setattr(owner, name, fn)
+    return calls
+
+
+def test_verify_step_makes_its_index_tensors_once(model, monkeypatch):
+    ratios = _ratios(model)
+    assert len(ratios) >= 2 and sum(1 for b in model.layers if b.attn.kind != "sliding") > len(ratios)
+    r = Runner(model, max_num_seqs=2, max_model_len=128, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    prefill(r, 0, list(range(2, 41)))
+    plans = _counting(monkeypatch, compressor, "WindowPlan")
+    rollback = _counting(monkeypatch, cache, "_window_rollback_plan")
+    ring = _counting(monkeypatch, cache, "_ring_plan")
+    with torch.inference_mode():
+        r._verify_step(torch.tensor([0]), torch.tensor([[5, 6, 7]]), SampleFlags(), r.max_model_len)
+    assert len(plans) == len(ratios)                   # the forward: one per ratio, every layer shares it
+    assert len(rollback) == len(ratios)                # the rollback: the same
+    # the ring rows: asked for by every layer's save and rollback, made once by each
+    assert len(ring) == 2 * model.config.num_hidden_layers and len({id(x) for x in ring}) == 2
+
+
+def test_prefill_chunk_makes_its_window_plans_once(model, monkeypatch):
+    r = Runner(model, max_num_seqs=2, max_model_len=256)
+    plans = _counting(monkeypatch, compressor, "WindowPlan")
+    prefill(r, 0, list(range(2, 102)))
+    assert len(plans) == len(_ratios(model))
