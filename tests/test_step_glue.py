@@ -13,6 +13,7 @@ from conftest import parity_config, random_model
 from dsv4.engine.runner import Runner
 from dsv4.engine.sampling import SampleFlags
 from dsv4.model import cache, compressor
+from dsv4.ops import reference
 from dsv4.testing import prefill
 
 
@@ -42,12 +43,22 @@ def test_verify_step_makes_its_index_tensors_once(model, monkeypatch):
     r = Runner(model, max_num_seqs=2, max_model_len=128, speculative={"method": "ngram", "num_speculative_tokens": 3})
     prefill(r, 0, list(range(2, 41)))
     plans = _counting(monkeypatch, compressor, "WindowPlan")
-    rollback = _counting(monkeypatch, cache, "_window_rollback_plan")
+    dicts = []
+    orig = reference.window_rollback
+
+    def rollback(state, saved, slots, start, S, kept, plans=None):
+        dicts.append(plans)
+        return orig(state, saved, slots, start, S, kept, plans)
+    monkeypatch.setattr(reference, "window_rollback", rollback)
     ring = _counting(monkeypatch, cache, "_ring_plan")
     with torch.inference_mode():
         r._verify_step(torch.tensor([0]), torch.tensor([[5, 6, 7]]), SampleFlags(), r.max_model_len)
     assert len(plans) == len(ratios)                   # the forward: one per ratio, every layer shares it
-    assert len(rollback) == len(ratios)                # the rollback: the same
+    # the rollback (reference): every compressor's call shares one dict, one window plan per ratio
+    n_comp = sum(1 for b in model.layers if b.attn.kind != "sliding") + \
+        sum(1 for b in model.layers if b.attn.kind == "csa")
+    assert len(dicts) == n_comp and all(d is dicts[0] for d in dicts)
+    assert {k for k in dicts[0] if k[0] == "window"} == {("window", m) for m in ratios}
     # the ring rows: asked for by every layer's save and rollback, made once by each
     assert len(ring) == 2 * model.config.num_hidden_layers and len({id(x) for x in ring}) == 2
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..ops import numerics
+from ..ops import fused, numerics
 
 LAYOUTS = ("plain", "fp8", "fp4")
 FP8_BLOCK = 64   # KV cache: one FP8 scale per 64 non-rope values
@@ -253,22 +253,9 @@ class CompressorState:
         is below the length, else zero if a window closed during the kept positions, else what it held.
 
         ``plans``: a dict shared by the rollbacks of one step (every layer's compressors of one
-        ratio use the same index tensors, made once)."""
-        m = self.ratio
-        plans = {} if plans is None else plans
-        if ("window", m) not in plans:
-            plans[("window", m)] = _window_rollback_plan(m, slots, start, S, kept)
-        sl, closed, from_log, lj, from_step, pj = plans[("window", m)]
-        if self.prev_kv is not None:
-            # the window that closed last at a kept position: its rows from the log, or (positions
-            # before the step) from the window as it was
-            d = self.prev_kv.shape[-1]
-            for prev, log, win, old in ((self.prev_kv, self.log_kv, saved[0], saved[2]),
-                                        (self.prev_gate, self.log_gate, saved[1], saved[3])):
-                rows = torch.where(from_step, log[sl, pj], win)[..., :d]
-                prev[slots] = torch.where(closed, rows, old)
-        for t, log, old in ((self.win_kv, self.log_kv, saved[0]), (self.win_gate, self.log_gate, saved[1])):
-            t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
+        ratio use the same index tensors, made once). One op (:func:`dsv4.ops.fused.window_rollback`:
+        one kernel on the GPU)."""
+        fused.window_rollback(self, saved, slots, start, S, kept, plans)
 
 
 def _ring_plan(W: int, slots: torch.Tensor, start: torch.Tensor, S: int, plans: dict
@@ -278,22 +265,6 @@ def _ring_plan(W: int, slots: torch.Tensor, start: torch.Tensor, S: int, plans: 
     if ("ring", W) not in plans:
         plans[("ring", W)] = (slots.unsqueeze(1), (start.unsqueeze(1) + torch.arange(S, device=start.device)) % W)
     return plans[("ring", W)]
-
-
-def _window_rollback_plan(m: int, slots: torch.Tensor, start: torch.Tensor, S: int, kept: torch.Tensor
-                          ) -> tuple[torch.Tensor, ...]:
-    """The index tensors of :meth:`CompressorState.rollback` at ratio ``m`` (they depend only on
-    the rows' positions): ``(slots [B, 1], closed [B, 1, 1], from_log [B, m, 1], lj [B, m],
-    from_step [B, m, 1], pj [B, m])``."""
-    sl, st = slots.unsqueeze(1), start.unsqueeze(1)
-    length = (start + kept).unsqueeze(1)                                  # [B, 1]
-    base = torch.div(length, m, rounding_mode="floor") * m                # the open window's first position
-    closed = (base > st).unsqueeze(-1)                                    # a window closed at a kept position
-    q = base + torch.arange(m, device=start.device)                       # [B, m] row r's position
-    from_log = ((q < length) & (q >= st)).unsqueeze(-1)
-    lj = (q - st).clamp(0, S - 1)
-    pq = q - m                                                            # the previous window's rows
-    return sl, closed, from_log, lj, (pq >= st).unsqueeze(-1), (pq - st).clamp(0, S - 1)
 
 
 @dataclass

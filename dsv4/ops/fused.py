@@ -47,4 +47,10 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
                                                         cos, sin, rotate)
 
 
-__all__ = ["linear_pair", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]
+def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor,
+                    S: int, kept: torch.Tensor, plans: dict | None = None) -> None:
+    """A compressor's windows rolled back after a verify forward; see :func:`reference_fused.window_rollback`."""
+    return _call("window_rollback", start.device, None, state, saved, slots, start, S, kept, plans)
+
+
+__all__ = ["linear_pair", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step", "window_rollback"]

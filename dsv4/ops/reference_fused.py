@@ -92,4 +92,39 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
         state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
 
 
-__all__ = ["linear_pair", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]
+def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor,
+                    S: int, kept: torch.Tensor, plans: dict | None = None) -> None:
+    """Roll a compressor's open (and, overlap, previous) window back after a forward of ``S >= 2``
+    tokens at ``start [B]`` in ``slots [B]`` that logged its window rows (``state.log_kv`` /
+    ``log_gate``, row ``i`` = position ``start + i``) and whose windows were copied into ``saved``
+    (``CompressorState.save``: ``win_kv, win_gate[, prev_kv, prev_gate]`` of the slots, ``[B, m, ...]``)
+    before it: keep its first ``kept [B]`` (0..S) positions, leaving what plain decoding of them
+    leaves (:meth:`dsv4.model.cache.CompressorState.rollback` says how). ``plans``: a dict shared by
+    the calls of one step, holding the index tensors (they depend only on ``m`` and the rows'
+    positions). Pure selection: every value written is a copy of a logged or saved one, or zero."""
+    m = state.ratio
+    plans = {} if plans is None else plans
+    if ("window", m) not in plans:
+        sl, st = slots.unsqueeze(1), start.unsqueeze(1)
+        length = (start + kept).unsqueeze(1)                                  # [B, 1]
+        base = torch.div(length, m, rounding_mode="floor") * m                # the open window's first position
+        closed = (base > st).unsqueeze(-1)                                    # a window closed at a kept position
+        q = base + torch.arange(m, device=start.device)                       # [B, m] row r's position
+        from_log = ((q < length) & (q >= st)).unsqueeze(-1)
+        pq = q - m                                                            # the previous window's rows
+        plans[("window", m)] = (sl, closed, from_log, (q - st).clamp(0, S - 1), (pq >= st).unsqueeze(-1),
+                                (pq - st).clamp(0, S - 1))
+    sl, closed, from_log, lj, from_step, pj = plans[("window", m)]
+    if state.prev_kv is not None:
+        # the window that closed last at a kept position: its rows from the log, or (positions
+        # before the step) from the window as it was
+        d = state.prev_kv.shape[-1]
+        for prev, log, win, old in ((state.prev_kv, state.log_kv, saved[0], saved[2]),
+                                    (state.prev_gate, state.log_gate, saved[1], saved[3])):
+            rows = torch.where(from_step, log[sl, pj], win)[..., :d]
+            prev[slots] = torch.where(closed, rows, old)
+    for t, log, old in ((state.win_kv, state.log_kv, saved[0]), (state.win_gate, state.log_gate, saved[1])):
+        t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
+
+
+__all__ = ["linear_pair", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step", "window_rollback"]
