@@ -1,18 +1,18 @@
-"""Kernel launches of one decode step, per layer and per component, counted on CPU.
+"""Kernel launches of one decode step, per layer and per component, counted on CPU (no GPU needed).
 
-    python bench/count_launches.py [--qat] [--batch 1] [--fused]
+    python bench/count_launches.py [--format fp8-mxfp4] [--batch 1] [--ops kernels|reference]
 
-A random model with every layer kind (sliding, CSA, HCA; hash and top-k MoE) runs a few prefill
-tokens, then one batched decode step under ``torch.profiler``. Each block, and each component
-inside it (mHC, norms, attention projections, compressor, indexer, attention core, MoE), is
-wrapped in a ``record_function`` region; the count of a region is the number of *launching* ops
-in it: aten ops with no aten op below them (what would become one GPU kernel each), leaving out
-the ones that launch nothing (views, ``empty*``, ``detach``), plus one per Triton kernel launch.
+A random tiny model in a release layout (every layer kind: sliding, CSA, HCA; hash and top-k MoE;
+BF16 activations) runs a short prefill, then one decode step (:meth:`Runner.decode_step`, the step
+a CUDA graph captures) under ``torch.profiler``. Each block, and each component inside it, is
+wrapped in a ``record_function`` region; a region's count is the number of *launching* ops in it:
+aten ops with no aten op below them (what would become one GPU kernel each), leaving out the ones
+that launch nothing (views, ``empty*``, ``detach``), plus one per Triton kernel launch.
 
-``--fused`` registers the small-op Triton kernels for the CPU (run through Triton's
-interpreter, ``TRITON_INTERPRET=1``), which the model's fused decode ops then use; the other hot ops
-(linear, MoE, attention, indexer scores) stay on their references and are counted as they are.
-Geometry does not change the counts (no op count depends on sizes), so the model is small.
+``--ops kernels`` (default) registers every Triton kernel for the CPU and runs them in Triton's
+interpreter (``TRITON_INTERPRET=1``; BF16 values come out wrong there, the launches do not), as
+``dsv4`` does on a GPU. The counts do not depend on the geometry, so the model is the tiny one; a
+cuBLAS matmul counts one (it may be two on a GPU: split-K with a separate reduction).
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ NO_LAUNCH = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::de
              "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::size", "aten::stride", "aten::_unsafe_view",
              "aten::_reshape_alias", "aten::reshape", "aten::view_as", "aten::flatten", "aten::unflatten")
 
+#: the components of a block, in order (the innermost region wins)
+COMPONENTS = ("mhc_pre", "norm", "attention", "mhc_post", "router", "routed_experts", "shared_expert",
+              "moe_glue", "other")
+
 
 def _is_view(name: str) -> bool:
     import torch
@@ -41,98 +45,95 @@ def _is_view(name: str) -> bool:
     return any(getattr(packet, o).is_view for o in packet.overloads())
 
 
-#: ops owned by other kernel areas (linear, MoE, attention, indexer): counted apart
-BIG_OPS = ("linear", "grouped_linear", "moe", "sparse_attention", "indexer_scores", "topk_indices")
-#: model components, innermost wins
-COMPONENTS = ("mhc_pre", "mhc_post", "attn_norm/ffn_norm", "q_path", "kv_path", "kv_store", "compressor",
-              "indexer", "attn_out", "router+shared", "other")
-
-
-def _wrap(owner, meth, label) -> None:
+def _wrap(obj, meth: str, name: str) -> None:
+    """Wrap ``obj.meth`` (an instance's attribute) in a ``record_function(name)`` region."""
     import torch
-    orig = getattr(owner, meth)
+    orig = getattr(obj, meth)
 
     def fn(*a, **k):
-        name = label(a[0]) if callable(label) else label
         with torch.profiler.record_function(name):
             return orig(*a, **k)
-    setattr(owner, meth, fn)
+    setattr(obj, meth, fn)
 
 
-def _hooks() -> None:
-    """Wrap blocks, their parts and the big ops in record_function regions."""
-    from dsv4 import ops
-    from dsv4.model import attention, compressor, indexer, mhc, moe, transformer
-
-    _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
-    _wrap(mhc.HyperConnection, "pre", "c:mhc_pre")
-    _wrap(mhc.HyperConnection, "post", "c:mhc_post")
-    _wrap(attention.Attention, "_store_window", "c:kv_store")
-    _wrap(compressor.Compressor, "forward", "c:compressor")
-    _wrap(indexer.Indexer, "forward", "c:indexer")
-    _wrap(moe.MoE, "forward", "c:router+shared")
-    for op in BIG_OPS:
-        for mod in (ops, attention.ops, compressor.ops, indexer.ops, moe.ops):
-            if not hasattr(getattr(mod, op), "_counted"):
-                _wrap(mod, op, f"op:{op}")
-                getattr(mod, op)._counted = True
+def _hooks(model) -> None:
+    """Regions: each block (``layer:<kind>/<hash|topk>``) and its components."""
+    for block in model.layers:
+        moe = block.ffn
+        _wrap(block, "forward", f"layer:{block.attn.kind}/{'hash' if moe.gate.is_hash else 'topk'}")
+        for hc in (block.hc_attn, block.hc_ffn):
+            for part in ("pre", "post"):
+                if hasattr(hc, part):
+                    _wrap(hc, part, f"c:mhc_{part}")
+        for name in ("attn_norm", "ffn_norm"):
+            if hasattr(block, name):
+                _wrap(getattr(block, name), "forward", "c:norm")
+        _wrap(block.attn, "forward", "c:attention")
+        _wrap(moe, "forward", "c:moe_glue")
+        _wrap(moe.gate, "route", "c:router")
+        _wrap(moe.experts, "forward", "c:routed_experts")
+        if moe.shared_experts is not None:
+            _wrap(moe.shared_experts, "forward", "c:shared_expert")
 
 
 def count(prof, launches_of) -> dict:
-    """{layer kind: Counter{label: launches}} averaged over the layers of each kind."""
+    """{layer label: Counter{component: launches}} averaged over the layers of each label, and the
+    kernels (Triton names, aten ops) per label."""
     out: dict[str, collections.Counter] = {}
+    names: dict[str, collections.Counter] = {}
     n: collections.Counter = collections.Counter()
     for e in prof.events():
-        if e.name.startswith("layer:") and e.cpu_parent is None or e.name.startswith("layer:") and \
-                not e.cpu_parent.name.startswith("layer:"):
-            comp = collections.Counter()
-            _walk(e, "other", None, comp, launches_of)
-            out.setdefault(e.name[6:], collections.Counter()).update(comp)
-            n[e.name[6:]] += 1
-    return {k: {c: v / n[k] for c, v in comp.items()} for k, comp in out.items()}
+        if e.name.startswith("layer:") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("layer:")):
+            comp, kern = collections.Counter(), collections.Counter()
+            _walk(e, "other", comp, kern, launches_of)
+            label = e.name[6:]
+            out.setdefault(label, collections.Counter()).update(comp)
+            names.setdefault(label, collections.Counter()).update(kern)
+            n[label] += 1
+    return ({k: {c: v / n[k] for c, v in comp.items()} for k, comp in out.items()},
+            {k: {c: v / n[k] for c, v in kern.items()} for k, kern in names.items()})
 
 
-def _walk(e, comp: str, big: str | None, counter, launches_of) -> int:
+def _walk(e, comp: str, counter, kernels, launches_of) -> int:
     """Add ``e``'s launches to ``counter``; an op launches once unless something below it does."""
     if e.name.startswith("c:"):
         comp = e.name[2:]
-    elif e.name.startswith("op:") and big is None:
-        big = e.name[3:]
-    label = big or comp
     if e.name.startswith("triton::"):
-        counter[label] += 1
+        counter[comp] += 1
+        kernels[f"{comp}: {e.name[8:]}"] += 1
         return 1
-    below = sum(_walk(k, comp, big, counter, launches_of) for k in e.cpu_children)
+    below = sum(_walk(k, comp, counter, kernels, launches_of) for k in e.cpu_children)
     if below == 0 and launches_of(e.name):
-        counter[label] += 1
+        counter[comp] += 1
+        kernels[f"{comp}: {e.name}"] += 1
         return 1
     return below
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--qat", action="store_true", help="QAT simulation on (FP8 KV, FP4 indexer keys)")
+    ap.add_argument("--format", default="fp8-mxfp4", help="bf16, fp8-mxfp4 or fp8-nvfp4 (QAT simulation on unless bf16)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--fused", action="store_true", help="small-op Triton kernels (interpreter) + fused ops")
+    ap.add_argument("--ops", default="kernels", choices=["kernels", "reference"])
+    ap.add_argument("--list", action="store_true", help="also list every launch per layer kind")
     args = ap.parse_args()
-    if args.fused:
+    if args.ops == "kernels":
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
     torch.set_num_threads(1)
     from dsv4.config import preset
     from dsv4.engine.runner import Runner
-    from dsv4.testing import decode, prefill
-    from dsv4.model.init import init_random
-    from dsv4.model.transformer import Transformer
+    from dsv4.random_weights import build_random_model
+    from dsv4.testing import prefill
 
     config = preset("tiny", num_layers=4)
-    model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
-    runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256, qat_sim=args.qat)
+    model = build_random_model(config, args.format, "cpu")
+    runner = Runner(model, max_num_seqs=args.batch, max_model_len=256, qat_sim=args.format != "bf16")
     for s in range(args.batch):
-        prefill(runner, s, list(range(2, 2 + 37 + s)))
-    if args.fused:
-        _use_fused(model)
-    _hooks()
+        prefill(runner, s, list(range(2, 2 + 9 + s)))     # on the reference: quick
+    if args.ops == "kernels":
+        _register_kernels()
+    _hooks(model)
     cache: dict[str, int] = {}
 
     def launches_of(name: str) -> int:
@@ -140,24 +141,29 @@ def main() -> None:
             cache[name] = 0 if (name in NO_LAUNCH or _is_view(name) or not name.startswith("aten::")) else 1
         return cache[name]
 
-    ids = torch.arange(args.batch) + 5
+    slots = list(range(args.batch))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        decode(runner, list(range(args.batch)), ids)
-    table = count(prof, launches_of)
-    labels = sorted({c for comp in table.values() for c in comp}, key=lambda c: (c in BIG_OPS, c))
-    print(f"launches per decode layer (batch {args.batch}, qat_sim={args.qat}, "
-          f"{'fused small ops' if args.fused else 'reference ops'}); big ops of other areas last")
-    print(f"{'':<22}" + "".join(f"{k:>9}" for k in table))
-    for c in labels:
-        print(f"{c:<22}" + "".join(f"{table[k].get(c, 0):>9.0f}" for k in table))
-    for name, sel in (("small ops + glue", lambda c: c not in BIG_OPS), ("big ops", lambda c: c in BIG_OPS),
-                      ("total", lambda c: True)):
-        print(f"{name:<22}" + "".join(f"{sum(v for c, v in table[k].items() if sel(c)):>9.0f}" for k in table))
+        runner.decode_step(slots)
+    table, kernels = count(prof, launches_of)
+    kinds = sorted(table)
+    print(f"launches per decode layer ({args.format}, batch {args.batch}, {args.ops} ops; "
+          f"counted on CPU by bench/count_launches.py)")
+    print(f"{'':<16}" + "".join(f"{k:>14}" for k in kinds))
+    for c in COMPONENTS:
+        if any(c in table[k] for k in kinds):
+            print(f"{c:<16}" + "".join(f"{table[k].get(c, 0):>14.0f}" for k in kinds))
+    mine = ("mhc_pre", "norm", "mhc_post", "router", "routed_experts", "shared_expert", "moe_glue")
+    for name, sel in (("mHC + MoE side", lambda c: c in mine), ("total", lambda c: True)):
+        print(f"{name:<16}" + "".join(f"{sum(v for c, v in table[k].items() if sel(c)):>14.0f}" for k in kinds))
+    if args.list:
+        for k in kinds:
+            print(f"\n{k}:")
+            for name, v in sorted(kernels[k].items(), key=lambda kv: COMPONENTS.index(kv[0].split(':')[0])):
+                print(f"  {v:>3.0f}  {name}")
 
 
-def _use_fused(model) -> None:
-    """Register the small-op kernels for the CPU (interpreter) and apply the model edits proposed
-    in the kernel report as monkeypatches (skipped for any the model already has)."""
+def _register_kernels() -> None:
+    """Every Triton kernel registered for the CPU (interpreter), each launch a profiler region."""
     import torch
     from triton.runtime import interpreter
 
@@ -169,7 +175,6 @@ def _use_fused(model) -> None:
         with torch.profiler.record_function(f"triton::{self.fn.__name__}"):
             return orig_call(self, *a, **k)
     interpreter.GridExecutor.__call__ = call
-
 
 
 if __name__ == "__main__":

@@ -395,6 +395,31 @@ def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
     _states_equal(state, other, exact=False)
 
 
+# ----------------------------------------------------------------------------- MoE router
+def _router_inputs(T: int, E: int, k: int, seed: int, device=DEV, big: bool = True):
+    logits = _randn(T, E, seed=seed, scale=3.0, device="cpu")
+    if big:     # softplus's linear branch, and at its edge (sigmoid would tie them all at 1)
+        logits[0, :4] = 20.0 + torch.arange(4.0) * 0.25
+    tid2eid = torch.stack([torch.randperm(E, generator=_gen(seed + v))[:k] for v in range(40)]).int()
+    tokens = torch.randint(0, 40, (T,), generator=_gen(seed + 1))
+    bias = _randn(E, seed=seed + 2, scale=0.5, device="cpu")
+    return [t.to(device) for t in (logits, bias, tid2eid, tokens)]
+
+
+def _router_equal(got, want) -> None:
+    assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1]), (got[1], want[1])
+    _close(got[0], want[0], steps=8.0)
+
+
+@pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("T, E, k", [(1, 16, 2), (5, 24, 6), (3, 200, 6)])
+def test_router(func, T, E, k):
+    """Scores + top-k (with and without the selection bias) and the hash lookup, in one kernel."""
+    logits, bias, tid2eid, tokens = _router_inputs(T, E, k, seed=170, big=func == "sqrtsoftplus")
+    for kw in (dict(bias=bias), dict(), dict(tid2eid=tid2eid, token_ids=tokens)):
+        _router_equal(KERNELS["router"](logits, func, k, scale=1.5, **kw), ref.router(logits, func, k, scale=1.5, **kw))
+
+
 # ============================================================================= GPU: real shapes, bf16, graphs
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -526,6 +551,29 @@ def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
     ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
     KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate)
     _states_equal(a, b, exact=False)
+
+
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@gpu
+def test_gpu_router(geo, batch):
+    """The router kernel at V4's expert counts (top-6 of 256 / 384), also replayed in a CUDA graph."""
+    E = {"flash": 256, "pro": 384}[geo]
+    logits, bias, tid2eid, tokens = _router_inputs(batch, E, 6, seed=175, device=GDEV)
+    cases = (dict(bias=bias), dict(tid2eid=tid2eid, token_ids=tokens))
+    eager = [KERNELS["router"](logits, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
+    for got, kw in zip(eager, cases):
+        _router_equal(got, ref.router(logits, "sqrtsoftplus", 6, scale=1.5, **kw))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [KERNELS["router"](logits, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
+    for got in outs:
+        for t in got:
+            t.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, eager):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @gpu

@@ -215,13 +215,11 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return _call("topk_indices", scores.device, None, scores, k)
 
 
-def router_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
-    return _call("router_scores", logits.device, None, logits, func)
-
-
-def route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
-          fixed_ids: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    return _call("route", scores.device, None, scores, k, bias, fixed_ids, scale)
+def router(logits: torch.Tensor, func: str, k: int, bias: torch.Tensor | None = None,
+           tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores, selection (top-k or hash table) and weights of the routed experts; see :func:`reference.router`."""
+    return _call("router", logits.device, None, logits, func, k, bias, tid2eid, token_ids, scale)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -231,4 +229,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 __all__ = ["register", "unregister", "implementation", "reference_only", "sync_free", "KernelUnsupported", "numerics", "reference", "FORMAT_OPS",
            "linear", "grouped_linear", "moe", "rms_norm", "rms_norm_unweighted", "rope_inv_freq", "rope_cos_sin",
            "apply_rope", "hadamard", "fp8_sim", "fp4_sim", "mhc_pre", "mhc_post", "hc_head", "sparse_attention",
-           "compress_windows", "indexer_scores", "topk_indices", "router_scores", "route", "swiglu"]
+           "compress_windows", "indexer_scores", "topk_indices", "router", "swiglu"]
