@@ -31,7 +31,7 @@ NO_LAUNCH = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::de
              "aten::_reshape_alias", "aten::reshape", "aten::view_as", "aten::flatten", "aten::unflatten")
 
 #: the components of a block, in order (the innermost region wins)
-COMPONENTS = ("mhc_pre", "norm", "attention", "mhc_post", "router", "routed_experts", "shared_expert",
+COMPONENTS = ("mhc_pre", "attention", "mhc_post", "router", "routed_experts", "shared_expert",
               "moe_glue", "other")
 
 
@@ -57,7 +57,8 @@ def _wrap(obj, meth: str, name: str) -> None:
 
 
 def _hooks(model) -> None:
-    """Regions: each block (``layer:<kind>/<hash|topk>``) and its components."""
+    """Regions: each block (``layer:<kind>/<hash|topk>``) and its components (``mhc_pre`` includes the
+    block's ``attn_norm`` / ``ffn_norm``: one op)."""
     for block in model.layers:
         moe = block.ffn
         _wrap(block, "forward", f"layer:{block.attn.kind}/{'hash' if moe.gate.is_hash else 'topk'}")
@@ -65,9 +66,6 @@ def _hooks(model) -> None:
             for part in ("pre", "post"):
                 if hasattr(hc, part):
                     _wrap(hc, part, f"c:mhc_{part}")
-        for name in ("attn_norm", "ffn_norm"):
-            if hasattr(block, name):
-                _wrap(getattr(block, name), "forward", "c:norm")
         _wrap(block.attn, "forward", "c:attention")
         _wrap(moe, "forward", "c:moe_glue")
         _wrap(moe.gate, "route", "c:router")
@@ -152,7 +150,7 @@ def main() -> None:
     for c in COMPONENTS:
         if any(c in table[k] for k in kinds):
             print(f"{c:<16}" + "".join(f"{table[k].get(c, 0):>14.0f}" for k in kinds))
-    mine = ("mhc_pre", "norm", "mhc_post", "router", "routed_experts", "shared_expert", "moe_glue")
+    mine = ("mhc_pre", "mhc_post", "router", "routed_experts", "shared_expert", "moe_glue")
     for name, sel in (("mHC + MoE side", lambda c: c in mine), ("total", lambda c: True)):
         print(f"{name:<16}" + "".join(f"{sum(v for c, v in table[k].items() if sel(c)):>14.0f}" for k in kinds))
     if args.list:

@@ -140,27 +140,33 @@ def _mixer(nc: int, D: int, n_mix: int, n_scale: int, seed: int):
 @pytest.mark.parametrize("dtype, lead, nc, D, iters", [
     (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (3,), 3, 33, 20),
     (torch.float16, (17,), 4, 24, 2)])       # 17 tokens: two token blocks (few iterations: interpreter time)
-def test_mhc_pre(dtype, lead, nc, D, iters):
+def test_mhc_pre_norm(dtype, lead, nc, D, iters):
+    """mHC pre and the block's RMSNorm in one kernel pair against the composition of the references."""
     h = _randn(*lead, nc, D, seed=20, dtype=dtype, scale=2.0)
     fn, base, scale = _mixer(nc, D, (2 + nc) * nc, 3, seed=21)
-    want = ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)
-    got = KERNELS["mhc_pre"](h, fn, base, scale, iters, 1e-6, 1e-6)
+    w = _randn(D, seed=19)
+    want = ref.rms_norm(ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)[0], w, 1e-5), \
+        *ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)[1:]
+    got = KERNELS["mhc_pre_norm"](h, fn, base, scale, iters, 1e-6, 1e-6, w, 1e-5)
     _close(got[0], want[0], steps=1.0 if dtype != torch.float32 else 16.0)
     _close(got[1], want[1], steps=16.0)
     _close(got[2], want[2], steps=64.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_hc_head(dtype):
+def test_hc_head_norm(dtype):
     nc, D = 4, 72
     h = _randn(3, 2, nc, D, seed=22, dtype=dtype, scale=2.0)
     fn, base, scale = _mixer(nc, D, nc, 1, seed=23)
-    want = ref.hc_head(h, fn, base, scale, 1e-6, 1e-6)
-    _close(KERNELS["hc_head"](h, fn, base, scale, 1e-6, 1e-6), want, steps=1.0 if dtype != torch.float32 else 16.0)
+    w = _randn(D, seed=24)
+
+    def want(x):
+        return ref.rms_norm(ref.hc_head(x, fn, base, scale, 1e-6, 1e-6), w, 1e-6)
+    steps = 1.0 if dtype != torch.float32 else 16.0
+    _close(KERNELS["hc_head_norm"](h, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(h), steps=steps)
     # a strided view, as the model's last-position logits pass it
     hs = h[:, -1:]
-    _close(KERNELS["hc_head"](hs, fn, base, scale, 1e-6, 1e-6), ref.hc_head(hs, fn, base, scale, 1e-6, 1e-6),
-           steps=1.0 if dtype != torch.float32 else 16.0)
+    _close(KERNELS["hc_head_norm"](hs, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(hs), steps=steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -447,15 +453,18 @@ def test_gpu_mhc(geo, batch):
     fn = _g(24, 4 * D, seed=101, scale=0.02, dtype=torch.float32)
     base = _g(24, seed=102, scale=0.5, dtype=torch.float32)
     scale = _g(3, seed=103, scale=0.5, dtype=torch.float32) + 1
-    want, got = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6), KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
-    _close(got[0], want[0], steps=1.0)
+    w = _g(D, seed=108, dtype=torch.float32)
+    want = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)
+    got = KERNELS["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-6)
+    _close(got[0], ref.rms_norm(want[0], w, 1e-6), steps=1.0)
     _close(got[1], want[1], steps=64.0)
     _close(got[2], want[2], steps=256.0)
     out = _g(batch, 1, D, seed=104)
     _close(KERNELS["mhc_post"](out, h, want[1], want[2]), ref.mhc_post(out, h, want[1], want[2]), steps=1.0)
     hf = _g(4, D * 4, seed=105, scale=0.02, dtype=torch.float32)
     hb, hs = _g(4, seed=106, dtype=torch.float32), _g(1, seed=107, dtype=torch.float32)
-    _close(KERNELS["hc_head"](h, hf, hb, hs, 1e-6, 1e-6), ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), steps=1.0)
+    _close(KERNELS["hc_head_norm"](h, hf, hb, hs, 1e-6, 1e-6, w, 1e-6),
+           ref.rms_norm(ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), w, 1e-6), steps=1.0)
 
 
 @pytest.mark.parametrize("geo", ["flash", "pro"])
@@ -595,12 +604,12 @@ def test_gpu_graph_replay_equals_eager():
     ape = _g(4, width, seed=161, dtype=torch.float32)
 
     def step():
-        y, post, comb = KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
+        y, post, comb = KERNELS["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, kw[:1].expand(D).contiguous(), 1e-6)
         qq = KERNELS["rope_qnorm"](q, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6)
         k = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
         KERNELS["store_rows"](ring, slots.unsqueeze(1), pos % 128, k)
         KERNELS["compressor_step"](ckv, cg, ape, st, slots, pos, kw, 1e-6, cos, sin, False)
-        return [KERNELS["mhc_post"](KERNELS["rms_norm"](y, kw[:1].expand(D).contiguous(), 1e-6), h, post, comb), qq, k]
+        return [KERNELS["mhc_post"](y, h, post, comb), qq, k]
 
     saved = [t.clone() for t in ring.tensors() + st.entries.tensors() + [st.win_kv, st.win_gate, st.prev_kv,
                                                                            st.prev_gate]]

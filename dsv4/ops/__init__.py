@@ -179,18 +179,8 @@ def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return _call("fp4_sim", x.device, None, x, block)
 
 
-def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-            norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _call("mhc_pre", h.device, None, h, fn, base, scale, iters, norm_eps, hc_eps)
-
-
 def mhc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     return _call("mhc_post", h.device, None, out, h, post, comb)
-
-
-def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float) -> torch.Tensor:
-    return _call("hc_head", h.device, None, h, fn, base, scale, norm_eps, hc_eps)
 
 
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
@@ -228,5 +218,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 __all__ = ["register", "unregister", "implementation", "reference_only", "sync_free", "KernelUnsupported", "numerics", "reference", "FORMAT_OPS",
            "linear", "grouped_linear", "moe", "rms_norm", "rms_norm_unweighted", "rope_inv_freq", "rope_cos_sin",
-           "apply_rope", "hadamard", "fp8_sim", "fp4_sim", "mhc_pre", "mhc_post", "hc_head", "sparse_attention",
+           "apply_rope", "hadamard", "fp8_sim", "fp4_sim", "mhc_post", "sparse_attention",
            "compress_windows", "indexer_scores", "topk_indices", "router", "swiglu"]

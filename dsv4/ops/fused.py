@@ -11,6 +11,19 @@ import torch
 from . import _call
 
 
+def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                 norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre then the block's RMSNorm; see :func:`reference_fused.mhc_pre_norm`."""
+    return _call("mhc_pre_norm", h.device, None, h, fn, base, scale, iters, norm_eps, hc_eps, weight, eps)
+
+
+def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                 hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The final stream collapse then the final RMSNorm; see :func:`reference_fused.hc_head_norm`."""
+    return _call("hc_head_norm", h.device, None, h, fn, base, scale, norm_eps, hc_eps, weight, eps)
+
+
 def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMS norm (no weight) then RoPE; see :func:`reference_fused.rope_qnorm`."""
     return _call("rope_qnorm", q.device, None, q, cos, sin, eps)
@@ -40,4 +53,4 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
                                                         cos, sin, rotate)
 
 
-__all__ = ["rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]
+__all__ = ["mhc_pre_norm", "hc_head_norm", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]

@@ -10,7 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from .reference import apply_rope, compress_windows, fp4_sim, hadamard, rms_norm, rms_norm_unweighted
+from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, mhc_pre, rms_norm,
+                        rms_norm_unweighted)
+
+
+def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                 norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's input: the mHC pre collapse, then the block's RMSNorm (``attn_norm`` / ``ffn_norm``,
+    ``weight [D]``, ``eps``) of the collapsed ``y``. Returns ``(normed y [..., D] h.dtype, post,
+    comb)`` as :func:`mhc_pre` does."""
+    y, post, comb = mhc_pre(h, fn, base, scale, iters, norm_eps, hc_eps)
+    return rms_norm(y, weight, eps), post, comb
+
+
+def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                 hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The head's input: the final collapse :func:`hc_head`, then the final RMSNorm (``weight [D]``)."""
+    return rms_norm(hc_head(h, fn, base, scale, norm_eps, hc_eps), weight, eps)
 
 
 def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,4 +102,5 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
         state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
 
 
-__all__ = ["rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]
+__all__ = ["mhc_pre_norm", "hc_head_norm", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard",
+           "compressor_step"]
