@@ -141,9 +141,11 @@ def grouped_linear(x: torch.Tensor, w: object, groups: int) -> torch.Tensor:
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: object, w3: object,
-        w2: object, limit: float, act_quant: bool = False, pow2: bool = True) -> torch.Tensor:
-    """Routed experts over stacked weights; see :func:`reference.moe`."""
-    return _call("moe", x.device, _fmt(w1), x, topk_ids, topk_weights, w1, w3, w2, limit, act_quant, pow2)
+        w2: object, limit: float, act_quant: bool = False, pow2: bool = True,
+        shared: tuple[object, object, object] | None = None) -> torch.Tensor:
+    """Routed experts over stacked weights, plus the shared expert ``(w1, w3, w2)``; see
+    :func:`reference.moe`. Dispatched on the routed experts' format."""
+    return _call("moe", x.device, _fmt(w1), x, topk_ids, topk_weights, w1, w3, w2, limit, act_quant, pow2, shared)
 
 
 # ----------------------------------------------------------------------------- other ops

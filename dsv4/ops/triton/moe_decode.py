@@ -55,72 +55,111 @@ def _chunk(ids_ptr, slot, e, P, BM: tl.constexpr, PP: tl.constexpr):
     return rows, valid, active
 
 
-@triton.jit(do_not_specialize=["ncnt", "P"])
+@triton.jit(do_not_specialize=["ncnt", "P", "T"])
 def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, ncnt,
                        w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr, P, E, limit,
+                       sh_ptr, v1_ptr, t1_ptr, f1_ptr, v3_ptr, t3_ptr, f3_ptr, T,
                        D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr,
                        ZB: tl.constexpr, HAS_LIMIT: tl.constexpr, XDT: tl.constexpr,
-                       CDT: tl.constexpr, QDOT: tl.constexpr, PIPE: tl.constexpr = 1):
+                       CDT: tl.constexpr, QDOT: tl.constexpr, SHARED: tl.constexpr = False,
+                       FMT_S: tl.constexpr = 0, I_S: tl.constexpr = 1, BK_S: tl.constexpr = 128,
+                       PIPE: tl.constexpr = 1):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     # zero the w2 kernel's combine counters (ZB per program)
     z = (slot * tl.num_programs(1) + pid_n) * ZB + tl.arange(0, ZB)
     tl.store(cnt_ptr + z, tl.zeros((ZB,), tl.int32), mask=z < ncnt)
-    e = tl.load(ids_ptr + slot).to(tl.int32)
-    rows, valid, active = _chunk(ids_ptr, slot, e, P, BM, PP)
-    if active & (e < E):
-        _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
-                  e, rows, valid, pid_n, limit, D, I, KTOP, FMT, BM, BN, BK, HAS_LIMIT, XDT, CDT, QDOT,
-                  PIPE)
+    if slot < P:
+        e = tl.load(ids_ptr + slot).to(tl.int32)
+        rows, valid, active = _chunk(ids_ptr, slot, e, P, BM, PP)
+        if active & (e < E):
+            _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
+                      e, rows, valid, pid_n, limit, D, I, KTOP, FMT, BM, BN, BK, HAS_LIMIT, XDT, CDT, QDOT,
+                      PIPE)
+    elif SHARED:
+        # the shared expert: the slots past the pairs, BM tokens each, weight 1, its own format
+        tok = (slot - P) * BM + tl.arange(0, BM)
+        if pid_n * BN < I_S:
+            _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, sh_ptr, v1_ptr, t1_ptr, f1_ptr, v3_ptr, t3_ptr, f3_ptr,
+                      tl.full((), 0, tl.int32), tok, tok < T, pid_n, limit, D, I_S, 1, FMT_S, BM, BN, BK_S,
+                      HAS_LIMIT, XDT, CDT, QDOT, PIPE, False)
 
 
-@triton.jit(do_not_specialize=["P"])
+@triton.jit
+def _arrive_and_sum(ids_ptr, y_ptr, ys_ptr, out_ptr, cnt_ptr, tok, valid, pid_n, n_offs, nmask,
+                    D: tl.constexpr, KTOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    XDT: tl.constexpr, SHARED: tl.constexpr):
+    """After a program stored its rows (of tokens ``tok``, ``valid``) for this N tile: the last
+    program to finish a token's rows sums them in slot order (cast to ``XDT``), adds the shared
+    expert's row (cast to ``XDT``) like the reference adds the two outputs, and writes ``out``."""
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr + tok * tl.num_programs(1) + pid_n,
+                        tl.full((BM,), 1, tl.int32), mask=valid, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    need = tl.full((BM,), 1 if SHARED else 0, tl.int32)
+    for j in tl.static_range(KTOP):
+        need += (tl.load(ids_ptr + tok * KTOP + j, mask=valid, other=-1) >= 0).to(tl.int32)
+    last = valid & (old == need - 1)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for j in tl.static_range(KTOP):
+        p = tok * KTOP + j
+        ok = last & (tl.load(ids_ptr + p, mask=last, other=-1) >= 0)
+        acc += tl.load(y_ptr + p[:, None] * D + n_offs[None, :],
+                       mask=ok[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
+    res = acc.to(XDT)
+    if SHARED:
+        ys = tl.load(ys_ptr + tok[:, None] * D + n_offs[None, :], mask=last[:, None] & nmask[None, :],
+                     other=0.0, cache_modifier=".cg")
+        res = (res.to(tl.float32) + ys.to(XDT).to(tl.float32)).to(XDT)
+    tl.store(out_ptr + tok[:, None] * D + n_offs[None, :], res, mask=last[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["P", "T"])
 def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
                       w2_ptr, s2_ptr, g2_ptr, P, E,
+                      sh_ptr, shq_ptr, shs_ptr, ys_ptr, v2_ptr, t2_ptr, f2_ptr, T,
                       D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr,
                       KP2: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr, QDOT: tl.constexpr,
-                      PIPE: tl.constexpr = 1):
+                      SHARED: tl.constexpr = False, FMT_S: tl.constexpr = 0, I_S: tl.constexpr = 1,
+                      BK_S: tl.constexpr = 128, PIPE: tl.constexpr = 1):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_offs = pid_n * BN + tl.arange(0, BN)
     nmask = n_offs < D
-    e = tl.load(ids_ptr + slot).to(tl.int32)
-    rows, valid, active = _chunk(ids_ptr, slot, e, P, BM, PP)
-    if active & (e < E):
-        p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, FMT)
-        y, _unused = _gemm(h_ptr, hq_ptr, hs_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D,
-                           FMT, BM, BN, BK, CDT, False, QDOT, PIPE)
-        if FMT == 3:
-            y = y * tl.load(g2_ptr + e)
-        tl.store(y_ptr + rows[:, None] * D + n_offs[None, :], y,
-                 mask=valid[:, None] & nmask[None, :])
-        # the last program to finish a token's rows (for this N tile) sums them in slot order
-        tok = rows // KTOP
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr + tok * tl.num_programs(1) + pid_n,
-                            tl.full((BM,), 1, tl.int32), mask=valid, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        need = tl.zeros((BM,), tl.int32)
-        for j in tl.static_range(KTOP):
-            need += (tl.load(ids_ptr + tok * KTOP + j, mask=valid, other=-1) >= 0).to(tl.int32)
-        last = valid & (old == need - 1)
-        acc = tl.zeros((BM, BN), tl.float32)
-        for j in tl.static_range(KTOP):
-            p = tok * KTOP + j
-            ok = last & (tl.load(ids_ptr + p, mask=last, other=-1) >= 0)
-            acc += tl.load(y_ptr + p[:, None] * D + n_offs[None, :],
-                           mask=ok[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + tok[:, None] * D + n_offs[None, :], acc.to(XDT),
-                 mask=last[:, None] & nmask[None, :])
-    # a token none of whose slots holds an expert still gets its zero row (by its slot 0)
-    if (slot % KTOP) == 0:
-        t = slot // KTOP
-        jj = tl.arange(0, KP2)
-        tid = tl.load(ids_ptr + t * KTOP + jj, mask=jj < KTOP, other=-1)
-        if tl.max(tid, axis=0) < 0:
-            tl.store(out_ptr + t * D + n_offs, tl.zeros((BN,), XDT), mask=nmask)
+    if slot < P:
+        e = tl.load(ids_ptr + slot).to(tl.int32)
+        rows, valid, active = _chunk(ids_ptr, slot, e, P, BM, PP)
+        if active & (e < E):
+            p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, FMT)
+            y, _unused = _gemm(h_ptr, hq_ptr, hs_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D,
+                               FMT, BM, BN, BK, CDT, False, QDOT, PIPE)
+            if FMT == 3:
+                y = y * tl.load(g2_ptr + e)
+            tl.store(y_ptr + rows[:, None] * D + n_offs[None, :], y,
+                     mask=valid[:, None] & nmask[None, :])
+            _arrive_and_sum(ids_ptr, y_ptr, ys_ptr, out_ptr, cnt_ptr, rows // KTOP, valid, pid_n, n_offs, nmask,
+                            D, KTOP, BM, BN, XDT, SHARED)
+    elif SHARED:
+        tok = (slot - P) * BM + tl.arange(0, BM)
+        valid = tok < T
+        y, _unused = _gemm(sh_ptr, shq_ptr, shs_ptr, tok, valid, v2_ptr, t2_ptr, v2_ptr, t2_ptr, n_offs, nmask,
+                           I_S, D, FMT_S, BM, BN, BK_S, CDT, False, QDOT, PIPE)
+        if FMT_S == 3:
+            y = y * tl.load(f2_ptr)
+        tl.store(ys_ptr + tok[:, None] * D + n_offs[None, :], y, mask=valid[:, None] & nmask[None, :])
+        _arrive_and_sum(ids_ptr, y_ptr, ys_ptr, out_ptr, cnt_ptr, tok, valid, pid_n, n_offs, nmask,
+                        D, KTOP, BM, BN, XDT, SHARED)
+    # a token none of whose slots holds an expert still gets its zero row (by its slot 0); with the
+    # shared expert every token's row is written by its last arrival
+    if not SHARED:
+        if (slot % KTOP) == 0:
+            t = slot // KTOP
+            jj = tl.arange(0, KP2)
+            tid = tl.load(ids_ptr + t * KTOP + jj, mask=jj < KTOP, other=-1)
+            if tl.max(tid, axis=0) < 0:
+                tl.store(out_ptr + t * D + n_offs, tl.zeros((BN,), XDT), mask=nmask)
 
 
 def run(L: Launch) -> None:
@@ -134,12 +173,30 @@ def run(L: Launch) -> None:
     pp = max(triton.next_power_of_2(L.P), 2)
     xh, xq, xs = L.xin
     (d1, s1, g1), (d3, s3, g3), (d2, s2, g2) = L.weights
-    _w13_decode_kernel[(L.P, nt1)](
+    S = L.shared
+    if S is not None:
+        # the shared expert: cdiv(T, BM) more slots of both grids, its own format and width
+        (v1, t1, f1), (v3, t3, f3), (v2, t2, f2) = S.weights
+        slots = L.P + triton.cdiv(L.T, L.BM)
+        sh1 = dict(SHARED=True, FMT_S=S.fmt, I_S=S.I, BK_S=128 if S.fmt < 2 else bk1)
+        sh2 = dict(sh1, BK_S=128 if S.fmt < 2 else bk2)
+        sh_in, sh_out = S.h, S.y
+    else:
+        v1 = t1 = f1 = v3 = t3 = f3 = v2 = t2 = f2 = d1              # never read
+        slots, sh1, sh2, sh_in, sh_out = L.P, {}, {}, L.h, L.y
+    _w13_decode_kernel[(slots, nt1)](
         xh, xq, xs, L.ids, L.rw, L.h, cnt, ncnt, d1, s1, g1, d3, s3, g3, L.P, L.E, L.limit,
+        sh_in, v1, t1, f1, v3, t3, f3, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn1, BK=bk1, PP=pp, ZB=zb, HAS_LIMIT=L.limit > 0,
-        PIPE=pp1, num_warps=nw1, num_stages=ns1, **common)
+        PIPE=pp1, num_warps=nw1, num_stages=ns1, **common, **sh1)
     hh, hq, hs = quantized(L.h, L.act_quant, L.pow2, L.qdot, L.q_dtype, L.ids)
-    _w2_decode_kernel[(L.P, nt2)](
+    if S is not None:
+        sq_dtype = torch.float8_e4m3fn if S.fmt < 2 else torch.float16
+        sh_in, shq, shs = quantized(S.h, L.act_quant, L.pow2, L.qdot, sq_dtype)
+    else:
+        shq = shs = sh_in
+    _w2_decode_kernel[(slots, nt2)](
         hh, hq, hs, L.ids, L.y, L.out, cnt, d2, s2, g2, L.P, L.E,
+        sh_in, shq, shs, sh_out, v2, t2, f2, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn2, BK=bk2, PP=pp, KP2=max(triton.next_power_of_2(L.k), 2),
-        PIPE=pp2, num_warps=nw2, num_stages=ns2, **common)
+        PIPE=pp2, num_warps=nw2, num_stages=ns2, **common, **sh2)

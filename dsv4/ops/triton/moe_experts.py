@@ -205,7 +205,8 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
         for kb in range(0, K, 128):
             sx = tl.load(as_ptr + a_rows * NKB + kb // 128, mask=a_valid, other=0.0)[:, None]
             if FMT < 2:
-                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0)
+                # (q as e4m3; a shared FP8 expert beside FP4 ones gets them as fp16: exact either way)
+                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0).to(tl.float8e4nv)
                 wa, sa = _weight_tile(wa_ptr, sa_ptr, rows, rmask, kb, K, N, FMT, BN, 128, True)
                 acc_a += tl.dot(a, tl.trans(tl.reshape(wa, (BN, 128)))) * sx * tl.reshape(sa, (1, BN))
                 if TWO:
@@ -216,7 +217,7 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
             elif FMT == 3:
                 # NVFP4: e2m1 * block_scale is exact in fp16 (<= 2688, >= 2^-10, <= 6 bits), so the
                 # weights are scaled in registers and one fp16 dot covers the 128 block
-                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0)
+                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0).to(tl.float16)
                 wa, sa = _weight_tile(wa_ptr, sa_ptr, rows, rmask, kb, K, N, FMT, BN, 128, True)
                 wa = tl.reshape((wa * 16384.0) * sa[:, :, None], (BN, 128))
                 acc_a += tl.dot(a, tl.trans(wa)) * sx
@@ -231,7 +232,7 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
                 blk_a = tl.zeros((BM, BN), tl.float32)
                 blk_b = tl.zeros((BM, BN), tl.float32)
                 for g in tl.static_range(128 // GS):
-                    a = _load_rows(aq_ptr, a_rows, a_valid, kb + g * GS, K, GS, K % 128 == 0)
+                    a = _load_rows(aq_ptr, a_rows, a_valid, kb + g * GS, K, GS, K % 128 == 0).to(tl.float16)
                     wa, sa = _fp4_group16(wa_ptr, sa_ptr, rows, rmask, kb + g * GS, K, N, FMT, BN)
                     blk_a += tl.dot(a, tl.trans(wa)) * sa[None, :]
                     if TWO:
@@ -272,10 +273,11 @@ def _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_p
               e, rows, valid, pid_n, limit, D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr,
               FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               HAS_LIMIT: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr, QDOT: tl.constexpr,
-              PIPE: tl.constexpr):
+              PIPE: tl.constexpr, WEIGHTED: tl.constexpr = True):
     """The gate/up half of expert ``e`` for the pairs ``rows`` (``valid`` masks the padding), output
     columns ``pid_n * BN ...``: W1 and W3 in one pass, the NVFP4 global scales, the clamped SwiGLU
-    times the routing weight, stored to ``h``. Shared by the decode and the grouped (prefill) kernel."""
+    times the routing weight (``WEIGHTED``; the shared expert has none), stored to ``h``. Shared by
+    the decode and the grouped (prefill) kernel."""
     tok = rows // KTOP
     n_offs = pid_n * BN + tl.arange(0, BN)
     nmask = n_offs < I
@@ -286,7 +288,10 @@ def _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_p
     if FMT == 3:
         g = g * tl.load(g1_ptr + e)
         u = u * tl.load(g3_ptr + e)
-    rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
+    if WEIGHTED:
+        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
+    else:
+        rw = tl.full((BM,), 1.0, tl.float32)
     h = _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n_offs[None, :], h.to(XDT),
              mask=valid[:, None] & nmask[None, :])
