@@ -168,8 +168,11 @@ def test_shared_expert_runs_in_the_decode_kernels(monkeypatch, fmt, sfmt, T, act
     """The shared expert (its own format; full width, and half width as under expert parallel) is one
     more expert of the two decode launches: the same as the reference's routed sum plus shared
     output, with a ``-1`` slot and (T = 4) a token holding no routed expert, which gets the shared
-    output alone. Nothing runs the shared expert outside the kernels."""
+    output alone. Nothing runs the shared expert outside the kernels, and one token (the GEMV)
+    launches nothing else: the kernels round x and h themselves."""
     monkeypatch.setattr(M, "_shared_expert", None)           # any call outside the kernels fails
+    if T == 1:
+        monkeypatch.setattr(moe_experts, "_quant_kernel", None)
     E, k, D, I = 5, 3, 256, 128
     w1, w3 = (_weights(fmt, E, I, D, s) for s in (1, 3))
     w2 = _weights(fmt, E, D, I, 2)

@@ -256,7 +256,9 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         w13, w2cfg = (w13[0], 128, *w13[2:]), (w2cfg[0], 128, *w2cfg[2:])
     L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg,
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
-               q_dtype=q_dtype, limit=float(limit), x=x, xin=quantized(x, act_quant, pow2, qdot, q_dtype),
+               q_dtype=q_dtype, limit=float(limit), x=x,
+               # (one token: the decode kernels round x themselves, moe_decode.run)
+               xin=quantized(x, act_quant and BM > 1, pow2, qdot, q_dtype),
                ids=topk_ids, rw=topk_weights, weights=((d1, s1, g1), (d3, s3, g3), (d2, s2, g2)),
                h=runtime.empty((P, I), x.dtype, x.device), y=runtime.empty((P, D), torch.float32, x.device),
                out=out)

@@ -64,7 +64,7 @@ def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, n
                        ZB: tl.constexpr, HAS_LIMIT: tl.constexpr, XDT: tl.constexpr,
                        CDT: tl.constexpr, QDOT: tl.constexpr, SHARED: tl.constexpr = False,
                        FMT_S: tl.constexpr = 0, I_S: tl.constexpr = 1, BK_S: tl.constexpr = 128,
-                       PIPE: tl.constexpr = 1):
+                       AQ: tl.constexpr = False, POW2: tl.constexpr = True, PIPE: tl.constexpr = 1):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     # zero the w2 kernel's combine counters (ZB per program)
@@ -76,14 +76,14 @@ def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, n
         if active & (e < E):
             _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
                       e, rows, valid, pid_n, limit, D, I, KTOP, FMT, BM, BN, BK, HAS_LIMIT, XDT, CDT, QDOT,
-                      PIPE)
+                      PIPE, True, AQ, POW2)
     elif SHARED:
         # the shared expert: the slots past the pairs, BM tokens each, weight 1, its own format
         tok = (slot - P) * BM + tl.arange(0, BM)
         if pid_n * BN < I_S:
             _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, sh_ptr, v1_ptr, t1_ptr, f1_ptr, v3_ptr, t3_ptr, f3_ptr,
                       tl.full((), 0, tl.int32), tok, tok < T, pid_n, limit, D, I_S, 1, FMT_S, BM, BN, BK_S,
-                      HAS_LIMIT, XDT, CDT, QDOT, PIPE, False)
+                      HAS_LIMIT, XDT, CDT, QDOT, PIPE, False, AQ, POW2)
 
 
 @triton.jit
@@ -123,7 +123,8 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr,
                       KP2: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr, QDOT: tl.constexpr,
                       SHARED: tl.constexpr = False, FMT_S: tl.constexpr = 0, I_S: tl.constexpr = 1,
-                      BK_S: tl.constexpr = 128, PIPE: tl.constexpr = 1):
+                      BK_S: tl.constexpr = 128, AQ: tl.constexpr = False, POW2: tl.constexpr = True,
+                      PIPE: tl.constexpr = 1):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_offs = pid_n * BN + tl.arange(0, BN)
@@ -134,7 +135,7 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
         if active & (e < E):
             p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, FMT)
             y, _unused = _gemm(h_ptr, hq_ptr, hs_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D,
-                               FMT, BM, BN, BK, CDT, False, QDOT, PIPE)
+                               FMT, BM, BN, BK, CDT, False, QDOT, PIPE, AQ, POW2)
             if FMT == 3:
                 y = y * tl.load(g2_ptr + e)
             tl.store(y_ptr + rows[:, None] * D + n_offs[None, :], y,
@@ -145,7 +146,7 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
         tok = (slot - P) * BM + tl.arange(0, BM)
         valid = tok < T
         y, _unused = _gemm(sh_ptr, shq_ptr, shs_ptr, tok, valid, v2_ptr, t2_ptr, v2_ptr, t2_ptr, n_offs, nmask,
-                           I_S, D, FMT_S, BM, BN, BK_S, CDT, False, QDOT, PIPE)
+                           I_S, D, FMT_S, BM, BN, BK_S, CDT, False, QDOT, PIPE, AQ, POW2)
         if FMT_S == 3:
             y = y * tl.load(f2_ptr)
         tl.store(ys_ptr + tok[:, None] * D + n_offs[None, :], y, mask=valid[:, None] & nmask[None, :])
@@ -166,7 +167,9 @@ def run(L: Launch) -> None:
     """The two decode launches of one MoE call (the second also sums each token's rows into ``L.out``)."""
     (bn1, bk1, nw1, ns1, pp1), (bn2, bk2, nw2, ns2, pp2) = L.w13, L.w2
     nt1, nt2 = triton.cdiv(L.I, bn1), triton.cdiv(L.D, bn2)
-    common = dict(FMT=L.fmt, BM=L.BM, XDT=L.xdt, CDT=L.xdt, QDOT=L.qdot)
+    # one token (BM 1), act-quant: the kernels round x and h tile by tile (no quantization launches)
+    aq = L.act_quant and L.BM == 1
+    common = dict(FMT=L.fmt, BM=L.BM, XDT=L.xdt, CDT=L.xdt, QDOT=L.qdot, AQ=aq, POW2=L.pow2)
     ncnt = L.T * nt2
     cnt = runtime.empty((ncnt,), torch.int32, L.x.device)       # zeroed by the first kernel
     zb = triton.next_power_of_2(triton.cdiv(ncnt, L.P * nt1))
@@ -189,10 +192,10 @@ def run(L: Launch) -> None:
         sh_in, v1, t1, f1, v3, t3, f3, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn1, BK=bk1, PP=pp, ZB=zb, HAS_LIMIT=L.limit > 0,
         PIPE=pp1, num_warps=nw1, num_stages=ns1, **common, **sh1)
-    hh, hq, hs = quantized(L.h, L.act_quant, L.pow2, L.qdot, L.q_dtype, L.ids)
+    hh, hq, hs = quantized(L.h, L.act_quant and not aq, L.pow2, L.qdot, L.q_dtype, L.ids)
     if S is not None:
         sq_dtype = torch.float8_e4m3fn if S.fmt < 2 else torch.float16
-        sh_in, shq, shs = quantized(S.h, L.act_quant, L.pow2, L.qdot, sq_dtype)
+        sh_in, shq, shs = quantized(S.h, L.act_quant and not aq, L.pow2, L.qdot, sq_dtype)
     else:
         shq = shs = sh_in
     _w2_decode_kernel[(slots, nt2)](
