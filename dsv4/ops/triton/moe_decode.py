@@ -1,22 +1,26 @@
 """MoE decode kernels (:mod:`dsv4.ops.triton.moe`): few (token, expert) pairs, no sort.
 
-Decode (``T * k <= DECODE_MAX_PAIRS``), three launches at most, no host read, fixed shapes
-(CUDA-graph capturable):
+Decode (``T * k <= DECODE_MAX_PAIRS``), two launches for the routed experts and the shared one,
+no host read, fixed shapes (CUDA-graph capturable). The shared expert is one more "expert" of
+weight 1: ``T`` more slots of each grid (one token each), with its own format and width (``I / N``
+under expert parallel). With act-quant the kernels round ``x`` and ``h`` per 128 block as they
+stream them (``moe_experts._act_quant_tile``), so no quantization kernel runs:
 
-1. ``_w13_decode_kernel``, grid ``(T*k slots, I / BN)``. Each slot ``j`` owns a *chunk*: when pair
+1. ``_w13_decode_kernel``, grid ``(T*k (+ T shared) slots, I / BN)``. Each slot ``j`` owns a *chunk*: when pair
    ``j`` is the first of its expert, or the ``BM``-th, ``2BM``-th ... pair of that expert (pairs
    in index order), the program takes the next ``BM`` pairs of that expert; otherwise it exits.
    The chunk is found in registers from the ``T*k`` ids (compare, cumsum), so each expert's
    bytes are read once for up to ``BM`` tokens without any sort or extra launch. The program
    streams ``BN`` rows of W1 and W3 over all of ``D`` and writes ``h`` (SwiGLU + clamp + routing
-   weight epilogue) for its pairs. ``BM = 1`` (batch 1): a CUDA-core GEMV whose group scales
-   multiply per-group partial sums. ``BM = 16``: ``tl.dot`` on the dequantized tile.
+   weight epilogue) for its pairs. The engine runs ``BM = 1`` (``moe.CONFIGS["gemv"]`` says why): a
+   CUDA-core GEMV whose group scales multiply per-group partial sums.
    It also zeroes the combine counters of step 2 (saves a memset launch).
-2. ``_w2_decode_kernel``, grid ``(T*k slots, D / BN)``: the same chunks over W2 with ``ĥ`` as
-   input (quantized per 128 in the prologue of each K block), fp32 rows per pair; then the
+2. ``_w2_decode_kernel``, grid ``(T*k (+ T shared) slots, D / BN)``: the same chunks over W2 with
+   ``ĥ`` as input (quantized per 128 in the prologue of each K block), fp32 rows per pair; then the
    combine: each program bumps a per-(token, N tile) counter (``atomic_add``, acq_rel) and the
-   program that completes a token sums that token's ``k`` rows in slot order and writes the
-   output. The sum order is fixed, so results are deterministic whatever the scheduling.
+   program that completes a token sums that token's ``k`` rows in slot order, adds the shared
+   expert's row (each cast to the activation dtype first, as the reference adds the two outputs)
+   and writes the output. The sum order is fixed, so results are deterministic whatever the scheduling.
 
 No split-K: at batch 1, ``BN`` = 16 / 32 rows already gives 6 x (I/16) and 6 x (D/32) programs
 (768-1344 for Flash/Pro), several per SM.
@@ -31,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .moe_experts import _expert_ptrs, _gemm, _w13_rows, quantized
+from .moe_experts import _expert_ptrs, _gemm, _w13_rows
 
 if TYPE_CHECKING:
     from .moe import Launch
@@ -167,20 +171,21 @@ def run(L: Launch) -> None:
     """The two decode launches of one MoE call (the second also sums each token's rows into ``L.out``)."""
     (bn1, bk1, nw1, ns1, pp1), (bn2, bk2, nw2, ns2, pp2) = L.w13, L.w2
     nt1, nt2 = triton.cdiv(L.I, bn1), triton.cdiv(L.D, bn2)
-    # one token (BM 1), act-quant: the kernels round x and h tile by tile (no quantization launches)
-    aq = L.act_quant and L.BM == 1
-    common = dict(FMT=L.fmt, BM=L.BM, XDT=L.xdt, CDT=L.xdt, QDOT=L.qdot, AQ=aq, POW2=L.pow2)
+    # one pair a program (BM 1): with act-quant the kernels round x and h tile by tile in their K
+    # loops (bit for bit the quantization kernel's values), so nothing else launches
+    assert L.BM == 1 and not L.qdot, "the decode kernels run one pair a program"
+    common = dict(FMT=L.fmt, BM=1, XDT=L.xdt, CDT=L.xdt, QDOT=False, AQ=L.act_quant, POW2=L.pow2)
     ncnt = L.T * nt2
     cnt = runtime.empty((ncnt,), torch.int32, L.x.device)       # zeroed by the first kernel
     zb = triton.next_power_of_2(triton.cdiv(ncnt, L.P * nt1))
     pp = max(triton.next_power_of_2(L.P), 2)
-    xh, xq, xs = L.xin
+    x = L.x
     (d1, s1, g1), (d3, s3, g3), (d2, s2, g2) = L.weights
     S = L.shared
     if S is not None:
-        # the shared expert: cdiv(T, BM) more slots of both grids, its own format and width
+        # the shared expert: T more slots of both grids (one token each), its own format and width
         (v1, t1, f1), (v3, t3, f3), (v2, t2, f2) = S.weights
-        slots = L.P + triton.cdiv(L.T, L.BM)
+        slots = L.P + L.T
         sh1 = dict(SHARED=True, FMT_S=S.fmt, I_S=S.I, BK_S=128 if S.fmt < 2 else bk1)
         sh2 = dict(sh1, BK_S=128 if S.fmt < 2 else bk2)
         sh_in, sh_out = S.h, S.y
@@ -188,18 +193,12 @@ def run(L: Launch) -> None:
         v1 = t1 = f1 = v3 = t3 = f3 = v2 = t2 = f2 = d1              # never read
         slots, sh1, sh2, sh_in, sh_out = L.P, {}, {}, L.h, L.y
     _w13_decode_kernel[(slots, nt1)](
-        xh, xq, xs, L.ids, L.rw, L.h, cnt, ncnt, d1, s1, g1, d3, s3, g3, L.P, L.E, L.limit,
+        x, x, x, L.ids, L.rw, L.h, cnt, ncnt, d1, s1, g1, d3, s3, g3, L.P, L.E, L.limit,
         sh_in, v1, t1, f1, v3, t3, f3, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn1, BK=bk1, PP=pp, ZB=zb, HAS_LIMIT=L.limit > 0,
         PIPE=pp1, num_warps=nw1, num_stages=ns1, **common, **sh1)
-    hh, hq, hs = quantized(L.h, L.act_quant and not aq, L.pow2, L.qdot, L.q_dtype, L.ids)
-    if S is not None:
-        sq_dtype = torch.float8_e4m3fn if S.fmt < 2 else torch.float16
-        sh_in, shq, shs = quantized(S.h, L.act_quant and not aq, L.pow2, L.qdot, sq_dtype)
-    else:
-        shq = shs = sh_in
     _w2_decode_kernel[(slots, nt2)](
-        hh, hq, hs, L.ids, L.y, L.out, cnt, d2, s2, g2, L.P, L.E,
-        sh_in, shq, shs, sh_out, v2, t2, f2, L.T,
+        L.h, L.h, L.h, L.ids, L.y, L.out, cnt, d2, s2, g2, L.P, L.E,
+        sh_in, sh_in, sh_in, sh_out, v2, t2, f2, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn2, BK=bk2, PP=pp, KP2=max(triton.next_power_of_2(L.k), 2),
         PIPE=pp2, num_warps=nw2, num_stages=ns2, **common, **sh2)
