@@ -161,12 +161,12 @@ def _shared(fmt: str, I: int, D: int, seed: int, dev: str = DEV) -> tuple:
             _weights(fmt, 1, D, I, seed + 2, dev).expert(0))
 
 
-@pytest.mark.parametrize("fmt, sfmt, T, act", [("mxfp4", "fp8e", 1, True), ("mxfp4", "fp8e", 4, True),
-                                               ("nvfp4", "fp8", 4, False), ("fp8e", "mxfp4", 1, False)])
+@pytest.mark.parametrize("fmt, sfmt, T, act", [("mxfp4", "fp8e", 1, True), ("mxfp4", "fp8e", 3, True),
+                                               ("nvfp4", "fp8", 3, False), ("fp8e", "mxfp4", 1, False)])
 def test_shared_expert_runs_in_the_decode_kernels(monkeypatch, fmt, sfmt, T, act):
     """The shared expert (its own format; full width, and half width as under expert parallel) is one
     more expert of the two decode launches: the same as the reference's routed sum plus shared
-    output, with a ``-1`` slot and (T = 4) a token holding no routed expert, which gets the shared
+    output, with a ``-1`` slot and (T = 3) a token holding no routed expert, which gets the shared
     output alone. Nothing runs the shared expert outside the kernels, and one token (the GEMV)
     launches nothing else: the kernels round x and h themselves."""
     monkeypatch.setattr(M, "_shared_expert", None)           # any call outside the kernels fails
@@ -178,7 +178,7 @@ def test_shared_expert_runs_in_the_decode_kernels(monkeypatch, fmt, sfmt, T, act
     x = (torch.randn(T, D, generator=_gen(4)) * 2).half().to(DEV)
     ids, rw = _routing(T, k, E, 5)
     exact = fmt in ("mxfp4", "fp8e") and sfmt in ("mxfp4", "fp8e")
-    for width in (I, I // 2):
+    for width in ((I, I // 2) if T == 1 else (I,)):
         shared = _shared(sfmt, width, D, 11)
         got = M.moe_triton(x, ids, rw, w1, w3, w2, 1.5, act, True, shared)
         exp = ref.moe(x, ids, rw, w1, w3, w2, 1.5, act, True, shared)
@@ -416,7 +416,7 @@ def test_no_pairs_gives_zeros():
     assert torch.equal(got.cpu(), torch.zeros(3, 64, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("experts,T,prefill", [("mxfp4", 1, False), ("fp8", 5, False), ("nvfp4", 9, True)])
+@pytest.mark.parametrize("experts,T,prefill", [("mxfp4", 1, False), ("fp8", 3, False), ("nvfp4", 9, True)])
 def test_model_moe_layers_under_expert_parallel(monkeypatch, experts, T, prefill):
     """The model's MoE end to end under expert parallel: ``random_sharded`` builds the same network
     at world size 1 and as ranks 0 and 1 of 2 (4 of the 8 experts each, the shared expert split in
