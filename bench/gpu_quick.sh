@@ -89,7 +89,7 @@ spec_profile)   # the kernels of a verify step (1 + 3 tokens a row) against deco
   t 240 spec_profile.txt python3 bench/spec_bench.py --layers 4 --batch 1 --k 3 --tables cost profile --steps 20
   ;;
 spec_zero)   # issue 25's batch-32 target: the engine with always-wrong drafts against plain decoding (<= 5% lost)
-  t 300 spec_zero.txt python3 bench/spec_bench.py --layers 4 --batch 1 32 --k 3 --tables zero --tokens 512
+  t 400 spec_zero.txt python3 bench/spec_bench.py --layers 4 --batch 1 32 --k 3 --tables zero --tokens 512
   ;;
 decode)
   t 170 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format fp8-mxfp4 \
