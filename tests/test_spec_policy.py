@@ -91,6 +91,15 @@ def test_verify_cost_ratio_is_the_measured_table():
         assert SpecPolicy().start(k).ema >= verify_cost_ratio(1, k)
 
 
+def test_policy_is_on_where_graphs_replay(model):
+    """The cost table is of CUDA graph replays: an eager engine (here, the CPU) speculates at every
+    step it can unless given a policy; a speculating engine with graphs gets one by default."""
+    assert _engine(model, {"method": "ngram", "num_speculative_tokens": 3}).spec_policy is None
+    runner = Runner(model, max_num_seqs=2, max_model_len=64, speculative={"method": "mtp", "num_speculative_tokens": 1})
+    runner.graphs[(1, None)] = None              # as if captured (Runner.use_graphs)
+    assert isinstance(Engine(runner, None, eos_id=1).spec_policy, SpecPolicy)
+
+
 def test_more_rows_than_disable_by_batch_size_decode_plainly(model, plain):
     """Three requests over ``disable_by_batch_size = 2``: no verify row while all three decode; the
     plain rows are counted; the tokens are plain decoding's."""

@@ -169,9 +169,10 @@ class Engine:
         #: n-gram drafts: ``propose(request) -> k ids or None`` (None: a plain decode row); tests inject
         #: drafts of a chosen quality here
         self.propose = self._ngram_draft
-        #: when a request speculates (its acceptance against the verify step's cost, probes);
-        #: None: every step it can (tests that need every rollback depth)
-        self.spec_policy = SpecPolicy() if self.speculative is not None else None
+        #: when a request speculates (its acceptance against the verify step's cost, probes); on
+        #: where its cost table was measured, CUDA graph replays (eager steps, on the CPU or with
+        #: enforce_eager, cost otherwise); None: every step it can
+        self.spec_policy = SpecPolicy() if self.speculative is not None and runner.use_graphs else None
         self._spec_step = 0                 # engine steps with decode rows (the probe schedule)
         self._verified = False              # the last step had verify rows
         #: steps of decode rows only are all verify or all plain rows (None: when the runner has
