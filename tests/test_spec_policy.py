@@ -91,6 +91,15 @@ def test_verify_cost_ratio_is_the_measured_table():
         assert SpecPolicy().start(k).ema >= verify_cost_ratio(1, k)
 
 
+def test_policy_is_on_where_graphs_replay(model):
+    """The cost table is of CUDA graph replays: an eager engine (here, the CPU) speculates at every
+    step it can unless given a policy; a speculating engine with graphs gets one by default."""
+    assert _engine(model, {"method": "ngram", "num_speculative_tokens": 3}).spec_policy is None
+    runner = Runner(model, max_num_seqs=2, max_model_len=64, speculative={"method": "mtp", "num_speculative_tokens": 1})
+    runner.graphs[(1, None)] = None              # as if captured (Runner.use_graphs)
+    assert isinstance(Engine(runner, None, eos_id=1).spec_policy, SpecPolicy)
+
+
 def test_more_rows_than_disable_by_batch_size_decode_plainly(model, plain):
     """Three requests over ``disable_by_batch_size = 2``: no verify row while all three decode; the
     plain rows are counted; the tokens are plain decoding's."""
@@ -138,6 +147,39 @@ def test_policy_turns_wrong_drafts_off_and_keeps_right_ones(model, plain):
     # wrong then right: off after its first step, on again at the first probe after token 40
     assert late.num_accepted_tokens >= k * (late.num_drafts - 2 - 40 // PROBE)
     assert late.num_policy_plain_rows <= 40 + PROBE
+
+
+def test_steps_of_one_kind_where_verify_graphs_replay(model, plain):
+    """``one_kind_steps`` (on whenever the runner has verify graphs: a mixed step runs eagerly): the
+    requests of the test above, but no step of decode rows mixes verify and plain rows; the batch
+    verifies while its expected extra tokens pay for the verify step. Plain decoding's tokens."""
+    requests, want = plain
+    k = 3
+    truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
+    kind = {tuple(p): i for i, (p, _) in enumerate(requests)}
+
+    def propose(req):
+        n = len(req.output_ids)
+        right = list(truth[tuple(req.prompt_ids)][n:n + k]) + [3] * k
+        return (right if kind[tuple(req.prompt_ids)] == 0 else [(t + 1) % 512 for t in right])[:k]
+
+    engine = _engine(model, {"method": "ngram", "num_speculative_tokens": k})
+    engine.spec_policy = SpecPolicy(probe_every=PROBE)
+    engine.one_kind_steps = True
+    engine.propose = propose
+    kinds = []
+    run = engine.runner.run
+
+    def spy(batch):
+        if all(r.is_decode for r in batch.rows) and len(batch.rows) == 3:
+            kinds.append({r.is_verify for r in batch.rows})
+        return run(batch)
+    engine.runner.run = spy
+    got = _generate(engine, requests)
+    _same(got, want)
+    assert {True} in kinds and {False} in kinds and {True, False} not in kinds
+    # the always-right request alone does not pay for verifying all three (1 + 3 < 3 x 2.15)
+    assert got[0].spec_decode.num_policy_plain_rows > TOKENS // 2
 
 
 def test_without_the_policy_wrong_drafts_verify_every_step(model, plain):

@@ -40,7 +40,7 @@ from .prefix_cache import CacheStats, Pending, PrefixCache
 from .runner import Runner
 from .sampling import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
-from .speculative import Acceptance, SpecPolicy, SpecStats, ngram_propose
+from .speculative import Acceptance, SpecPolicy, SpecStats, ngram_propose, verify_cost_ratio
 
 
 @dataclass
@@ -169,11 +169,15 @@ class Engine:
         #: n-gram drafts: ``propose(request) -> k ids or None`` (None: a plain decode row); tests inject
         #: drafts of a chosen quality here
         self.propose = self._ngram_draft
-        #: when a request speculates (its acceptance against the verify step's cost, probes);
-        #: None: every step it can (tests that need every rollback depth)
-        self.spec_policy = SpecPolicy() if self.speculative is not None else None
+        #: when a request speculates (its acceptance against the verify step's cost, probes); on
+        #: where its cost table was measured, CUDA graph replays (eager steps, on the CPU or with
+        #: enforce_eager, cost otherwise); None: every step it can
+        self.spec_policy = SpecPolicy() if self.speculative is not None and runner.use_graphs else None
         self._spec_step = 0                 # engine steps with decode rows (the probe schedule)
         self._verified = False              # the last step had verify rows
+        #: steps of decode rows only are all verify or all plain rows (None: when the runner has
+        #: verify graphs, which replay steps of one kind)
+        self.one_kind_steps: bool | None = None
         if self.speculative is not None:
             self.scheduler.decode_tokens = 1 + self.speculative.k
         # the next plan needs the host to know this step's tokens when verify rows keep a varying count
@@ -323,16 +327,12 @@ class Engine:
         rows, tracks, chunks, saves, published = [], [], {}, [], []
         cache = self.prefix_cache
         spec = self.speculative
-        by_size = spec is not None and spec.disable_by_batch_size is not None and \
-            len(plan.decode) > spec.disable_by_batch_size
-        if plan.decode and spec is not None:
-            self._spec_step += 1
+        off = self._policy_off(plan)
         for req in plan.decode:
             # a constrained request decodes plainly: its mask for each draft position would need the
             # drafts accepted first (Constraint.accept takes several tokens for when it does)
             track = self.tracks[req.request_id]
-            row = self._decode_row(req, None if track.constraint is not None else spec,
-                                   spec is not None and (by_size or not self._speculates(track, len(plan.decode))))
+            row = self._decode_row(req, None if track.constraint is not None else spec, off.get(req.request_id, False))
             rows.append(row)
             tracks.append(track)
             # a verify row's kept length is known after the step: decode-time saves are for plain rows
@@ -403,11 +403,30 @@ class Engine:
         self._queue(tracks, out.sampled, out.emitted)
         return True
 
-    def _speculates(self, track: _Track, batch: int) -> bool:
-        """The acceptance policy (:class:`~dsv4.engine.speculative.SpecPolicy`): whether this
-        request's row verifies drafts in this step of ``batch`` decode rows."""
-        policy = self.spec_policy
-        return policy is None or policy.speculate(track.acceptance, batch, self.speculative.k, self._spec_step)
+    def _policy_off(self, plan: StepPlan) -> dict[str, bool]:
+        """Which decode rows the speculation policy keeps plain this step, by request id: all of
+        them above ``disable_by_batch_size``, else those whose acceptance does not pay for a verify
+        step (:class:`~dsv4.engine.speculative.SpecPolicy`). With verify graphs (``one_kind_steps``)
+        a step of decode rows only is all verify or all plain rows, since a mix runs eagerly at
+        several times a graph step's cost: all verify when the rows' expected extra tokens pay for
+        the verify step of the whole batch, else all plain."""
+        spec, policy, b = self.speculative, self.spec_policy, len(plan.decode)
+        if spec is None or not b:
+            return {}
+        self._spec_step += 1
+        rows = {r.request_id: self.tracks[r.request_id] for r in plan.decode
+                if self.tracks[r.request_id].constraint is None}
+        if spec.disable_by_batch_size is not None and b > spec.disable_by_batch_size:
+            return dict.fromkeys(rows, True)
+        if policy is None:
+            return {}
+        off = {rid: not policy.speculate(t.acceptance, b, spec.k, self._spec_step) for rid, t in rows.items()}
+        one_kind = bool(self.runner.verify_graphs) if self.one_kind_steps is None else self.one_kind_steps
+        if one_kind and not plan.prefill and 0 < sum(off.values()) < len(off):
+            extra = sum(t.acceptance.ema - 1 for t in rows.values())
+            plain = extra < (verify_cost_ratio(b, spec.k, policy.cost) - 1) * b
+            off = dict.fromkeys(off, plain)
+        return off
 
     def _may_verify(self) -> bool:
         """Whether the next step may have a verify row (n-gram drafts and the kept counts need the

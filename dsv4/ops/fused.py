@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from . import _call
+from . import _call, _fmt
+
+
+def linear_pair(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False, pow2: bool = True,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ w1.T, x @ w2.T)`` in one launch where a kernel takes both formats; see
+    :func:`reference_fused.linear_pair` (dispatched on the first weight's format)."""
+    return _call("linear_pair", x.device, _fmt(w1), x, w1, w2, act_quant, pow2, out_dtype)
 
 
 def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -53,4 +60,5 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
                                                         cos, sin, rotate)
 
 
-__all__ = ["mhc_pre_norm", "hc_head_norm", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard",
+           "compressor_step"]

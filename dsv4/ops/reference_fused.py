@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, mhc_pre, rms_norm,
+from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, linear, mhc_pre, rms_norm,
                         rms_norm_unweighted)
 
 
@@ -28,6 +28,13 @@ def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
                  hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The head's input: the final collapse :func:`hc_head`, then the final RMSNorm (``weight [D]``)."""
     return rms_norm(hc_head(h, fn, base, scale, norm_eps, hc_eps), weight, eps)
+
+
+def linear_pair(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False, pow2: bool = True,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two projections of the same input (attention's ``wq_a`` and ``wkv``): ``(linear(x, w1),
+    linear(x, w2))`` with the same numerics each (:func:`dsv4.ops.reference.linear`)."""
+    return linear(x, w1, act_quant, pow2, out_dtype), linear(x, w2, act_quant, pow2, out_dtype)
 
 
 def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,5 +109,5 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
         state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
 
 
-__all__ = ["mhc_pre_norm", "hc_head_norm", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard",
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard",
            "compressor_step"]
