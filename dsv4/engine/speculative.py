@@ -39,19 +39,22 @@ at batch 32. Two rules keep that loss small:
   ``probe_every``-th engine step, the same step for every such request (at zero acceptance a probe
   is one verify step of the whole batch, not a mix of verify and plain rows, and costs
   ``(ratio - 1) / probe_every``: 2.2% at batch 1, 1.0% at batch 32 for ``probe_every = 64``).
-  A table, not a ratio timed at start-up: the same decisions on every run, no timing noise; a GPU
-  or model far from the measured one keeps speculating while its acceptance pays by this table.
-  The table is of CUDA graph replays, so the engine applies the policy where graphs replay (on
-  the CPU a verify step of the tiny model costs about 1.3-1.4x a decode step; there, and with
-  ``enforce_eager``, every row speculates that can, unless ``Engine.spec_policy`` is set). A step with both verify and plain rows is exact but runs
-  the eager varlen step (graphs replay steps of one kind, and eager steps cost several graph
-  steps on a GPU), so with verify graphs a step of decode rows only is one kind: all verify rows
-  when the rows' expected extra tokens, the sum of ``average - 1``, pay for the verify step of the
-  whole batch (``(ratio - 1) x rows``), else all plain (n-gram misses and constrained rows still
-  mix). MTP: a plain decode step does not run
-  the MTP block, so its drafts go stale; the probe's first verify step refreshes them and does not
-  count, its second does (the block's window misses the plain steps' positions, which only makes
-  its drafts poorer until it refills).
+
+A table, not a ratio timed at start-up: the same decisions on every run, no timing noise (a GPU or
+model far from the measured one gets this table's decisions all the same: ``SpecPolicy.cost``). The
+table is of CUDA graph replays, so the engine applies the policy where graphs replay (on the CPU a
+verify step of the tiny model costs about 1.3-1.4x a decode step; there, and with
+``enforce_eager``, every row that can speculates, unless ``Engine.spec_policy`` is set).
+
+A step with both verify and plain rows is exact but runs the eager varlen step (graphs replay steps
+of one kind, and an eager step costs several graph steps on a GPU), so with verify graphs a step of
+decode rows only is of one kind: all verify rows when the rows' expected extra tokens (the sum of
+``average - 1``) pay for the verify step of the whole batch (``(ratio - 1) x rows``), else all
+plain (n-gram misses and constrained rows still mix).
+
+MTP: a plain decode step does not run the MTP block, so its drafts go stale; the probe's first
+verify step refreshes them and does not count, its second does (the block's window misses the
+plain steps' positions, which only makes its drafts poorer until it refills).
 """
 
 from __future__ import annotations
