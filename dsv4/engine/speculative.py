@@ -59,6 +59,7 @@ plain steps' positions, which only makes its drafts poorer until it refills).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, fields
@@ -201,7 +202,8 @@ class SpecStats:
                 "num_policy_plain_rows": self.num_policy_plain_rows}
 
 
-def verify_cost_ratio(batch: int, k: int, table: Sequence[tuple[int, float]] = VERIFY_COST_K3) -> float:
+@functools.lru_cache(maxsize=1024)      # asked for every decode row of every step
+def verify_cost_ratio(batch: int, k: int, table: tuple[tuple[int, float], ...] = VERIFY_COST_K3) -> float:
     """What a verify step of ``1 + k`` tokens a row costs against a decode step at ``batch`` rows:
     ``table`` (measured at k = 3) interpolated linearly in log2 of the batch, constant beyond its
     ends, and its extra cost scaled by ``k / 3`` (the drafts are the extra tokens)."""
@@ -243,8 +245,8 @@ class SpecPolicy:
     fully accepted probe turns speculation on again"""
     probe_every: int = 64
     """engine steps between probes of requests decoding plainly"""
-    cost: Sequence[tuple[int, float]] = VERIFY_COST_K3
-    """the verify step's cost ratio by batch size (k = 3; :func:`verify_cost_ratio`)"""
+    cost: tuple[tuple[int, float], ...] = VERIFY_COST_K3
+    """the verify step's cost ratio by batch size, ``((batch, ratio), ...)`` (k = 3; :func:`verify_cost_ratio`)"""
 
     def start(self, k: int) -> Acceptance:
         """A new request's state: half its drafts accepted, which is above every ratio (it speculates)."""
