@@ -32,7 +32,7 @@ at batch 32. Two rules keep that loss small:
   tokens, interpolated in log-log): 2.55x, the accepted length good MTP drafts give (2.5 tokens a
   step with 3 drafts). Above 64 rows even good acceptance rarely pays.
 - Per request, an exponential moving average of its tokens per verify step (accepted drafts + 1;
-  it starts at ``1 + k / 2``, above every ratio; weight 0.25, 0.5 for a probe and for the first
+  it starts at ``1 + k / 2``, above every ratio; weight 0.1, 0.5 for a probe and for the first
   verify step). While it is below the verify step's cost ratio at the step's batch size
   (:func:`verify_cost_ratio`: the measured table, interpolated in log2 of the batch, its extra cost
   scaled by ``k / 3``) the request decodes plainly and drafts again only on every
@@ -237,9 +237,10 @@ class SpecPolicy:
     verify step are at least the verify step's cost ratio at this batch size, else only on probe
     steps (every ``probe_every``-th engine step)."""
 
-    alpha: float = 0.25
-    """weight of a verify step in the moving average while the request speculates (a few rejected
-    steps in a row turn off a request whose drafts are usually right, one does not)"""
+    alpha: float = 0.1
+    """weight of a verify step in the moving average while the request speculates: small, so that
+    the runs of rejected steps of drafts that are right 80% of the time seldom turn it off (with
+    0.25 they did, often enough to lose half of speculation's gain at 2.95 tokens a step, batch 1)"""
     probe_alpha: float = 0.5
     """weight of a probe (and of a request's first verify step): rarer, so it counts more; one
     fully accepted probe turns speculation on again"""
