@@ -83,7 +83,10 @@ def _exercise() -> None:
             k["apply_rope"](q, cos.unsqueeze(2), sin.unsqueeze(2), True)
             for layout in ("plain", "fp8"):
                 ring = RowStore.allocate(layout, 4, 128, 512, bf, "cpu", rope_dim=64)
-                k["kv_prepare"](rn(T, 1, 512), rn(512, dtype=f32), 1e-6, cos, sin, ring)
+                k["q_kv_prepare"](rn(T, 1, ql), rn(ql, dtype=f32), 1e-6, rn(T, 1, 512), rn(512, dtype=f32), 1e-6, cos,
+                                  sin, ring, torch.arange(T).unsqueeze(1) % 4, torch.zeros(T, 1, dtype=torch.long))
+                k["q_kv_prepare"](rn(T, 1, ql), rn(ql, dtype=f32), 1e-6, rn(T, 1, 512), rn(512, dtype=f32), 1e-6, cos,
+                                  sin, ring)
                 k["store_rows"](ring, torch.arange(T).unsqueeze(1) % 4, torch.zeros(T, 1, dtype=torch.long),
                                 rn(T, 1, 512))
             keys = RowStore.allocate("fp4", 4, 64, 128, bf, "cpu")

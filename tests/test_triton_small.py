@@ -116,17 +116,45 @@ def test_rope_qnorm(dtype):
 
 @pytest.mark.parametrize("layout, pow2", [("plain", True), ("fp8", True), ("fp8", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kv_prepare(layout, pow2, dtype):
-    hd, rd = 160, 32                                     # nope 128: two FP8 blocks of 64
-    kv = _randn(3, 2, hd, seed=11, dtype=dtype, scale=5.0)
-    w = _randn(hd, seed=12)
+@pytest.mark.parametrize("strided", [False, True], ids=["apart", "one-buffer"])
+def test_q_kv_prepare(layout, pow2, dtype, strided):
+    """q_norm and the K=V path in one launch (two program rows), against rms_norm and the K=V
+    composition; ``one-buffer``: both inputs are column slices of one ``[..., ql + hd]`` buffer,
+    as ``linear_pair`` returns them. With indices (a decode step) the K=V rows are also written
+    to the store: exactly what store_rows writes for them, nothing else touched."""
+    hd, rd, ql = 160, 32, 96                             # nope 128: two FP8 blocks of 64; q rows ragged
+    if strided:
+        buf = _randn(3, 2, ql + hd, seed=11, dtype=dtype, scale=5.0)
+        qa, kv = buf[..., :ql], buf[..., ql:]
+    else:
+        qa, kv = _randn(3, 2, ql, seed=10, dtype=dtype, scale=3.0), _randn(3, 2, hd, seed=11, dtype=dtype, scale=5.0)
+    qw, w = _randn(ql, seed=9), _randn(hd, seed=12)
     cos, sin = _rope_tables((3, 2), rd // 2, seed=13)
     store = RowStore.allocate(layout, 2, 4, hd, dtype, DEV, rope_dim=rd, pow2=pow2)
-    want = ref.kv_prepare(kv, w, 1e-6, cos, sin, store)
-    out = KERNELS["kv_prepare"](kv, w, 1e-6, cos, sin, store)
+    want_q, want = ref.q_kv_prepare(qa, qw, 1e-6, kv, w, 1e-5, cos, sin, store)
+    got_q, out = KERNELS["q_kv_prepare"](qa, qw, 1e-6, kv, w, 1e-5, cos, sin, store)
+    _close(got_q, want_q)
+    _close(got_q, ref.rms_norm(qa, qw, 1e-6))
     _close(out, want, steps=1.0 if layout == "plain" else 16.0)   # an ulp of the norm can move an FP8 step
     exact_rows = (out == want).all(-1).float().mean()
     assert exact_rows > 0.8, f"only {exact_rows:.2f} of rows bit-exact"
+    # a decode step's window store in the same launch
+    a = RowStore.allocate(layout, 4, 5, hd, dtype, DEV, rope_dim=rd, pow2=pow2)
+    b = RowStore.allocate(layout, 4, 5, hd, dtype, DEV, rope_dim=rd, pow2=pow2)
+    _fill(a, 14)
+    _fill(b, 14)
+    slots, rows_ = torch.tensor([[3, 3], [0, 1], [2, 0]], device=DEV), torch.tensor([[4, 0], [2, 2], [1, 3]], device=DEV)
+    stored_q, stored = KERNELS["q_kv_prepare"](qa, qw, 1e-6, kv, w, 1e-5, cos, sin, b, slots, rows_)
+    assert torch.equal(stored, out) and torch.equal(stored_q, got_q)
+    ref.store_rows(a, slots, rows_, out)
+    for ta, tb in zip(a.tensors(), b.tensors()):
+        assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+    spec = RowStore.allocate(layout, 4, 5, hd, dtype, DEV, rope_dim=rd, pow2=pow2)     # the spec: round trip,
+    _fill(spec, 14)                                                                    # then store_rows
+    assert torch.equal(ref.q_kv_prepare(qa, qw, 1e-6, kv, w, 1e-5, cos, sin, spec, slots, rows_)[1], want)
+    ref.store_rows(a, slots, rows_, want)
+    for ta, tb in zip(a.tensors(), spec.tensors()):
+        assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
 
 
 # ----------------------------------------------------------------------------- mHC
@@ -481,13 +509,28 @@ def test_gpu_norms_rope(geo, batch):
     ch, sh = cos.unsqueeze(2), sin.unsqueeze(2)
     _close(KERNELS["rope_qnorm"](q, ch, sh, 1e-6), ref.rope_qnorm(q, ch, sh, 1e-6), steps=1.0)
     _exact(KERNELS["apply_rope"](q, ch, sh, True), ref.apply_rope(q, ch, sh, True))
-    kv, kw = _g(batch, 1, 512, seed=114, scale=3.0), _g(512, seed=115, dtype=torch.float32)
+    # q_norm and the K=V path on wq_a || wkv's output (column slices of one buffer), one launch
+    buf = _g(batch, 1, ql + 512, seed=114, scale=3.0)
+    qa, kv = buf[..., :ql], buf[..., ql:]
+    qw, kw = _g(ql, seed=116, dtype=torch.float32), _g(512, seed=115, dtype=torch.float32)
     for layout in ("plain", "fp8"):
         ring = RowStore.allocate(layout, 33, 128, 512, GDT, GDEV, rope_dim=64)
-        want = ref.kv_prepare(kv, kw, 1e-6, cos, sin, ring)
-        got = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
+        want_q, want = ref.q_kv_prepare(qa, qw, 1e-6, kv, kw, 1e-6, cos, sin, ring)
+        got_q, got = KERNELS["q_kv_prepare"](qa, qw, 1e-6, kv, kw, 1e-6, cos, sin, ring)
+        _close(got_q, want_q, steps=1.0)
         assert (got == want).float().mean() > 0.999
         _close(got, want, steps=16.0)
+        # the decode step's ring store in the same launch: exactly store_rows of its output
+        slots = torch.randperm(33, device=GDEV)[:batch].unsqueeze(1)
+        rows_ = torch.randint(0, 128, (batch, 1), device=GDEV)
+        other = RowStore.allocate(layout, 33, 128, 512, GDT, GDEV, rope_dim=64)
+        for ta, tb in zip(ring.tensors(), other.tensors()):
+            tb.copy_(ta)
+        stored_q, stored = KERNELS["q_kv_prepare"](qa, qw, 1e-6, kv, kw, 1e-6, cos, sin, ring, slots, rows_)
+        assert torch.equal(stored, got) and torch.equal(stored_q, got_q)
+        ref.store_rows(other, slots, rows_, got)
+        for ta, tb in zip(ring.tensors(), other.tensors()):
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32])
@@ -606,8 +649,8 @@ def test_gpu_graph_replay_equals_eager():
     def step():
         y, post, comb = KERNELS["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, kw[:1].expand(D).contiguous(), 1e-6)
         qq = KERNELS["rope_qnorm"](q, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6)
-        k = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
-        KERNELS["store_rows"](ring, slots.unsqueeze(1), pos % 128, k)
+        _, k = KERNELS["q_kv_prepare"](q[:, :, 0], kw, 1e-6, kv, kw, 1e-6, cos, sin, ring, slots.unsqueeze(1),
+                                       pos % 128)
         KERNELS["compressor_step"](ckv, cg, ape, st, slots, pos, kw, 1e-6, cos, sin, False)
         return [KERNELS["mhc_post"](y, h, post, comb), qq, k]
 

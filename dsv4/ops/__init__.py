@@ -188,9 +188,10 @@ def mhc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
                      start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
                      comp: object | None = None, comp_idx: torch.Tensor | None = None,
-                     comp_len: torch.Tensor | None = None, comp_bound: int = 0) -> torch.Tensor:
+                     comp_len: torch.Tensor | None = None, comp_bound: int = 0, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None) -> torch.Tensor:
     return _call("sparse_attention", q.device, None, q, kv_new, ring, slots, start, window, sink, scale,
-                                                        comp, comp_idx, comp_len, comp_bound)
+                                                        comp, comp_idx, comp_len, comp_bound, cos, sin)
 
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None = None,

@@ -36,10 +36,14 @@ def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
     return _call("rope_qnorm", q.device, None, q, cos, sin, eps)
 
 
-def kv_prepare(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-               store: object) -> torch.Tensor:
-    """RMSNorm + RoPE + the store's rounding; see :func:`reference_fused.kv_prepare`."""
-    return _call("kv_prepare", kv.device, None, kv, weight, eps, cos, sin, store)
+def q_kv_prepare(qa: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.Tensor, kv_weight: torch.Tensor,
+                 kv_eps: float, cos: torch.Tensor, sin: torch.Tensor, store: object,
+                 slot_idx: torch.Tensor | None = None, row_idx: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_norm`` of the query's low-rank rows, and the K=V rows normed, rotated and rounded as stored
+    (+ the write at ``slot_idx, row_idx``); see :func:`reference_fused.q_kv_prepare`."""
+    return _call("q_kv_prepare", kv.device, None, qa, q_weight, q_eps, kv, kv_weight, kv_eps, cos, sin, store,
+                 slot_idx, row_idx)
 
 
 def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -60,5 +64,5 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
                                                         cos, sin, rotate)
 
 
-__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard",
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard",
            "compressor_step"]

@@ -422,7 +422,8 @@ ATTENTION_GATHER_ELEMENTS = 1 << 24
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
                      start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
                      comp: object | None = None, comp_idx: torch.Tensor | None = None,
-                     comp_len: torch.Tensor | None = None, comp_bound: int = 0) -> torch.Tensor:
+                     comp_len: torch.Tensor | None = None, comp_bound: int = 0,
+                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-query attention over the sliding window and the compressed entries, with a sink.
 
     ``q [B, S, H, hd]`` at positions ``start[b] + s``; ``kv_new [B, S, hd]`` this forward's K=V rows
@@ -436,7 +437,9 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots:
     on ``comp_len``). Work per query is O(window + k) (CSA) or O(comp_bound) (HCA).
 
     Logits and softmax in fp32, scale ``scale``, plus the per-head sink logit ``sink [H]`` with a
-    zero value. Returns ``[B, S, H, hd]`` in ``q.dtype``.
+    zero value. Returns ``[B, S, H, hd]`` in ``q.dtype``; given ``cos``, ``sin [B, S, rd/2]`` (the
+    query positions' tables), with the inverse RoPE on its last ``rd`` dims applied to that result
+    (:func:`apply_rope` ``inverse=True``: the K=V values carried RoPE at their key positions).
     """
     B, S, H, hd = q.shape
     dev = q.device
@@ -476,7 +479,10 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots:
         elif dense is not None:
             out = out + torch.einsum("bshk,bkd->bshd", probs[..., nw:], dense)
         outs.append(out)
-    return torch.cat(outs, dim=1).to(q.dtype)
+    out = torch.cat(outs, dim=1).to(q.dtype)
+    if cos is not None:
+        out = apply_rope(out, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
+    return out
 
 
 def _window_mask(start: torch.Tensor, S: int, window: int) -> torch.Tensor:
