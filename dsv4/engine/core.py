@@ -11,7 +11,10 @@ Only the sampled ids of a step cross to the host. On a GPU the copy is started a
 is launched, and the host prepares the next step's plan while the device still runs this one: the
 plan only needs what the host already knows (a request at ``max_tokens`` is not scheduled again).
 A request that stops on a token or a stop string is seen one step late; the one extra token it was
-given is dropped.
+given is dropped. A constrained request's next mask needs its previous token: a step with one
+launches its forward first, then collects the previous step and stages the masks while the device
+runs that forward, then launches its sampler, so constrained decoding keeps the overlap too.
+``overlap`` (on for CUDA without speculation) may be set on the CPU to run this schedule in tests.
 
 A failure inside one request's output handling (say its detokenizer raises) ends that request
 alone with reason ``error``; the others keep going.
@@ -282,16 +285,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan, launch and collect one step; returns the outputs that changed."""
         outputs: list[RequestOutput] = []
-        if self._inflight and any(t.constraint is not None and t.pending for t in self.tracks.values()):
-            # a constrained row's next mask needs the token still in flight: collect it first (the
-            # steps with a constrained row give up overlapping the host with the device)
-            for tracks, sampled, event, emitted in self._inflight:
-                outputs += self._collect(tracks, sampled, event, emitted)
-            self._inflight = []
         plan = self._plan()
         for req in plan.finished:                      # aborted since the last step
             outputs.append(self._end(self.tracks[req.request_id], "abort"))
-        launched = self._launch(plan)
+        launched = self._launch(plan, outputs)
         # with overlap, collect the previous step while this one runs on the device
         ready = self._inflight[:-1] if (self.overlap and launched) else self._inflight
         keep = self._inflight[len(ready):]
@@ -308,9 +305,11 @@ class Engine:
                        if len(r.output_ids) + self.tracks[r.request_id].pending < r.params.max_tokens]
         return plan
 
-    def _launch(self, plan: StepPlan) -> bool:
+    def _launch(self, plan: StepPlan, outputs: list[RequestOutput]) -> bool:
         """Run the plan as one runner step (decode rows first, then prompt chunks in arrival order);
-        queue the sampled ids of the decode rows and of the prompts that completed."""
+        queue the sampled ids of the decode rows and of the prompts that completed. A step with a
+        constrained row collects the steps in flight into ``outputs`` and stages the grammar masks
+        while the device runs its forward (:meth:`_stage_masks`)."""
         rows, tracks, chunks, saves, published = [], [], {}, [], []
         cache = self.prefix_cache
         spec = self.speculative
@@ -353,11 +352,14 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        if any(t.constraint is not None for t in tracks):
+        before_sample = None
+        # the sampler applies masks when a row's params are constrained (SampleFlags.grammar), even
+        # one without a Constraint (a thinking budget without thinking): every row gets a fresh one
+        if any(t.request.params.constrained for t in tracks):
             sampled_slots = [r.slot for r in rows if r.sample]
-            self.runner.sampling.bitmask.stage([(s, t.constraint) for s, t in zip(sampled_slots, tracks)])
+            before_sample = lambda: self._stage_masks(sampled_slots, tracks, outputs)   # noqa: E731
         try:
-            out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+            out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)), before_sample)
         except BaseException:
             for _, _, blocks, tail in published:      # planned saves that never ran
                 cache.release(list(blocks) + list(tail))
@@ -381,6 +383,17 @@ class Engine:
                     track.out.spec_decode.add(k, n - 1)
         self._queue(tracks, out.sampled, out.emitted)
         return True
+
+    def _stage_masks(self, slots: list[int], tracks: list[_Track], outputs: list[RequestOutput]) -> None:
+        """Between a step's forward and its sampler: collect the steps still in flight (a mask needs
+        its request's previous token; the device meanwhile runs this step's forward), then write
+        and upload each sampled row's mask. A request that ended on a collected token gets an
+        all-allowed row: its token in this step is dropped."""
+        for tracks_, sampled, event, emitted in self._inflight:
+            outputs += self._collect(tracks_, sampled, event, emitted)
+        self._inflight = []
+        self.runner.sampling.bitmask.stage(
+            [(s, None if t.request.finished else t.constraint) for s, t in zip(slots, tracks)])
 
     def _decode_row(self, req: Request, spec) -> Row:
         """A decode row, or with speculation a verify row of ``k`` drafts when they fit the context
