@@ -14,7 +14,7 @@ def sig_of(fn, types, consts):
         sig[name] = "constexpr" if name in consts else types.get(name, "i32")
     return sig
 
-NOT_DIV = {"M", "R", "TILES_PER_GROUP"}
+NOT_DIV = {"M", "R", "R2", "TILES_PER_GROUP"}
 
 def compile_(fn, types, consts, num_warps, num_stages, label, extra_consts=None):
     sig = sig_of(fn, types, consts)
@@ -45,9 +45,10 @@ if __name__ == "__main__":
     if "skinny" in which:
         for fmt, aq, split, mp in itertools.product([0, 1, 2, 3], [True, False], [1, 4], [16, 32]):
             if not aq and mp == 32: continue
-            types = dict(x_ptr="*bf16", w_ptr=wt[fmt], s_ptr=st[fmt], g_ptr="*fp32", out_ptr="*bf16",
-                         ws_ptr="*fp32", cnt_ptr="*i32")
-            consts = dict(FMT=fmt, ACT_QUANT=aq, POW2=True, OP_BF16=True, PREC=None, BN=128, MP=mp, KSTEPS=4, SPLIT=split)
+            types = dict(x_ptr="*bf16", w_ptr=wt[fmt], s_ptr=st[fmt], g_ptr="*fp32", w2_ptr=wt[fmt], s2_ptr=st[fmt],
+                         g2_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
+            consts = dict(FMT=fmt, ACT_QUANT=aq, POW2=True, OP_BF16=True, PREC=None, BN=128, MP=mp, KSTEPS=4, SPLIT=split,
+                          PAIR=aq)     # the pair variant (wq_a || wkv) runs with act_quant
             compile_(L._skinny_kernel, types, consts, 4, 4, f"skinny fmt={fmt} aq={aq} split={split} MP={mp}")
     if "gemm" in which:
         for fmt, mode in [(0, 1), (1, 1), (1, 0), (2, 2), (2, 3), (3, 2), (2, 0), (3, 0)]:

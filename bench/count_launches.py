@@ -12,20 +12,25 @@ the ones that launch nothing (views, ``empty*``, ``detach``), plus one per Trito
 ``--fused`` registers the small-op Triton kernels for the CPU (run through Triton's
 interpreter, ``TRITON_INTERPRET=1``), which the model's fused decode ops then use; the other hot ops
 (linear, MoE, attention, indexer scores) stay on their references and are counted as they are.
-Geometry does not change the counts (no op count depends on sizes), so the model is small.
+Geometry does not change the counts (no op count depends on sizes), so the model is small (the tiny
+one, with index heads of 32 dims so that the indexer kernel takes them, and the attention's
+projections in FP8 blocks as released). ``--list`` shows each layer
+kind's launches in order. Per-forward work (RoPE tables, visible counts) lands on the first layer
+that asks for it.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-NO_LAUNCH = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::lift_fresh",
+NO_LAUNCH = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::detach_", "aten::resize_", "aten::lift_fresh",
              "aten::resolve_conj", "aten::resolve_neg", "aten::_local_scalar_dense", "aten::item",
              "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::size", "aten::stride", "aten::_unsafe_view",
              "aten::_reshape_alias", "aten::reshape", "aten::view_as", "aten::flatten", "aten::unflatten")
@@ -42,27 +47,30 @@ def _is_view(name: str) -> bool:
 
 
 #: ops owned by other kernel areas (linear, MoE, attention, indexer): counted apart
-BIG_OPS = ("linear", "grouped_linear", "moe", "sparse_attention", "indexer_scores", "topk_indices")
+BIG_OPS = ("linear", "linear_pair", "grouped_linear", "moe", "sparse_attention", "indexer_scores", "topk_indices")
 #: model components, innermost wins
 COMPONENTS = ("mhc_pre", "mhc_post", "attn_norm/ffn_norm", "q_path", "kv_path", "kv_store", "compressor",
               "indexer", "attn_out", "router+shared", "other")
 
 
 def _wrap(owner, meth, label) -> None:
+    import inspect
+
     import torch
+    static = isinstance(inspect.getattr_static(owner, meth), staticmethod)
     orig = getattr(owner, meth)
 
     def fn(*a, **k):
         name = label(a[0]) if callable(label) else label
         with torch.profiler.record_function(name):
             return orig(*a, **k)
-    setattr(owner, meth, fn)
+    setattr(owner, meth, staticmethod(fn) if static else fn)
 
 
 def _hooks() -> None:
     """Wrap blocks, their parts and the big ops in record_function regions."""
     from dsv4 import ops
-    from dsv4.model import attention, compressor, indexer, mhc, moe, transformer
+    from dsv4.model import attention, compressor, indexer, mhc, moe, transformer  # noqa: F401
 
     _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
     _wrap(mhc.HyperConnection, "pre", "c:mhc_pre")
@@ -71,29 +79,34 @@ def _hooks() -> None:
     _wrap(compressor.Compressor, "forward", "c:compressor")
     _wrap(indexer.Indexer, "forward", "c:indexer")
     _wrap(moe.MoE, "forward", "c:router+shared")
+    from dsv4.ops import fused
     for op in BIG_OPS:
-        for mod in (ops, attention.ops, compressor.ops, indexer.ops, moe.ops):
-            if not hasattr(getattr(mod, op), "_counted"):
-                _wrap(mod, op, f"op:{op}")
-                getattr(mod, op)._counted = True
+        mod = fused if hasattr(fused, op) else ops      # the model looks them up there at each call
+        if not hasattr(getattr(mod, op), "_counted"):
+            _wrap(mod, op, f"op:{op}")
+            getattr(mod, op)._counted = True
 
 
-def count(prof, launches_of) -> dict:
-    """{layer kind: Counter{label: launches}} averaged over the layers of each kind."""
+def count(prof, launches_of) -> tuple[dict, dict]:
+    """({layer kind: Counter{label: launches}} averaged over the layers of each kind,
+    {layer kind: [(label, launching op)] of its first layer, in order})."""
     out: dict[str, collections.Counter] = {}
+    seq: dict[str, list] = {}
     n: collections.Counter = collections.Counter()
     for e in prof.events():
         if e.name.startswith("layer:") and e.cpu_parent is None or e.name.startswith("layer:") and \
                 not e.cpu_parent.name.startswith("layer:"):
-            comp = collections.Counter()
-            _walk(e, "other", None, comp, launches_of)
+            comp, order = collections.Counter(), []
+            _walk(e, "other", None, comp, launches_of, order)
             out.setdefault(e.name[6:], collections.Counter()).update(comp)
+            seq.setdefault(e.name[6:], order)
             n[e.name[6:]] += 1
-    return {k: {c: v / n[k] for c, v in comp.items()} for k, comp in out.items()}
+    return {k: {c: v / n[k] for c, v in comp.items()} for k, comp in out.items()}, seq
 
 
-def _walk(e, comp: str, big: str | None, counter, launches_of) -> int:
-    """Add ``e``'s launches to ``counter``; an op launches once unless something below it does."""
+def _walk(e, comp: str, big: str | None, counter, launches_of, order) -> int:
+    """Add ``e``'s launches to ``counter`` (and ``(label, op)`` to ``order``); an op launches once
+    unless something below it does."""
     if e.name.startswith("c:"):
         comp = e.name[2:]
     elif e.name.startswith("op:") and big is None:
@@ -101,10 +114,13 @@ def _walk(e, comp: str, big: str | None, counter, launches_of) -> int:
     label = big or comp
     if e.name.startswith("triton::"):
         counter[label] += 1
+        order.append((label, e.name))
         return 1
-    below = sum(_walk(k, comp, big, counter, launches_of) for k in e.cpu_children)
+    below = sum(_walk(k, comp, big, counter, launches_of, order) for k in sorted(e.cpu_children,
+                                                                               key=lambda c: c.time_range.start))
     if below == 0 and launches_of(e.name):
         counter[label] += 1
+        order.append((label, e.name))
         return 1
     return below
 
@@ -114,6 +130,7 @@ def main() -> None:
     ap.add_argument("--qat", action="store_true", help="QAT simulation on (FP8 KV, FP4 indexer keys)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--fused", action="store_true", help="small-op Triton kernels (interpreter) + fused ops")
+    ap.add_argument("--list", action="store_true", help="also list each layer kind's launches in order")
     args = ap.parse_args()
     if args.fused:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -125,8 +142,10 @@ def main() -> None:
     from dsv4.model.init import init_random
     from dsv4.model.transformer import Transformer
 
-    config = preset("tiny", num_layers=4)
+    # index heads of 32 dims: the smallest the indexer kernel takes (the tiny model's 16 run the reference)
+    config = dataclasses.replace(preset("tiny", num_layers=4), index_head_dim=32)
     model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
+    _fp8_attention(model)
     runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256, qat_sim=args.qat)
     for s in range(args.batch):
         prefill(runner, s, list(range(2, 2 + 37 + s)))
@@ -143,7 +162,12 @@ def main() -> None:
     ids = torch.arange(args.batch) + 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         decode(runner, list(range(args.batch)), ids)
-    table = count(prof, launches_of)
+    table, seq = count(prof, launches_of)
+    if args.list:
+        for kind, order in seq.items():
+            print(f"{kind} layer, in launch order:")
+            for label, name in order:
+                print(f"    {label:<18} {name}")
     labels = sorted({c for comp in table.values() for c in comp}, key=lambda c: (c in BIG_OPS, c))
     print(f"launches per decode layer (batch {args.batch}, qat_sim={args.qat}, "
           f"{'fused small ops' if args.fused else 'reference ops'}); big ops of other areas last")
@@ -153,6 +177,17 @@ def main() -> None:
     for name, sel in (("small ops + glue", lambda c: c not in BIG_OPS), ("big ops", lambda c: c in BIG_OPS),
                       ("total", lambda c: True)):
         print(f"{name:<22}" + "".join(f"{sum(v for c, v in table[k].items() if sel(c)):>9.0f}" for k in table))
+
+
+def _fp8_attention(model) -> None:
+    """The attention's projections in FP8 blocks, as in the released checkpoints (plain weights run
+    on the reference: a pair of them would count as two launches; the BF16 precision floor stays)."""
+    from dsv4.model.attention import Attention
+    from dsv4.weights.formats import Fp8BlockWeight
+    for m in model.modules():
+        if isinstance(m, Attention):
+            for lin in (m.wq_a, m.wq_b, m.wkv, m.wo_a, m.wo_b, *([m.indexer.wq_b] if m.kind == "csa" else [])):
+                lin.set_weight(Fp8BlockWeight.quantize(lin.weight.detach(), ue8m0=True))
 
 
 def _use_fused(model) -> None:

@@ -526,12 +526,20 @@ def test_indexer_scores():
               for hh in range(nI)) for c in range(C)] for s in range(S)] for b in range(B)]
     close(out, exp, atol=1e-5)
     assert ref.indexer_scores(q, _store(keys), slots, w, 2).shape == (B, S, 2)   # reads only `bound` entries
+    # the head weights' scale, and entries at or past a query's visible count masked to -inf
+    visible = torch.tensor([[0, 2, 5], [1, 4, 3]])
+    got = ref.indexer_scores(q, _store(keys), slots, w, C, 0.25, visible)
+    exp = [[[-math.inf if c >= visible[b, s] else
+             sum((w[b, s, hh].item() * 0.25) * max(0.0, dot(q[b, s, hh].tolist(), keys[slots[b], c].tolist()))
+                 for hh in range(nI)) for c in range(C)] for s in range(S)] for b in range(B)]
+    close(got, exp, atol=1e-5)
 
 
 def test_topk_indices_breaks_exact_ties_by_lowest_index():
     scores = torch.tensor([[0.0, 2.0, -0.0, 2.0, -math.inf, 0.0, -1.0, 2.0]])
     assert ref.topk_indices(scores, 8).tolist() == [[1, 3, 7, 0, 2, 5, 6, 4]]
     assert ref.topk_indices(scores, 4).tolist() == [[1, 3, 7, 0]]
+    assert ref.topk_indices(scores, 4, torch.tensor([4])).tolist() == [[1, 3, -1, 0]]   # picks >= limit -> -1
     x = torch.randn(4, 50, generator=gen(38)).round()          # many exact ties
     got = ref.topk_indices(x, 20)
     for r in range(4):

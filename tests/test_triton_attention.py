@@ -111,7 +111,7 @@ def test_attention_decode(kind, layout, dtype, poison):
     the splits merged by the last program of each query."""
     args, comp = _attn_case(kind, layout, dtype, B=4, S=1, H=5, hd=60, rope=8, W=8, n_ent=12, k=6,
                             starts=[0, 5, 19, 40], seed=1)
-    _check_attention(args, comp, dtype, _merge="fused")
+    _check_attention(args, comp, dtype)
 
 
 @cpu_only
@@ -121,10 +121,10 @@ def test_attention_decode(kind, layout, dtype, poison):
 def test_attention_prefill(kind, layout, dtype, target, poison):
     """S > W (the chunk's own rows slide out of the window), a chunk after a wrapped ring and one
     from position 0; unsplit (one program per query and head block, softmax finished in-kernel)
-    and split key ranges merged by the separate combine kernel."""
+    and split key ranges merged by the last program of each query."""
     args, comp = _attn_case(kind, layout, dtype, B=2, S=9, H=3, hd=40, rope=8, W=4, n_ent=12, k=5,
                             starts=[13, 0], seed=2)
-    _check_attention(args, comp, dtype, _target_programs=target, _merge="combine")
+    _check_attention(args, comp, dtype, _target_programs=target)
 
 
 @cpu_only
@@ -148,11 +148,11 @@ def test_attention_mixed_layouts(poison):
 
 
 @cpu_only
-@pytest.mark.parametrize("target,fused", [(1, True), (64, True), (64, False)])
-def test_attention_sink_takes_the_weight(target, fused, poison):
-    """A dominant sink logit (zero value) drives the output to zero: unsplit, split and merged by
-    the last program, split and merged by the combine kernel."""
-    split = dict(_target_programs=target, _merge="fused" if fused else "combine")
+@pytest.mark.parametrize("target", [1, 64])
+def test_attention_sink_takes_the_weight(target, poison):
+    """A dominant sink logit (zero value) drives the output to zero: unsplit, and split and merged
+    by the last program."""
+    split = dict(_target_programs=target)
     args, comp = _attn_case("hca", "plain", torch.float32, B=2, S=1, H=4, hd=32, rope=8, W=4, n_ent=8, k=4,
                             starts=[0, 3], seed=3)
     args = list(args)
@@ -193,15 +193,22 @@ def _indexer_case(layout, dtype, B, S, NI, d, rows, seed, device="cpu"):
 @pytest.mark.parametrize("layout,dtype", [("fp4", torch.float32), ("fp4", torch.float16), ("plain", torch.float32),
                                           ("plain", torch.float16)])
 @pytest.mark.parametrize("S", [1, 6])
-def test_indexer_scores(layout, dtype, S, poison):
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "visible"])
+def test_indexer_scores(layout, dtype, S, masked, poison):
     """Ragged heads (5 of a padded 16), a bound that is not a multiple of the entry tile, decode and
-    query blocks with a ragged tail."""
+    query blocks with a ragged tail; head weights scaled in-kernel, and (``visible``) the entries
+    past each query's visible count written as -inf (what the indexer's mask did in its own launches)."""
     q, keys, slots, w = _indexer_case(layout, dtype, B=2, S=S, NI=5, d=64, rows=40, seed=10 + S)
-    bound = 37
-    out = ki.indexer_scores_triton(q, keys, slots, w, bound)
-    exp = ref.indexer_scores(q, keys, slots, w, bound)
+    bound, scale = 37, 64 ** -0.5 * 5 ** -0.5
+    visible = torch.randint(0, bound + 3, (2, S), generator=_gen(40 + S)) if masked else None
+    out = ki.indexer_scores_triton(q, keys, slots, w, bound, scale, visible)
+    exp = ref.indexer_scores(q, keys, slots, w, bound, scale, visible)
     assert out.shape == exp.shape == (2, S, bound) and out.dtype == torch.float32
     assert not out.isnan().any()
+    if masked:                                      # the mask is exact: -inf at the same entries
+        hidden = torch.arange(bound) >= visible.unsqueeze(-1)
+        assert torch.equal(out == float("-inf"), hidden) and torch.equal(exp == float("-inf"), hidden)
+        out, exp = out.masked_fill(hidden, 0.0), exp.masked_fill(hidden, 0.0)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert _rel(out, exp) < tol
 
@@ -230,8 +237,12 @@ def _scores_with_ties(shape, seed, device="cpu"):
 def test_topk_indices_single_chunk(poison):
     """Exactly the reference's indices, in its order: ties to the lowest index, -0 ties +0, -inf last."""
     x = _scores_with_ties((2, 3, 37), 30)
+    limit = torch.randint(0, 40, (2, 3), generator=_gen(33))
     for k in (5, 37):
         assert torch.equal(ki.topk_indices_triton(x, k), ref.topk_indices(x, k))
+        got = ki.topk_indices_triton(x, k, limit)     # picks at or past a row's limit -> -1
+        assert torch.equal(got, ref.topk_indices(x, k, limit))
+        assert torch.equal(got, torch.where(ref.topk_indices(x, k) < limit.unsqueeze(-1), ref.topk_indices(x, k), -1))
 
 
 @cpu_only
@@ -240,6 +251,8 @@ def test_topk_indices_levels(poison, monkeypatch):
     monkeypatch.setattr(ki, "TOPK_CHUNK", 16)
     x = _scores_with_ties((1, 2, 70), 31)
     assert torch.equal(ki.topk_indices_triton(x, 4), ref.topk_indices(x, 4))
+    limit = torch.tensor([[3, 70]])                   # the limit applies at the last level only
+    assert torch.equal(ki.topk_indices_triton(x, 4, limit), ref.topk_indices(x, 4, limit))
 
 
 # ----------------------------------------------------------------------------- GPU (real shapes)
@@ -306,33 +319,36 @@ def test_gpu_attention_prefill(kind, S, ctx, poison):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("kind,B,S", [("csa", 8, 1), ("hca", 32, 1), ("csa", 1, 300)])
+@pytest.mark.parametrize("kind,B,S", [("csa", 1, 1), ("sliding", 1, 1), ("hca", 1, 1), ("csa", 8, 1), ("hca", 32, 1),
+                                      ("csa", 1, 300)])
 def test_gpu_attention_cuda_graph_replay_equals_eager(kind, B, S):
-    args, comp = _real_attention(kind, FLASH, "fp8", B, S, 4096)
+    """Replayed many times with new queries, the graph gives eager's output bitwise each time: the
+    last program of each split query merges and re-arms its counter (a counter left armed would
+    merge too early or never on the next replay)."""
+    args, comp = _real_attention("csa" if kind == "sliding" else kind, FLASH, "fp8", B, S, 4096)
+    comp = {} if kind == "sliding" else comp
     eager = ka.sparse_attention_triton(*args, **comp)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = ka.sparse_attention_triton(*args, **comp)
-    args[0].copy_(torch.randn_like(args[0]))          # new queries in the captured buffer
-    graph.replay()
-    torch.testing.assert_close(static, ka.sparse_attention_triton(*args, **comp), rtol=0, atol=0)
-    assert not torch.equal(static, eager)
-    graph.replay()                                    # the merge counters were re-armed
-    torch.testing.assert_close(static, ka.sparse_attention_triton(*args, **comp), rtol=0, atol=0)
+    for i in range(30):
+        args[0].copy_(torch.randn_like(args[0]))      # new queries in the captured buffer
+        static.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(static, ka.sparse_attention_triton(*args, **comp), rtol=0, atol=0)
+        assert not torch.equal(static, eager)
 
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("fused", [True, False])
-def test_gpu_attention_split_merge_is_deterministic(fused):
-    """Split keys merged by the last program (atomic counter) or by the combine kernel: right,
-    and bitwise the same on every run whichever program finishes last (a race would show)."""
-    split = dict(_merge="fused" if fused else "combine")
+def test_gpu_attention_split_merge_is_deterministic():
+    """Split keys merged by the last program (atomic counter): right, and bitwise the same on every
+    run whichever program finishes last (a race would show)."""
     args, comp = _real_attention("csa", PRO, "fp8", 4, 1, 8192, seed=3)
-    first = _check_gpu(args, comp, **split)
+    first = _check_gpu(args, comp)
     for _ in range(20):
-        assert torch.equal(ka.sparse_attention_triton(*args, **comp, **split), first)
+        assert torch.equal(ka.sparse_attention_triton(*args, **comp), first)
 
 
 def _real_indexer(layout, B, S, bound, dev="cuda", seed=0):
@@ -353,24 +369,38 @@ def _real_indexer(layout, B, S, bound, dev="cuda", seed=0):
 @pytest.mark.parametrize("B,S,bound", [(1, 1, 2048), (8, 1, 16384), (32, 1, 500), (1, 700, 1024)])
 def test_gpu_indexer_scores(layout, B, S, bound, poison):
     q, keys, slots, w = _real_indexer(layout, B, S, bound)
-    out = ki.indexer_scores_triton(q, keys, slots, w, bound)
-    exp = ref.indexer_scores(q, keys, slots, w, bound)
+    scale = (128 * 64) ** -0.5
+    visible = torch.randint(0, bound + 1, (B, S), device="cuda")
+    out = ki.indexer_scores_triton(q, keys, slots, w, bound, scale, visible)
+    exp = ref.indexer_scores(q, keys, slots, w, bound, scale, visible)
     assert not out.isnan().any()
+    hidden = torch.arange(bound, device="cuda") >= visible.unsqueeze(-1)
+    assert torch.equal(out == float("-inf"), hidden)
+    out, exp = out.masked_fill(hidden, 0.0), exp.masked_fill(hidden, 0.0)
     assert _rel(out, exp) < 1e-4, _rel(out, exp)     # exact products, fp32 sums in another order
 
 
 @pytest.mark.gpu
 @cuda
 def test_gpu_indexer_cuda_graph_replay_equals_eager():
+    """The indexer's decode launches as the model makes them (scaled weights, visibility mask, top-k
+    with -1 past the visible entries), captured and replayed with new queries and positions."""
     q, keys, slots, w = _real_indexer("fp4", 8, 1, 4096)
-    ki.indexer_scores_triton(q, keys, slots, w, 4096)
+    visible = torch.randint(0, 4097, (8, 1), device="cuda")
+    scale = (128 * 64) ** -0.5
+
+    def picks():
+        return ki.topk_indices_triton(ki.indexer_scores_triton(q, keys, slots, w, 4096, scale, visible), 512, visible)
+    picks()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = ki.indexer_scores_triton(q, keys, slots, w, 4096)
-    q.copy_(ref.fp4_sim(torch.randn_like(q.float())).bfloat16())
-    graph.replay()
-    torch.testing.assert_close(static, ki.indexer_scores_triton(q, keys, slots, w, 4096), rtol=0, atol=0)
+        static = picks()
+    for _ in range(3):
+        q.copy_(ref.fp4_sim(torch.randn_like(q.float())).bfloat16())
+        visible.random_(0, 4097)
+        graph.replay()
+        torch.testing.assert_close(static, picks(), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -380,6 +410,8 @@ def test_gpu_indexer_cuda_graph_replay_equals_eager():
 def test_gpu_topk_indices(shape, k, poison):
     x = _scores_with_ties(shape, 32, "cuda")
     assert torch.equal(ki.topk_indices_triton(x, k), ref.topk_indices(x, k))
+    limit = torch.randint(0, shape[-1] + 1, shape[:-1], device="cuda")
+    assert torch.equal(ki.topk_indices_triton(x, k, limit), ref.topk_indices(x, k, limit))
 
 
 @pytest.mark.gpu

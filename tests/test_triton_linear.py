@@ -155,6 +155,32 @@ def test_grouped_linear(fmt):
     _check(y, ref.grouped_linear(x, w, g), 2e-3)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("aq", ["off", "pow2"])
+def test_linear_pair(fmt, aq):
+    """wq_a || wkv: one decode launch over two weights' row tiles (ragged row counts, a forced 3-way
+    K split), and the prefill path (a GEMM each), against the two reference linears it replaces."""
+    k = 300 if fmt.startswith("fp8") else 298
+    w1, w2 = _weight(fmt, 150, k, seed=40), _weight(fmt, 70, k, seed=41)
+    act_quant, pow2 = aq != "off", aq == "pow2"
+    for m, cfg in ((3, dict(BN=64, MP=16, KSTEPS=1, SPLIT=3)), (3, None), (40, None)):
+        x = _x((1, m, k), seed=42 + m)
+        y1, y2 = lin.linear_pair_triton(x, w1, w2, act_quant, pow2, torch.float32, _config=cfg)
+        r1, r2 = ref.linear_pair(x, w1, w2, act_quant, pow2, torch.float32)
+        assert y1.shape == r1.shape == (1, m, 150) and y2.shape == r2.shape == (1, m, 70)
+        _check(y1, _spec(x[0], w1, act_quant, pow2).unsqueeze(0), 2e-6)
+        _check(y2, _spec(x[0], w2, act_quant, pow2).unsqueeze(0), 2e-6)
+        _check(y1, r1, 2e-6)
+        _check(y2, r2, 2e-6)
+    assert int(runtime.counters_if_allocated(torch.device(DEV), "linear").abs().sum()) == 0, "split counters not reset"
+    x16 = _x((1, 1, k), seed=45, dtype=torch.float16) * 0.05       # the model's call: activation dtype out
+    for y, r in zip(lin.linear_pair_triton(x16, w1, w2, act_quant, pow2), ref.linear_pair(x16, w1, w2, act_quant, pow2)):
+        assert y.dtype == torch.float16
+        _check(y, r, 2e-3)
+    with pytest.raises(lin.LinearKernelError, match="two formats"):
+        lin.linear_pair_triton(x16, w1, _weight("mxfp4" if fmt != "mxfp4" else "nvfp4", 70, k, seed=46))
+
+
 @pytest.mark.parametrize("pow2", [True, False])
 def test_act_quant_bit_identical(pow2):
     """The GEMM's activation quantizer gives numerics.fp8_quantize's q and scales bit for bit
@@ -352,6 +378,38 @@ def test_gpu_grouped_wo_a(geo, m):
     w = _gpu_weight("fp8_ue8m0", g["groups"] * g["o_lora"], k, seed=22)
     x = torch.randn(m, g["groups"], k, device="cuda", dtype=torch.bfloat16)
     _check(lin.grouped_linear_triton(x, w, g["groups"]), ref.grouped_linear(x, w, g["groups"]), 8e-3)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0", "fp8", "mxfp4", "nvfp4"])
+def test_gpu_linear_pair_wq_a_wkv(geo, fmt):
+    """wq_a || wkv in one decode launch at real shapes, against the two reference linears, bf16 and
+    fp32 out; equal bit for bit under a CUDA graph replayed with new inputs."""
+    shapes = _shapes(FLASH if geo == "flash" else PRO)
+    w1, w2 = _gpu_weight(fmt, *shapes["wq_a"], seed=27), _gpu_weight(fmt, *shapes["wkv"], seed=28)
+    k = shapes["wq_a"][1]
+    for m in (1, 8, 32, 300):
+        x = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16)
+        for act_quant in (True, False):
+            want = ref.linear_pair(x, w1, w2, act_quant, True, torch.float32)
+            for y, r in zip(lin.linear_pair_triton(x, w1, w2, act_quant, True, torch.float32), want):
+                _check(y, r, _gpu_tol(fmt, act_quant))
+            for y, r in zip(lin.linear_pair_triton(x, w1, w2, act_quant, True), want):
+                assert y.dtype == torch.bfloat16
+                _check(y, r, 8e-3)
+    x = torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16)
+    lin.linear_pair_triton(x, w1, w2, True, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = lin.linear_pair_triton(x, w1, w2, True, True)
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        for a, b in zip(static, lin.linear_pair_triton(x, w1, w2, True, True)):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

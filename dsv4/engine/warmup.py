@@ -84,14 +84,14 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     idx_all = torch.full((max(batches, default=1),), scratch, dtype=torch.int64, device=runner.device)
     for b in batches:
         # near the start and as deep as the state goes: the attention splits its keys more with more
-        # compressed entries (another variant past FUSED_MAX_SPLITS splits)
+        # compressed entries
         for bound in sorted({min(runner.max_model_len, b + 1), runner.max_model_len}):
             runner.state.reset([scratch])
             runner._step(idx_all[:b], SampleFlags(), bound)
         bar.update()
     for n in counts:
         scores = torch.zeros(1, 2, n, dtype=torch.float32, device=runner.device)
-        ops.topk_indices(scores, min(k, n))
+        ops.topk_indices(scores, min(k, n), torch.zeros(1, 2, dtype=torch.int64, device=runner.device))
         bar.update()
     runner.state.reset([scratch])
     if runner.device.type == "cuda":

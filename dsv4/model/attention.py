@@ -69,12 +69,14 @@ class Attention(nn.Module):
         rope = ctx.rope[self.rope_kind]
         cos_h, sin_h = rope.cos.unsqueeze(2), rope.sin.unsqueeze(2)    # broadcast over heads
 
+        # wq_a and wkv read the same x: one GEMV for both (they round x alike: both take part in QAT)
+        qa, kv = fused.linear_pair(x, self.wq_a.w, self.wkv.w, self.wq_a.act_quant, self.wq_a.pow2)
         # queries: low-rank (wq_a, q_norm, wq_b), then per head an RMS norm without weight and RoPE
-        qr = self.q_norm(self.wq_a(x))
+        qr = self.q_norm(qa)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fused.rope_qnorm(q, cos_h, sin_h, self.eps)                             # [B, S, H, hd]
         # one K=V head: normed, RoPE on its last rd dims, rounded as the ring stores it (QAT: FP8)
-        kv = fused.kv_prepare(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps,
+        kv = fused.kv_prepare(kv, self.kv_norm.weight, self.kv_norm.eps,
                               rope.cos, rope.sin, cache.ring)                        # [B, S, hd] as stored
 
         o = ctx.per_group(self._attend, q, kv, x, qr, cache=cache)                  # [B, S, H, hd]
@@ -123,10 +125,8 @@ class Attention(nn.Module):
         #
         # A chunk of S > W tokens writes only its last W rows: the earlier ones would be overwritten
         # within the same store (and the chunk's queries read them from `kv` directly).
-        W, S = self.window, kv.shape[1]
-        keep = min(S, W)
-        rows = torch.remainder(ctx.positions[:, S - keep:], W)                      # [B, keep]
-        fused.store_rows(cache.ring, ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
+        rows = ctx.ring_rows(self.window)                                            # [B, keep]
+        fused.store_rows(cache.ring, ctx.slots.unsqueeze(1), rows, kv[:, kv.shape[1] - rows.shape[1]:])
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments
@@ -143,5 +143,4 @@ class Attention(nn.Module):
         if self.kind == "csa":
             return dict(comp=comp.entries, comp_idx=self.indexer(x, qr, ctx, cache.indexer))
         # HCA attends to every visible entry: entry w is visible from position (w + 1) * m - 1 on
-        visible = (ctx.positions + 1) // self.ratio                                # [B, S]
-        return dict(comp=comp.entries, comp_len=visible, comp_bound=bound)
+        return dict(comp=comp.entries, comp_len=ctx.visible_entries(self.ratio), comp_bound=bound)

@@ -265,6 +265,10 @@ class ForwardContext:
         token order. Without groups: ``fn(self, *tensors)``."""
         if self.groups is None:
             return fn(self, *tensors, **kwargs)
+        if len(self.groups) == 1:          # one group (a decode step): its result as is, no copy
+            g = self.groups[0]
+            b, s = g.token_ids.shape
+            return fn(g, *(t.flatten(0, 1).unflatten(0, (b, s)) for t in tensors), **kwargs).flatten(0, 1).unsqueeze(0)
         outs = []
         for g in self.groups:
             b, s = g.token_ids.shape
@@ -283,6 +287,23 @@ class ForwardContext:
         if ratio not in cache:
             cache[ratio] = self.rope_at("compress", self.positions // ratio * ratio)
         return cache[ratio]
+
+    def visible_entries(self, ratio: int) -> torch.Tensor:
+        """``[B, S]``: how many compressed entries (ratio ``ratio``) each query sees, ``(pos + 1) // ratio``
+        (entry ``w`` is visible from position ``(w + 1) * ratio - 1`` on); once per forward and ratio."""
+        cache = self.__dict__.setdefault("_visible", {})
+        if ratio not in cache:
+            cache[ratio] = (self.positions + 1) // ratio
+        return cache[ratio]
+
+    def ring_rows(self, window: int) -> torch.Tensor:
+        """``[B, min(S, window)]``: the ring rows ``pos % window`` of the newest ``min(S, window)``
+        positions (what the window store writes); once per forward and window."""
+        cache = self.__dict__.setdefault("_ring_rows", {})
+        if window not in cache:
+            S = self.positions.shape[1]
+            cache[window] = torch.remainder(self.positions[:, S - min(S, window):], window)
+        return cache[window]
 
     def entry_bound(self, ratio: int, max_entries: int) -> int:
         """How many compressed entries (ratio ``ratio``) any query of this forward can see, >= 1."""

@@ -57,17 +57,14 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))
         q = fused.rope_hadamard(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2), ctx.qat_sim)  # [B, S, nI, d]
         w = self.weights_proj(x, torch.float32)
-        w = w * (self.dim ** -0.5 * self.n_heads ** -0.5)
-        # Score every entry a query of this forward could see, then mask per query. Ratio m = 4,
+        # Score every entry a query of this forward could see, masked per query. Ratio m = 4,
         # query at t = 13 (visible: (13 + 1) // 4 = 3 entries), bound = 5 (a longer row's reach):
         #
         #   entry s:    0     1     2     3     4
         #   score:     1.2   0.3   0.9   -inf  -inf     (s >= 3: its window has not closed for t)
         #   top-4:   picks 0, 2, 1, 3  ->  0, 2, 1, -1   (a pick at s >= visible, a -inf tie, is dropped)
         bound = ctx.entry_bound(self.ratio, state.max_entries)
-        scores = ops.indexer_scores(q, state.entries, ctx.slots, w, bound)              # [B, S, bound]
-        visible = ((ctx.positions + 1) // self.ratio).unsqueeze(-1)                      # [B, S, 1]
-        entry_ids = torch.arange(bound, device=x.device)
-        scores = scores.masked_fill(entry_ids >= visible, float("-inf"))
-        picks = ops.topk_indices(scores, min(self.topk, bound))                        # [B, S, k]
-        return torch.where(picks < visible, picks, torch.full_like(picks, -1))
+        visible = ctx.visible_entries(self.ratio)                                        # [B, S]
+        scores = ops.indexer_scores(q, state.entries, ctx.slots, w, bound, self.dim ** -0.5 * self.n_heads ** -0.5,
+                                    visible)                                             # [B, S, bound]
+        return ops.topk_indices(scores, min(self.topk, bound), visible)                 # [B, S, k]

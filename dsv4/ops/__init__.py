@@ -62,7 +62,7 @@ def _call(op: str, device: torch.device, fmt: type | None, *args):
         return ref(*args)
 
 #: ops whose implementation also depends on the weight format (keyed by the weight's type)
-FORMAT_OPS = ("linear", "grouped_linear", "moe")
+FORMAT_OPS = ("linear", "linear_pair", "grouped_linear", "moe")
 
 
 def register(op: str, device_type: str, fmt: type | None = None) -> Callable[[Callable], Callable]:
@@ -207,12 +207,12 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor
 
 
 def indexer_scores(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
-                   bound: int) -> torch.Tensor:
-    return _call("indexer_scores", q.device, None, q, keys, slots, weights, bound)
+                   bound: int, scale: float = 1.0, visible: torch.Tensor | None = None) -> torch.Tensor:
+    return _call("indexer_scores", q.device, None, q, keys, slots, weights, bound, scale, visible)
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    return _call("topk_indices", scores.device, None, scores, k)
+def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None) -> torch.Tensor:
+    return _call("topk_indices", scores.device, None, scores, k, limit)
 
 
 def router_scores(logits: torch.Tensor, func: str) -> torch.Tensor:

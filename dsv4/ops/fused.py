@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from . import _call
+from . import _call, _fmt
+
+
+def linear_pair(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False, pow2: bool = True,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ w1.T, x @ w2.T)`` in one launch where a kernel takes both formats; see
+    :func:`reference_fused.linear_pair` (dispatched on the first weight's format)."""
+    return _call("linear_pair", x.device, _fmt(w1), x, w1, w2, act_quant, pow2, out_dtype)
 
 
 def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,4 +47,4 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
                                                         cos, sin, rotate)
 
 
-__all__ = ["rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]
+__all__ = ["linear_pair", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]

@@ -485,23 +485,29 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor
 
 # ----------------------------------------------------------------------------- indexer
 def indexer_scores(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
-                   bound: int) -> torch.Tensor:
-    """Lightning-indexer scores ``sum_h w[b, s, h] * relu(q[b, s, h] . K[slot_b, c])`` for entries
-    ``c < bound``, fp32.
+                   bound: int, scale: float = 1.0, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Lightning-indexer scores ``sum_h (w[b, s, h] * scale) * relu(q[b, s, h] . K[slot_b, c])`` for
+    entries ``c < bound``, fp32; with ``visible [B, S]`` (int), entries ``c >= visible[b, s]`` (not
+    yet visible to that query) score ``-inf``.
 
     ``q [B, S, nI, d]`` (rotated and, under QAT, FP4-rounded), ``keys`` the indexer's key store
-    (``RowStore [slots, n, d]``, packed FP4 under QAT), ``weights [B, S, nI]`` (already scaled by
-    ``d**-0.5 * nI**-0.5``). Returns ``[B, S, bound]``; the caller masks entries not yet visible.
+    (``RowStore [slots, n, d]``, packed FP4 under QAT), ``weights [B, S, nI]``, ``scale`` the head
+    weights' factor (``d**-0.5 * nI**-0.5``; fp32 ``weights * scale`` first). Returns ``[B, S, bound]``.
     """
     rows = torch.arange(bound, device=q.device)
     k = keys.read(slots.unsqueeze(1), rows.unsqueeze(0)).float()                  # [B, n, d]
     dots = torch.einsum("bshd,bcd->bshc", q.float(), k).relu()
-    return (dots * weights.float().unsqueeze(-1)).sum(2)
+    scores = (dots * (weights.float() * scale).unsqueeze(-1)).sum(2)
+    if visible is not None:
+        scores = scores.masked_fill(rows >= visible.unsqueeze(-1), float("-inf"))
+    return scores
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the ``k`` largest ``scores [..., n]`` (fp32), exact ties broken by the lowest
     index first, so the pick never depends on the batch or the backend. ``-inf`` sorts last.
+    With ``limit [...]`` (int), a pick ``>= limit`` of its row becomes ``-1`` (the indexer's picks
+    past the visible entries).
 
     The float's bits are mapped to an order-preserving int32, widened to int64 with the inverted
     index in the low half, so one integer top-k is exact and deterministic.
@@ -511,5 +517,10 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)     # monotone in the value
     idx = torch.arange(n, device=scores.device, dtype=torch.int64)
     key = (ordered << 32) | (0xFFFFFFFF - idx)
-    return (0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF))
+    picks = 0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF)
+    if limit is not None:
+        picks = torch.where(picks < limit.unsqueeze(-1), picks, -1)
+    return picks
+
+
 from .reference_fused import *  # noqa

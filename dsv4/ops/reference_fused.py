@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from .reference import apply_rope, compress_windows, fp4_sim, hadamard, rms_norm, rms_norm_unweighted
+from .reference import apply_rope, compress_windows, fp4_sim, hadamard, linear, rms_norm, rms_norm_unweighted
+
+
+def linear_pair(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False, pow2: bool = True,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two projections of the same input (attention's ``wq_a`` and ``wkv``): ``(linear(x, w1),
+    linear(x, w2))`` with the same numerics each (:func:`dsv4.ops.reference.linear`)."""
+    return linear(x, w1, act_quant, pow2, out_dtype), linear(x, w2, act_quant, pow2, out_dtype)
 
 
 def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,4 +92,4 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
         state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
 
 
-__all__ = ["rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]
+__all__ = ["linear_pair", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]

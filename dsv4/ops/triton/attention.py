@@ -33,12 +33,12 @@ Grid ``(B*S, ceil(H / BH), SPLITS)``. A query's key blocks (``ceil(W / BN)`` win
 contiguous ranges so that decode fills the SMs (flash decoding). When the queries fill the GPU with
 one split (a prefill), :func:`_attn_rows_kernel` runs instead: the same walk over plain ``[64 heads,
 hd]`` x ``[BN, hd]`` tiles, so each product is one tensor-core GEMM with ``K = hd``, and the softmax
-finishes in-kernel. With several splits, each program writes its unnormalized ``acc`` and ``(max, sum)``,
-and ``_attn_combine_kernel`` (grid ``(B*S, H)``) merges them in split order with the sink. With at
-most :data:`FUSED_MAX_SPLITS` splits the last program of a (query, head block) to finish (an
-atomic counter, re-armed by that program) does that merge itself, saving the launch; in split
-order too, so the result is deterministic whichever finishes last. A query that sees no key gets
-``0`` (the sink takes all the weight).
+finishes in-kernel. With several splits, each program writes its unnormalized ``acc`` and
+``(max, sum)``; the last program of a (query, head block) to finish (an atomic counter, re-armed by
+that program, so a replayed CUDA graph finds it at zero) merges the splits with the sink, in split
+order, so the result is deterministic whichever program finishes last. There is no separate
+combine launch: it would run the same merge (one program per query and head block), only later.
+A query that sees no key gets ``0`` (the sink takes all the weight).
 
 Everything is sized from host-known shapes: no host read of a device value, CUDA-graph capturable.
 """
@@ -57,10 +57,6 @@ _LOG2E = 1.4426950408889634
 
 LAYOUT_PLAIN, LAYOUT_FP8 = 0, 1
 
-#: the last program of a split query merges the splits itself (no combine launch) when there are at
-#: most this many: it reads every split's [BH, hd] fp32 partial alone, so for many splits the
-#: combine kernel (one program per query and head, in parallel) is faster despite its launch
-FUSED_MAX_SPLITS = 2
 #: programs of a split grid at most (so the merge counters, one per query and head block, suffice)
 MAX_SPLIT_PROGRAMS = 4096
 
@@ -132,7 +128,7 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
                  ROPE_ALIGNED: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                  R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
                  HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
-                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr):
+                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, PREC: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_sp = tl.program_id(2)
@@ -195,22 +191,21 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
     part = (pid_q.to(tl.int64) * H + h) * n_splits + pid_sp                    # [BH]
     tl.store(pml_ptr + part * 2, m_i, mask=hm)
     tl.store(pml_ptr + part * 2 + 1, l_i, mask=hm)
-    # a split that saw no key leaves its acc unwritten: the combine never reads it (l = 0)
+    # a split that saw no key leaves its acc unwritten: the merge never reads it (l = 0)
     live3 = (hm & (l_i > 0))[None, :, None]
     tl.store(pacc_ptr + part[None, :, None] * HD + d3, acc, mask=live3 & dm3)
-    if FUSED:
-        # the last of the SPLITS programs of this (query, head block) merges them all, in
-        # split order (deterministic whichever finishes last), then re-arms the counter
-        cnt = cnt_ptr + pid_q * tl.num_programs(1) + pid_h
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if done == n_splits - 1:
-            o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * n_splits, h, hm, d3,
-                              dm3, HD, NCH, CH, BH, n_splits)
-            tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3,
-                     o.to(out_ptr.dtype.element_ty), mask=hm3 & dm3)
-            tl.atomic_xchg(cnt, 0)
+    # the last of the splits programs of this (query, head block) merges them all, in split order
+    # (deterministic whichever finishes last), then re-arms the counter
+    cnt = cnt_ptr + pid_q * tl.num_programs(1) + pid_h
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if done == n_splits - 1:
+        o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * n_splits, h, hm, d3,
+                          dm3, HD, NCH, CH, BH, n_splits)
+        tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3,
+                 o.to(out_ptr.dtype.element_ty), mask=hm3 & dm3)
+        tl.atomic_xchg(cnt, 0)
 
 
 @triton.jit
@@ -346,24 +341,6 @@ def _merge_splits(pml_ptr, pacc_ptr, sink_ptr, part0, h, hm, d3, dm3, HD: tl.con
     return acc / den[None, :, None]
 
 
-@triton.jit(do_not_specialize=["n_splits"])
-def _attn_combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, S, H, n_splits, so_b, so_s, so_h,
-                         HD: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr, BH: tl.constexpr):
-    """Merge the ``n_splits`` partials of ``BH`` heads of one query (when the attention kernel did
-    not merge them itself). The split count is a run-time loop bound: any count, one compile."""
-    pid_q = tl.program_id(0)
-    b = pid_q // S
-    s = pid_q % S
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    hm = h < H
-    d3 = tl.arange(0, NCH)[:, None, None] * CH + tl.arange(0, CH)[None, None, :]
-    dm3 = d3 < HD
-    o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * n_splits, h, hm, d3, dm3,
-                      HD, NCH, CH, BH, n_splits)
-    tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h[None, :, None] * so_h + d3,
-             o.to(out_ptr.dtype.element_ty), mask=hm[None, :, None] & dm3)
-
-
 # ----------------------------------------------------------------------------- attention wrapper
 def _store_parts(store: object, name: str, hd: int, dtype: torch.dtype) -> tuple:
     """Validate a K=V ``RowStore`` and return ``(data, scale, rope, layout, nope, n_scales, e8m0)``."""
@@ -448,15 +425,12 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
                             start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
                             comp: object | None = None, comp_idx: torch.Tensor | None = None,
                             comp_len: torch.Tensor | None = None, comp_bound: int = 0, *,
-                            _target_programs: int | None = None, _merge: str | None = None) -> torch.Tensor:
+                            _target_programs: int | None = None) -> torch.Tensor:
     """Triton twin of :func:`dsv4.ops.reference.sparse_attention` (same signature and result).
 
     Each query's keys are split until about ``_target_programs`` programs run (default: the SM
-    count). Split results are merged by the last program of a query when there are at most
-    :data:`FUSED_MAX_SPLITS` splits, else by the combine kernel; ``_merge`` ("fused" or
-    "combine") forces one of the two for any split count (tests reach both at small shapes)."""
-    if _merge not in (None, "fused", "combine"):
-        raise ValueError(f"_merge must be None, 'fused' or 'combine', got {_merge!r}")
+    count; tests set it to reach one split or several at small shapes). Split results are merged
+    by the last program of each query and head block."""
     if q.dim() != 4:
         raise AttentionKernelError(f"q must be [B, S, H, hd], got {tuple(q.shape)}")
     B, S, H, hd = q.shape
@@ -522,8 +496,7 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
             C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0,
             PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=rwarps, num_stages=rstages)
         return out
-    fused = splits <= FUSED_MAX_SPLITS if _merge is None else _merge == "fused"
-    cnt = _counters(dev) if fused else out      # may refuse (first use inside a graph capture)
+    cnt = _counters(dev)                        # may refuse (first use inside a graph capture)
     pacc = runtime.empty((B * S, H, splits, hd), torch.float32, dev)
     pml = runtime.empty((B * S, H, splits, 2), torch.float32, dev)
     _attn_kernel[(B * S, triton.cdiv(H, bh), splits)](
@@ -534,15 +507,11 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
         W=window, HD=hd, NOPE=nope, NCH=dp // ch, CH=ch, ROPE_ALIGNED=nope % ch == 0 and hd - nope == ch == dp - nope,
         BH=bh, BN=bn,
         R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
-        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, FUSED=fused,
+        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0,
         PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
-    if not fused:
-        _attn_combine_kernel[(B * S, triton.cdiv(H, bh))](
-            pacc, pml, sink, out, S, H, splits, out.stride(0), out.stride(1), out.stride(2),
-            HD=hd, NCH=dp // ch, CH=ch, BH=bh, num_warps=8)
     return out
 
 
 REGISTRATIONS = [("sparse_attention", None, sparse_attention_triton)]
 
-__all__ = ["sparse_attention_triton", "AttentionKernelError", "REGISTRATIONS", "FUSED_MAX_SPLITS"]
+__all__ = ["sparse_attention_triton", "AttentionKernelError", "REGISTRATIONS"]

@@ -10,10 +10,14 @@ and for each of its ``BQ`` queries (1 in decode: the query stays in registers) r
 the tile against the query's ``nI`` heads (low nibbles against the even query dims, high nibbles
 against the odd ones: nothing is interleaved), then ReLU, the head weights, the sum over heads.
 
+The head weights are scaled in-kernel (``w * scale`` in fp32, as the reference) and, given each
+query's visible count, entries past it are written as ``-inf``: the indexer's mask costs no launch.
+
 **Top-k.** One program per row chunk ranks int64 keys (the score's order-preserving int32 in the
 high half, the inverted index in the low half: exactly the reference's order, ties to the lowest
 index) with Triton's bitonic ``tl.topk``; rows longer than :data:`TOPK_CHUNK` go through levels
-(each chunk's top-k keys, then the top-k of those).
+(each chunk's top-k keys, then the top-k of those). Given a limit per row, the final level writes
+``-1`` for a pick at or past it.
 
 Everything is sized from host-known shapes: no host read of a device value, CUDA-graph capturable.
 """
@@ -52,15 +56,16 @@ def _index_keys(k_data, k_scale, row, cm, HALF: tl.constexpr, FP4: tl.constexpr,
 
 
 @triton.jit
-def _index_query(q_ptr, w_ptr, s, sq_s, sq_h, sw_s, NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr):
-    """Query ``s``'s heads as even / odd dims ``[NIP, HALF]`` (padded heads zero) and weights ``[NIP]``."""
+def _index_query(q_ptr, w_ptr, s, sq_s, sq_h, sw_s, scale, NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr):
+    """Query ``s``'s heads as even / odd dims ``[NIP, HALF]`` (padded heads zero) and weights
+    ``[NIP]`` times ``scale`` (fp32)."""
     hh = tl.arange(0, NIP)
     hm = hh < NI
     j = tl.arange(0, HALF)
     qrow = q_ptr + s * sq_s + hh[:, None] * sq_h + 2 * j[None, :]
     q_even = tl.load(qrow, mask=hm[:, None], other=0.0)
     q_odd = tl.load(qrow + 1, mask=hm[:, None], other=0.0)
-    w = tl.load(w_ptr + s * sw_s + hh, mask=hm, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + s * sw_s + hh, mask=hm, other=0.0).to(tl.float32) * scale
     return q_even, q_odd, w
 
 
@@ -72,12 +77,20 @@ def _index_score(k_even, k_odd, q_even, q_odd, w, PREC: tl.constexpr):
     return tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
 
 
+@triton.jit
+def _index_store(o_ptr, c, cm, score, vis_ptr, s, VIS: tl.constexpr):
+    """Write a tile's scores, ``-inf`` at entries ``c >= visible[s]`` (with ``VIS``)."""
+    if VIS:
+        score = tl.where(c < tl.load(vis_ptr + s), score, float("-inf"))
+    tl.store(o_ptr + c, score, mask=cm)
+
+
 @triton.jit(do_not_specialize=["bound", "n_qb", "tiles_per_split", "so_b", "so_s"])
-def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
-                    S, bound, k_rows, n_qb, tiles_per_split,
-                    sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s,
+def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr, vis_ptr,
+                    S, bound, k_rows, n_qb, tiles_per_split, scale,
+                    sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s, sv_b,
                     NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr,
-                    BQ: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr):
+                    BQ: tl.constexpr, FP4: tl.constexpr, VIS: tl.constexpr, PREC: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_c = tl.program_id(1)
     b = pid_q // n_qb
@@ -87,15 +100,16 @@ def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
     q_b = q_ptr + b.to(tl.int64) * sq_b
     w_b = w_ptr + b.to(tl.int64) * sw_b
     o_b = out_ptr + b.to(tl.int64) * so_b
+    v_b = vis_ptr + b.to(tl.int64) * sv_b
     tile_lo = pid_c * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(bound, BC))
     if BQ == 1:                         # decode: the query stays in registers over the key tiles
-        q_even, q_odd, w = _index_query(q_b, w_b, s0, sq_s, sq_h, sw_s, NI, NIP, HALF)
+        q_even, q_odd, w = _index_query(q_b, w_b, s0, sq_s, sq_h, sw_s, scale, NI, NIP, HALF)
         for tile in range(tile_lo, tile_hi):
             c = tile * BC + tl.arange(0, BC)
             cm = c < bound
             k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
-            tl.store(o_b + s0 * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
+            _index_store(o_b + s0 * so_s, c, cm, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), v_b, s0, VIS)
     else:                               # prefill: each decoded key tile serves BQ queries
         for tile in range(tile_lo, tile_hi):
             c = tile * BC + tl.arange(0, BC)
@@ -104,12 +118,13 @@ def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr,
             for i in range(0, BQ):
                 s = s0 + i
                 if s < S:
-                    q_even, q_odd, w = _index_query(q_b, w_b, s, sq_s, sq_h, sw_s, NI, NIP, HALF)
-                    tl.store(o_b + s * so_s + c, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), mask=cm)
+                    q_even, q_odd, w = _index_query(q_b, w_b, s, sq_s, sq_h, sw_s, scale, NI, NIP, HALF)
+                    _index_store(o_b + s * so_s, c, cm, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), v_b, s,
+                                 VIS)
 
 
 def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
-                          bound: int) -> torch.Tensor:
+                          bound: int, scale: float = 1.0, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of :func:`dsv4.ops.reference.indexer_scores` (same signature and result)."""
     if q.dim() != 4:
         raise AttentionKernelError(f"q must be [B, S, nI, d], got {tuple(q.shape)}")
@@ -123,6 +138,10 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
         raise AttentionKernelError(f"weights must be a float [{B}, {S}, {NI}] with a contiguous last dim, "
                                    f"got {tuple(weights.shape)} {weights.dtype}")
     _check_int(slots, "slots", (B,), dev)
+    if visible is not None:
+        _check_int(visible, "visible", (B, S), dev)
+        if visible.stride(1) != 1:
+            raise AttentionKernelError("visible needs a contiguous last dim")
     layout = getattr(keys, "layout", None)
     if layout not in ("plain", "fp4"):
         raise AttentionKernelError(f"keys: layout {layout!r} not supported (plain or fp4)")
@@ -155,10 +174,12 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
     n_qb = triton.cdiv(S, bq)
     n_tiles = triton.cdiv(bound, bc)
     splits, per = _splits(n_tiles, B * n_qb, PROGRAMS_PER_SM * runtime.sm_count(dev))
+    vis = slots if visible is None else visible          # a pointer the kernel never reads without VIS
     _indexer_kernel[(B * n_qb, splits)](
-        q, weights, out, data, sc, slots, S, bound, data.shape[1], n_qb, per,
+        q, weights, out, data, sc, slots, vis, S, bound, data.shape[1], n_qb, per, float(scale),
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
-        NI=NI, NIP=max(16, triton.next_power_of_2(NI)), HALF=dim // 2, BC=bc, BQ=bq, FP4=fp4,
+        vis.stride(0),
+        NI=NI, NIP=max(16, triton.next_power_of_2(NI)), HALF=dim // 2, BC=bc, BQ=bq, FP4=fp4, VIS=visible is not None,
         PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not interp else 1)
     return out
 
@@ -170,12 +191,13 @@ _INT64_MIN = -(1 << 63)
 
 
 @triton.jit(do_not_specialize=["n", "k", "src_stride", "dst_stride"])
-def _topk_kernel(src_ptr, dst_ptr, n, k, src_stride, dst_stride, CHUNK: tl.constexpr, KP: tl.constexpr,
-                 FROM_SCORES: tl.constexpr, FINAL: tl.constexpr):
+def _topk_kernel(src_ptr, dst_ptr, lim_ptr, n, k, src_stride, dst_stride, CHUNK: tl.constexpr, KP: tl.constexpr,
+                 FROM_SCORES: tl.constexpr, FINAL: tl.constexpr, LIMIT: tl.constexpr):
     """One chunk of one row: the ``KP`` largest keys of ``CHUNK`` (bitonic top-k), where a key is
     the score's order-preserving int32 in the high half and the inverted index in the low half
     (exactly :func:`dsv4.ops.reference.topk_indices`: ties go to the lowest index, -0 == +0).
-    ``FINAL``: write the first ``k`` indices; else the ``KP`` keys, for the next level."""
+    ``FINAL``: write the first ``k`` indices (with ``LIMIT``, ``-1`` for one at or past the row's
+    ``lim_ptr[row]``); else the ``KP`` keys, for the next level."""
     row = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1)
     i = ch * CHUNK + tl.arange(0, CHUNK)
@@ -191,12 +213,15 @@ def _topk_kernel(src_ptr, dst_ptr, n, k, src_stride, dst_stride, CHUNK: tl.const
     top = tl.topk(key, KP)
     j = tl.arange(0, KP)
     if FINAL:
-        tl.store(dst_ptr + row * dst_stride + j, 4294967295 - (top & 4294967295), mask=j < k)
+        idx = 4294967295 - (top & 4294967295)
+        if LIMIT:
+            idx = tl.where(idx < tl.load(lim_ptr + row), idx, -1)
+        tl.store(dst_ptr + row * dst_stride + j, idx, mask=j < k)
     else:
         tl.store(dst_ptr + row * dst_stride + ch * KP + j, top)
 
 
-def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_indices_triton(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of :func:`dsv4.ops.reference.topk_indices` (same signature, same indices and
     order): one launch for rows up to :data:`TOPK_CHUNK` entries, else levels of chunked top-k."""
     if not scores.is_floating_point() or scores.dim() < 1:
@@ -205,6 +230,11 @@ def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     if not 0 <= k <= n:
         raise AttentionKernelError(f"k = {k} outside [0, {n}]")
     lead = scores.shape[:-1]
+    if limit is not None:
+        _check_int(limit, "limit", tuple(lead), scores.device)
+        limit = limit.reshape(-1)
+        if limit.stride(0) != 1:
+            raise AttentionKernelError("limit must be contiguous")
     out = runtime.empty((*lead, k), torch.int64, scores.device)
     rows = out.numel() // max(1, k)
     if k == 0 or rows == 0:
@@ -219,8 +249,9 @@ def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
             n_ch = triton.cdiv(n_cur, chunk)
         final = n_ch == 1
         dst = out.view(rows, k) if final else runtime.empty((rows, n_ch * kp), torch.int64, scores.device)
-        _topk_kernel[(rows, n_ch)](src, dst, n_cur, k, src.stride(0), dst.stride(0), CHUNK=chunk, KP=kp,
-                                   FROM_SCORES=from_scores, FINAL=final, num_warps=8 if chunk >= 4096 else 4)
+        _topk_kernel[(rows, n_ch)](src, dst, dst if limit is None else limit, n_cur, k, src.stride(0), dst.stride(0),
+                                   CHUNK=chunk, KP=kp, FROM_SCORES=from_scores, FINAL=final,
+                                   LIMIT=final and limit is not None, num_warps=8 if chunk >= 4096 else 4)
         if final:
             return out
         src, n_cur, from_scores = dst, n_ch * kp, False

@@ -32,7 +32,8 @@ Two kernels, chosen by the number of rows ``M`` (``SKINNY_MAX_M``):
   are exact in bf16, so one fp32 accumulator and no promotion).
 
 ``grouped_linear`` (``wo_a``, no activation quantization) runs the same kernels with a group
-index in the grid: group ``g`` multiplies ``x[..., g, :]`` by rows ``g*r:(g+1)*r``.
+index in the grid: group ``g`` multiplies ``x[..., g, :]`` by rows ``g*r:(g+1)*r``. ``linear_pair``
+(``wq_a`` and ``wkv``, one input) runs the decode kernel once over both weights' row tiles.
 
 Plain ``torch.Tensor`` weights are not registered: they stay on the reference (cuBLAS).
 """
@@ -119,21 +120,36 @@ def _fp8_scale(s_ptr, rows, r_ok, kb, KB, stride_sn, FMT: tl.constexpr):
 
 # ============================================================================= decode kernel
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
-                   M, R, K, TILES_PER_GROUP,
+def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, w2_ptr, s2_ptr, g2_ptr, out_ptr, ws_ptr, cnt_ptr,
+                   M, R, R2, K, TILES_PER_GROUP,
                    stride_xm, stride_xg, stride_wn, stride_sn, stride_om, stride_og, ws_stride_s, ws_stride_m,
                    FMT: tl.constexpr, ACT_QUANT: tl.constexpr, POW2: tl.constexpr, OP_BF16: tl.constexpr,
                    PREC: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, KSTEPS: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, PAIR: tl.constexpr):
     """``out[m, g, r] = x[m, g, :] . W[g*R + r, :]`` for a tile of BN weight rows and one K split.
+
+    ``PAIR``: two weights of one format on the same input (``stride_xg = 0``): the first
+    ``TILES_PER_GROUP`` tiles are rows of ``W`` (``R`` of them), the others rows of ``W2`` (``R2``),
+    written after them (``stride_og = R``): ``out[m, :R] = x W^T``, ``out[m, R:] = x W2^T``.
 
     The MMA computes ``acc[BN, MP] = W_tile @ x_tile^T`` (weight rows on the MMA's M side)."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
-    g = pid_t // TILES_PER_GROUP
-    offs_r = (pid_t % TILES_PER_GROUP) * BN + tl.arange(0, BN)
-    r_ok = offs_r < R
-    rows = g * R + offs_r  # global weight rows
+    if PAIR:
+        second = pid_t >= TILES_PER_GROUP
+        g = second.to(tl.int32)
+        offs_r = (pid_t - g * TILES_PER_GROUP) * BN + tl.arange(0, BN)
+        r_ok = offs_r < tl.where(second, R2, R)
+        wrows = offs_r  # rows of the weight this tile reads
+        w_ptr = tl.where(second, w2_ptr, w_ptr)
+        s_ptr = tl.where(second, s2_ptr, s_ptr)
+        g_ptr = tl.where(second, g2_ptr, g_ptr)
+    else:
+        g = pid_t // TILES_PER_GROUP
+        offs_r = (pid_t % TILES_PER_GROUP) * BN + tl.arange(0, BN)
+        r_ok = offs_r < R
+        wrows = g * R + offs_r
+    rows = g * R + offs_r  # output columns (over the groups / the pair)
     offs_m = tl.arange(0, MP)
     m_ok = offs_m < M
     x_rows = x_ptr + g * stride_xg + offs_m[:, None] * stride_xm  # [MP, 1]
@@ -145,9 +161,9 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
         if FMT < 2:  # ------------------------------------------------ FP8 block
             kk = k0 + tl.arange(0, 128)
             k_ok = kk < K
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + kk[None, :],
+            w = tl.load(w_ptr + wrows[:, None].to(tl.int64) * stride_wn + kk[None, :],
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, 128] e4m3
-            sw = _fp8_scale(s_ptr, rows, r_ok, kb, KB, stride_sn, FMT)
+            sw = _fp8_scale(s_ptr, wrows, r_ok, kb, KB, stride_sn, FMT)
             xr = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if ACT_QUANT:
                 xf = xr.to(tl.float32)
@@ -159,7 +175,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
                 wd = (w.to(tl.float32) * sw[:, None]).to(xr.dtype)
                 acc = tl.dot(wd, tl.trans(xr), acc, input_precision=PREC)
         else:  # ------------------------------------------------------ MXFP4 / NVFP4
-            lo, hi = _fp4_tile(w_ptr, s_ptr, g_ptr, rows, r_ok, k0, K, stride_wn, stride_sn, FMT,
+            lo, hi = _fp4_tile(w_ptr, s_ptr, g_ptr, wrows, r_ok, k0, K, stride_wn, stride_sn, FMT,
                                FMT == 3 and not ACT_QUANT, BN)
             ke = k0 + 2 * tl.arange(0, 64)
             xe = tl.load(x_rows + ke[None, :], mask=m_ok[:, None] & (ke < K)[None, :], other=0.0)
@@ -378,31 +394,39 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 
 def _run_skinny(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: torch.Tensor, G: int, R: int,
-                who: str, config: dict | None = None) -> None:
-    """x3 [M, G, K] (last dim contiguous) -> out3 [M, G, R]."""
+                who: str, config: dict | None = None, w2: object | None = None) -> None:
+    """x3 [M, G, K] (last dim contiguous) -> out3 [M, G, R]; with ``w2`` (``G = 1``, a pair of weights
+    on one input), out3 [M, 1, R + R2]: ``x W^T`` then ``x W2^T``, one launch."""
     code, data, scale, gs, kbytes = _weight_args(w, who)
+    code2, data2, scale2, gs2, _ = (code, data, scale, gs, kbytes) if w2 is None else _weight_args(w2, who)
+    if code2 != code or data2.stride(0) != data.stride(0) or scale2.stride(0) != scale.stride(0):
+        raise LinearKernelError(f"{who}: a pair of weights needs one format and layout, got {type(w).__name__} "
+                                f"(code {code}) and {type(w2).__name__} (code {code2})")
     M, _, K = x3.shape
-    cfg = dict(config or _skinny_config(M, G * R, K, kbytes, runtime.sm_count(x3.device), fp4=code >= 2))
+    R2 = 0 if w2 is None else w2.shape[-2]
+    cfg = dict(config or _skinny_config(M, G * R + R2, K, kbytes, runtime.sm_count(x3.device), fp4=code >= 2))
     if M > cfg["MP"]:
         raise LinearKernelError(f"{who}: {M} rows exceed the decode tile ({cfg['MP']})")
     BN, split = cfg["BN"], cfg["SPLIT"]
     tiles = triton.cdiv(R, BN)
+    programs = G * tiles + triton.cdiv(R2, BN)
     op_bf16 = not runtime.interpreting()
     if act_quant:
         prec = None if (code < 2 or op_bf16) else "ieee"
     else:
         prec = _prec(x3.dtype)
     if split > 1:
-        cnt = _counters(x3.device, G * tiles)  # may refuse (first use inside a capture): allocate nothing before
-        ws = runtime.empty((split, M, G * R), torch.float32, x3.device)
+        cnt = _counters(x3.device, programs)  # may refuse (first use inside a capture): allocate nothing before
+        ws = runtime.empty((split, M, G * R + R2), torch.float32, x3.device)
     else:
         ws, cnt = out3, out3
-    _skinny_kernel[(G * tiles, split)](
-        x3, data, scale, gs, out3, ws, cnt, M, R, K, tiles,
-        x3.stride(0), x3.stride(1), data.stride(0), scale.stride(0), out3.stride(0), out3.stride(1),
-        M * G * R, G * R,
+    pair = w2 is not None
+    _skinny_kernel[(programs, split)](
+        x3, data, scale, gs, data2, scale2, gs2, out3, ws, cnt, M, R, R2, K, tiles,
+        x3.stride(0), 0 if pair else x3.stride(1), data.stride(0), scale.stride(0), out3.stride(0),
+        R if pair else out3.stride(1), M * (G * R + R2), G * R + R2,
         FMT=code, ACT_QUANT=act_quant, POW2=pow2, OP_BF16=op_bf16, PREC=prec,
-        BN=BN, MP=cfg["MP"], KSTEPS=cfg["KSTEPS"], SPLIT=split,
+        BN=BN, MP=cfg["MP"], KSTEPS=cfg["KSTEPS"], SPLIT=split, PAIR=pair,
         num_warps=cfg.get("num_warps", 4 if code < 2 else 8), num_stages=cfg.get("num_stages", 4))
 
 
@@ -488,6 +512,37 @@ def linear_triton(x: torch.Tensor, w: object, act_quant: bool = False, pow2: boo
     return out.view(*x.shape[:-1], N)
 
 
+def linear_pair_triton(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False, pow2: bool = True,
+                       out_dtype: torch.dtype | None = None, *, _config: dict | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two weights of one format on the same input (``wq_a`` and ``wkv``); see
+    :func:`dsv4.ops.reference_fused.linear_pair`. Decode: one launch of the split-K GEMV over both
+    weights' rows, the results views of one ``[..., N1 + N2]`` buffer. Prefill: the GEMM per weight.
+    ``_config`` forces the decode tiling (tests)."""
+    who = "linear_pair (triton)"
+    _check_x(x, who)
+    (N1, K), N2 = w1.shape[-2:], w2.shape[-2]
+    if x.shape[-1] != K or w2.shape[-1] != K:
+        raise LinearKernelError(f"{who}: x has shape {tuple(x.shape)}, the weights {tuple(w1.shape)} and "
+                                f"{tuple(w2.shape)}")
+    if type(w1) is not type(w2):
+        raise LinearKernelError(f"{who}: weights of two formats ({type(w1).__name__}, {type(w2).__name__})")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise LinearKernelError(f"{who}: out_dtype {out_dtype} not supported")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = runtime.empty((x2.shape[0], N1 + N2), out_dtype, x.device)
+    if 0 < x2.shape[0] <= SKINNY_MAX_M:
+        _run_skinny(x2.unsqueeze(1), w1, act_quant, pow2, out.unsqueeze(1), 1, N1, who, _config, w2=w2)
+    else:
+        _run(x2.unsqueeze(1), w1, act_quant, pow2, out[:, :N1].unsqueeze(1), 1, N1, who)
+        _run(x2.unsqueeze(1), w2, act_quant, pow2, out[:, N1:].unsqueeze(1), 1, N2, who)
+    out = out.view(*x.shape[:-1], N1 + N2)
+    return out[..., :N1], out[..., N1:]
+
+
 def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str | None = None,
                           _config: dict | None = None) -> torch.Tensor:
     """Grouped output projection: group ``g`` of ``x [..., G, K]`` times rows ``g*r:(g+1)*r`` of
@@ -509,6 +564,9 @@ def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str
 
 
 REGISTRATIONS = [
+    ("linear_pair", Fp8BlockWeight, linear_pair_triton),
+    ("linear_pair", Mxfp4Weight, linear_pair_triton),
+    ("linear_pair", Nvfp4Weight, linear_pair_triton),
     ("linear", Fp8BlockWeight, linear_triton),
     ("linear", Mxfp4Weight, linear_triton),
     ("linear", Nvfp4Weight, linear_triton),
