@@ -187,6 +187,7 @@ class Engine:
         # (with speculation only while no request verifies: see _may_verify)
         self.overlap = runner.device.type == "cuda"
         self._pinned = _PinnedPool()
+        self._collected: list[RequestOutput] = []       # outputs of steps collected inside a step's launch
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
 
     # ------------------------------------------------------------------ sizes (read-only)
@@ -281,6 +282,7 @@ class Engine:
             if rid not in ended:
                 ended.append(rid)
         self._inflight.clear()
+        self._collected.clear()
         return ended
 
     def stats(self) -> EngineStats:
@@ -306,7 +308,9 @@ class Engine:
         plan = self._plan()
         for req in plan.finished:                      # aborted since the last step
             outputs.append(self._end(self.tracks[req.request_id], "abort"))
-        launched = self._launch(plan, outputs)
+        launched = self._launch(plan)
+        outputs += self._collected                     # collected while this step's forward ran
+        self._collected = []
         # with overlap, collect the previous step while this one runs on the device
         ready = self._inflight[:-1] if (self.overlap and launched) else self._inflight
         keep = self._inflight[len(ready):]
@@ -323,11 +327,11 @@ class Engine:
                        if len(r.output_ids) + self.tracks[r.request_id].pending < r.params.max_tokens]
         return plan
 
-    def _launch(self, plan: StepPlan, outputs: list[RequestOutput]) -> bool:
+    def _launch(self, plan: StepPlan) -> bool:
         """Run the plan as one runner step (decode rows first, then prompt chunks in arrival order);
         queue the sampled ids of the decode rows and of the prompts that completed. A step with a
-        constrained row collects the steps in flight into ``outputs`` and stages the grammar masks
-        while the device runs its forward (:meth:`_stage_masks`)."""
+        constrained row collects the steps in flight and stages the grammar masks while the device
+        runs its forward (:meth:`_stage_masks`)."""
         rows, tracks, chunks, saves, published = [], [], {}, [], []
         cache = self.prefix_cache
         spec = self.speculative
@@ -375,10 +379,10 @@ class Engine:
         # one without a Constraint (a thinking budget without thinking): every row gets a fresh one
         if any(t.request.params.constrained for t in tracks):
             sampled_slots = [r.slot for r in rows if r.sample]
-            before_sample = lambda: self._stage_masks(sampled_slots, tracks, outputs)   # noqa: E731
+            before_sample = lambda: self._stage_masks(sampled_slots, tracks)   # noqa: E731
         batch = ScheduledBatch(tuple(rows), tuple(saves))
         try:
-            out = self.runner.run(batch, before_sample)
+            out = self.runner.run(batch) if before_sample is None else self.runner.run(batch, before_sample)
         except BaseException:
             for _, _, blocks, tail in published:      # planned saves that never ran
                 cache.release(list(blocks) + list(tail))
@@ -410,13 +414,13 @@ class Engine:
         self._queue(tracks, out.sampled, out.emitted)
         return True
 
-    def _stage_masks(self, slots: list[int], tracks: list[_Track], outputs: list[RequestOutput]) -> None:
+    def _stage_masks(self, slots: list[int], tracks: list[_Track]) -> None:
         """Between a step's forward and its sampler: collect the steps still in flight (a mask needs
         its request's previous token; the device meanwhile runs this step's forward), then write
         and upload each sampled row's mask. A request that ended on a collected token gets an
         all-allowed row: its token in this step is dropped."""
         for tracks_, sampled, event, emitted in self._inflight:
-            outputs += self._collect(tracks_, sampled, event, emitted)
+            self._collected += self._collect(tracks_, sampled, event, emitted)
         self._inflight = []
         self.runner.sampling.bitmask.stage(
             [(s, None if t.request.finished else t.constraint) for s, t in zip(slots, tracks)])
