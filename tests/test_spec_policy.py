@@ -55,6 +55,12 @@ def plain(model):
     return requests, _generate(_engine(model, None), requests)
 
 
+def _wrong(truth: dict, req, k: int) -> list[int]:
+    """``k`` drafts that are all wrong: plain decoding's next tokens plus one."""
+    n = len(req.output_ids)
+    return [(t + 1) % 512 for t in (list(truth[tuple(req.prompt_ids)][n:n + k]) + [3] * k)[:k]]
+
+
 def _same(got, want) -> None:
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
@@ -189,7 +195,7 @@ def test_without_the_policy_wrong_drafts_verify_every_step(model, plain):
     engine = _engine(model, {"method": "ngram", "num_speculative_tokens": 3})
     engine.spec_policy = None
     truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
-    engine.propose = lambda req: [(t + 1) % 512 for t in (list(truth[tuple(req.prompt_ids)][len(req.output_ids):]) + [3] * 3)[:3]]
+    engine.propose = lambda req: _wrong(truth, req, 3)
     got = _generate(engine, requests[:1])
     _same(got, want[:1])
     assert got[0].spec_decode.num_drafts == TOKENS - 2 and got[0].spec_decode.num_policy_plain_rows == 0
@@ -227,7 +233,7 @@ def test_plain_steps_overlap_while_every_request_is_off(model, plain):
         in_flight.append(len(engine._inflight))
         return launch(plan)
     engine._launch = spy
-    engine.propose = lambda req: [(t + 1) % 512 for t in (list(truth[tuple(req.prompt_ids)][len(req.output_ids):]) + [3] * 3)[:3]]
+    engine.propose = lambda req: _wrong(truth, req, 3)
     got = _generate(engine, requests)
     _same(got, want)
     assert sum(n > 0 for n in in_flight) > TOKENS // 2            # most steps launched with one in flight
