@@ -8,8 +8,10 @@ allowed-token bitmask into :class:`TokenBitmask`'s host buffer (one row per slot
 rows to the device buffer the sampler gathers by slot index, inside the captured decode graph (a
 static input, so constrained and free rows share one graph). Free rows in such a batch read all-ones
 rows; a batch with no constrained row runs the graph without the mask, so free requests pay nothing.
-A row's mask needs its previous token, so a step with a constrained row first collects the step in
-flight (on a GPU the engine otherwise plans the next step while the device runs the last one).
+A row's mask needs its previous token, which on a GPU is still in flight when the next step is
+planned: a step with a constrained row launches its forward (which needs no mask), then the engine
+collects the previous step, advances the grammars and stages the masks while the device runs that
+forward, and only then launches the sampler (:meth:`dsv4.engine.runner.Runner.run`'s ``before_sample``).
 
 Each accepted token advances the constraint (:meth:`Constraint.accept`, which takes several tokens
 so a speculative verify step can feed all the tokens it accepted). With thinking on (the prompt ends
