@@ -16,6 +16,7 @@ of the statistic, i.e. at most one step of the output dtype.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -166,10 +167,11 @@ def _mixer(nc: int, D: int, n_mix: int, n_scale: int, seed: int):
 
 
 @pytest.mark.parametrize("dtype, lead, nc, D, iters", [
-    (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (3,), 3, 33, 20),
+    (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (2,), 3, 33, 20),
     (torch.float16, (17,), 4, 24, 2)])       # 17 tokens: two token blocks (few iterations: interpreter time)
 def test_mhc_pre_norm(dtype, lead, nc, D, iters):
-    """mHC pre and the block's RMSNorm in one kernel pair against the composition of the references."""
+    """mHC pre and the block's RMSNorm against the composition of the references: two launches, or
+    one for up to ONE_LAUNCH_MAX_TOKENS tokens (the last split finalizes; its counter re-armed)."""
     h = _randn(*lead, nc, D, seed=20, dtype=dtype, scale=2.0)
     fn, base, scale = _mixer(nc, D, (2 + nc) * nc, 3, seed=21)
     w = _randn(D, seed=19)
@@ -179,6 +181,8 @@ def test_mhc_pre_norm(dtype, lead, nc, D, iters):
     _close(got[0], want[0], steps=1.0 if dtype != torch.float32 else 16.0)
     _close(got[1], want[1], steps=16.0)
     _close(got[2], want[2], steps=64.0)
+    if math.prod(lead) <= small.small_mhc.ONE_LAUNCH_MAX_TOKENS:
+        assert runtime.counters_if_allocated(h.device, "mhc")[0].item() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -192,9 +196,9 @@ def test_hc_head_norm(dtype):
         return ref.rms_norm(ref.hc_head(x, fn, base, scale, 1e-6, 1e-6), w, 1e-6)
     steps = 1.0 if dtype != torch.float32 else 16.0
     _close(KERNELS["hc_head_norm"](h, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(h), steps=steps)
-    # a strided view, as the model's last-position logits pass it
-    hs = h[:, -1:]
-    _close(KERNELS["hc_head_norm"](hs, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(hs), steps=steps)
+    # strided views, as the model's last-position logits pass them (3 tokens; 2 tokens: one launch)
+    for hs in (h[:, -1:], h[0]):
+        _close(KERNELS["hc_head_norm"](hs, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(hs), steps=steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -661,7 +665,8 @@ def test_gpu_graph_replay_equals_eager():
         _, k = KERNELS["q_kv_prepare"](q[:, :, 0], kw, 1e-6, kv, kw, 1e-6, cos, sin, ring, slots.unsqueeze(1),
                                        pos % 128)
         KERNELS["compressor_step"](ckv, cg, ape, st, slots, pos, kw, 1e-6, cos, sin, False)
-        return [KERNELS["mhc_post"](y, h, post, comb), qq, k]
+        one = KERNELS["mhc_pre_norm"](h[:1], fn, base, scale, 20, 1e-6, 1e-6, kw[:1].expand(D).contiguous(), 1e-6)
+        return [KERNELS["mhc_post"](y, h, post, comb), qq, k, *one]      # (one token: one launch)
 
     saved = [t.clone() for t in ring.tensors() + st.entries.tensors() + [st.win_kv, st.win_gate, st.prev_kv,
                                                                            st.prev_gate]]

@@ -3,7 +3,8 @@ mHC pre and the RMSNorm after it), ``mhc_post`` and ``hc_head_norm`` (the final 
 final norm) (DSV4_FACTS section 2, "mHC pre/post" and "Head"; the compositions they implement are
 in :mod:`dsv4.ops.reference_fused`).
 
-mhc_pre_norm / hc_head_norm: two launches.
+mhc_pre_norm / hc_head_norm: two launches; one for up to ``ONE_LAUNCH_MAX_TOKENS`` tokens (decode),
+where the last program of step 1 to arrive (an arrival counter it re-arms) does step 2 for them.
 
 1. ``_mix_partial_kernel``, grid ``(splits, token blocks)``: the skinny projection
    ``mix = x @ fn.T`` with ``x = h.flatten(nc*D)`` (fp32), split over K so that the
@@ -32,15 +33,22 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .small_util import check, check_float, pow2, row_stride, rows
+from .small_util import KernelInputError, check, check_float, pow2, row_stride, rows
 
 _BK = 128
 _MAX_ROW = 16384
+#: tokens up to which the last split of the projection finalizes them (one launch); above, a second
+#: launch with a program a token
+ONE_LAUNCH_MAX_TOKENS = 2
 
 
 @triton.jit(do_not_specialize=["T"])
 def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
-                        NP: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr):
+                        cnt_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, Kf, Df, iters,
+                        norm_eps, hc_eps, eps,
+                        NP: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr,
+                        NC: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
+                        HEAD: tl.constexpr):
     pid_s = tl.program_id(0)
     t = tl.program_id(1) * TB + tl.arange(0, TB)
     n = tl.arange(0, NP)
@@ -62,6 +70,18 @@ def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
     base = (pid_s * T + t).to(tl.int64)
     tl.store(part_ptr + base[:, None] * NP + n[None, :], acc, mask=tm[:, None])
     tl.store(ss_ptr + base, ss, mask=tm)
+    if FINAL:
+        # a few tokens: the last split to arrive finalizes them all (no second launch)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            tt = pid_s * 0
+            while tt < T:
+                _finalize_token(tt, x_ptr, sx, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr,
+                                comb_ptr, T, D, Kf, Df, tl.num_programs(0), iters, norm_eps, hc_eps, eps, NC, NCP,
+                                NP, SP, BD, HEAD)
+                tt += 1
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")       # ready for the next call
 
 
 @triton.jit
@@ -70,19 +90,20 @@ def _pick(v, idx, j):
     return tl.sum(tl.where(idx == j, v, 0.0), axis=0)
 
 
-@triton.jit(do_not_specialize=["T", "SPLITS"])
-def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
-                         T, D, Kf, Df, SPLITS, iters, norm_eps, hc_eps, eps,
-                         NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
-                         BD: tl.constexpr, HEAD: tl.constexpr):
+@triton.jit
+def _finalize_token(t, h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
+                    T, D, Kf, Df, SPLITS, iters, norm_eps, hc_eps, eps,
+                    NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                    BD: tl.constexpr, HEAD: tl.constexpr):
+    """Token ``t``'s weights, collapse and norm from the ``SPLITS`` partial sums (step 2 above)."""
     XDT: tl.constexpr = y_ptr.dtype.element_ty
-    t = tl.program_id(0)
     s = tl.arange(0, SP)
     n = tl.arange(0, NP)
     sm = s < SPLITS
     prow = (s * T + t).to(tl.int64)
-    mix = tl.sum(tl.load(part_ptr + prow[:, None] * NP + n[None, :], mask=sm[:, None], other=0.0), axis=0)
-    ss = tl.sum(tl.load(ss_ptr + prow, mask=sm, other=0.0), axis=0)
+    mix = tl.sum(tl.load(part_ptr + prow[:, None] * NP + n[None, :], mask=sm[:, None], other=0.0,
+                         cache_modifier=".cg"), axis=0)
+    ss = tl.sum(tl.load(ss_ptr + prow, mask=sm, other=0.0, cache_modifier=".cg"), axis=0)
     r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, Kf) + norm_eps))
     mix = mix * r                                                               # [NP]
 
@@ -129,6 +150,15 @@ def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr
             comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
             it += 1
         tl.store(comb_ptr + t * NC * NC + ci * NC + cj, comb, mask=cm)
+
+
+@triton.jit(do_not_specialize=["T", "SPLITS"])
+def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
+                         T, D, Kf, Df, SPLITS, iters, norm_eps, hc_eps, eps,
+                         NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                         BD: tl.constexpr, HEAD: tl.constexpr):
+    _finalize_token(tl.program_id(0), h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr,
+                    comb_ptr, T, D, Kf, Df, SPLITS, iters, norm_eps, hc_eps, eps, NC, NCP, NP, SP, BD, HEAD)
 
 
 @triton.jit
@@ -190,15 +220,23 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     part = torch.empty((splits, T, np_), dtype=torch.float32, device=dev)
     ss = torch.empty((splits, T), dtype=torch.float32, device=dev)
     fn = fn.contiguous()
-    _mix_partial_kernel[(splits, triton.cdiv(T, tb))](x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk,
-                                                      NP=np_, TB=tb, BK=_BK, num_warps=4)
     bd = pow2(D)
+    one = T <= ONE_LAUNCH_MAX_TOKENS
+    try:
+        cnt = runtime.counters(dev, 1, "mhc") if one else ss
+    except runtime.CounterError as e:
+        raise KernelInputError(str(e)) from None
+    tail = (base.float().contiguous(), scale.float().contiguous(), weight.contiguous(), y, post, comb)
     # SP covers the most splits any T can get (splits shrink as T grows): one variant for every T
-    _mhc_finalize_kernel[(T,)](
-        x, row_stride(x), part, ss, base.float().contiguous(), scale.float().contiguous(), weight.contiguous(), y,
-        post, comb, T, D, float(K), float(D), splits, int(iters), float(norm_eps), float(hc_eps), float(eps),
-        NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head,
-        num_warps=8 if bd >= 4096 else 4, enable_fp_fusion=False)
+    fin = dict(NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head)
+    _mix_partial_kernel[(splits, triton.cdiv(T, tb))](
+        x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk, cnt, *tail, D, float(K), float(D), int(iters),
+        float(norm_eps), float(hc_eps), float(eps), TB=tb, BK=_BK, FINAL=one,
+        num_warps=8 if one and bd >= 4096 else 4, enable_fp_fusion=False, **fin)
+    if not one:
+        _mhc_finalize_kernel[(T,)](
+            x, row_stride(x), part, ss, *tail, T, D, float(K), float(D), splits, int(iters), float(norm_eps),
+            float(hc_eps), float(eps), num_warps=8 if bd >= 4096 else 4, enable_fp_fusion=False, **fin)
     return y, post, comb
 
 
