@@ -430,28 +430,36 @@ def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
 
 
 # ----------------------------------------------------------------------------- MoE router
-def _router_inputs(T: int, E: int, k: int, seed: int, device=DEV, big: bool = True):
-    logits = _randn(T, E, seed=seed, scale=3.0, device="cpu")
-    if big:     # softplus's linear branch, and at its edge (sigmoid would tie them all at 1)
-        logits[0, :4] = 20.0 + torch.arange(4.0) * 0.25
+def _router_inputs(T: int, E: int, D: int, k: int, seed: int, device=DEV, dtype=torch.float32, big: bool = True):
+    """Activations, a gate weight (logits ~ N(0, 9)), a selection bias, a hash table and token ids."""
+    x = _randn(T, D, seed=seed, device="cpu")
+    weight = _randn(E, D, seed=seed + 3, scale=3.0 / D ** 0.5, device="cpu")
+    if big:     # softplus's linear branch (sigmoid would tie such logits at 1)
+        weight[0] = x[0] * (21.0 / x[0].square().sum())
     tid2eid = torch.stack([torch.randperm(E, generator=_gen(seed + v))[:k] for v in range(40)]).int()
     tokens = torch.randint(0, 40, (T,), generator=_gen(seed + 1))
     bias = _randn(E, seed=seed + 2, scale=0.5, device="cpu")
-    return [t.to(device) for t in (logits, bias, tid2eid, tokens)]
+    return x.to(dtype).to(device), weight.to(dtype).to(device), bias.to(device), tid2eid.to(device), tokens.to(device)
 
 
-def _router_equal(got, want) -> None:
+def _router_equal(got, want, steps: float = 8.0) -> None:
     assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1]), (got[1], want[1])
-    _close(got[0], want[0], steps=8.0)
+    _close(got[0], want[0], steps=steps)
 
 
 @pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid", "softmax"])
-@pytest.mark.parametrize("T, E, k", [(1, 16, 2), (5, 24, 6), (3, 200, 6)])
-def test_router(func, T, E, k):
-    """Scores + top-k (with and without the selection bias) and the hash lookup, in one kernel."""
-    logits, bias, tid2eid, tokens = _router_inputs(T, E, k, seed=170, big=func == "sqrtsoftplus")
+@pytest.mark.parametrize("T, E, D, k, dtype", [(1, 16, 64, 2, torch.float32), (5, 24, 200, 6, torch.float16),
+                                               (3, 200, 96, 6, torch.float32), (11, 24, 64, 6, torch.float32)])
+def test_router(func, T, E, D, k, dtype):
+    """Gate projection + scores + top-k (with and without the selection bias) and the hash lookup: one
+    kernel for a few tokens (split over experts and K, the last program routes), the projection
+    then a kernel for more (11 tokens)."""
+    x, weight, bias, tid2eid, tokens = _router_inputs(T, E, D, k, seed=170, dtype=dtype, big=func == "sqrtsoftplus")
     for kw in (dict(bias=bias), dict(), dict(tid2eid=tid2eid, token_ids=tokens)):
-        _router_equal(KERNELS["router"](logits, func, k, scale=1.5, **kw), ref.router(logits, func, k, scale=1.5, **kw))
+        _router_equal(KERNELS["router"](x, weight, func, k, scale=1.5, **kw),
+                      ref.router(x, weight, func, k, scale=1.5, **kw))
+    if T <= small.small_router.GATE_MAX_TOKENS:
+        assert torch.equal(runtime.counters_if_allocated(x.device, "router")[:1].cpu(), torch.zeros(1, dtype=torch.int32))
 
 
 # ============================================================================= GPU: real shapes, bf16, graphs
@@ -611,14 +619,15 @@ def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
 def test_gpu_router(geo, batch):
     """The router kernel at V4's expert counts (top-6 of 256 / 384), also replayed in a CUDA graph."""
     E = {"flash": 256, "pro": 384}[geo]
-    logits, bias, tid2eid, tokens = _router_inputs(batch, E, 6, seed=175, device=GDEV)
+    D = GEOMETRY[geo][0]
+    x, weight, bias, tid2eid, tokens = _router_inputs(batch, E, D, 6, seed=175, device=GDEV, dtype=GDT)
     cases = (dict(bias=bias), dict(tid2eid=tid2eid, token_ids=tokens))
-    eager = [KERNELS["router"](logits, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
+    eager = [KERNELS["router"](x, weight, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
     for got, kw in zip(eager, cases):
-        _router_equal(got, ref.router(logits, "sqrtsoftplus", 6, scale=1.5, **kw))
+        _router_equal(got, ref.router(x, weight, "sqrtsoftplus", 6, scale=1.5, **kw), steps=64.0)   # 4096 products
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [KERNELS["router"](logits, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
+        outs = [KERNELS["router"](x, weight, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
     for got in outs:
         for t in got:
             t.fill_(-1)

@@ -78,13 +78,12 @@ class Gate(Linear):
     def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, D]``, ``token_ids [T]`` -> ``(weights [T, k] fp32, expert ids [T, k] int64)``."""
         # the router is the precision floor: a plain weight, fp32 logits, never QAT-rounded input;
-        # scores, selection and weights are then one op (one kernel on the GPU)
-        logits = self(x, torch.float32)
+        # projection, scores, selection and weights are one op (one kernel when decoding on the GPU)
         # hash layers (the first ones) route by token id through a fixed table; the scores still weigh
         if self.is_hash:
-            return ops.router(logits, self.func, self.topk, tid2eid=self.tid2eid, token_ids=token_ids,
+            return ops.router(x, self.w, self.func, self.topk, tid2eid=self.tid2eid, token_ids=token_ids,
                               scale=self.route_scale)
-        return ops.router(logits, self.func, self.topk, bias=self.bias, scale=self.route_scale)
+        return ops.router(x, self.w, self.func, self.topk, bias=self.bias, scale=self.route_scale)
 
 
 class MoE(nn.Module):

@@ -208,11 +208,12 @@ def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None
     return _call("topk_indices", scores.device, None, scores, k, limit)
 
 
-def router(logits: torch.Tensor, func: str, k: int, bias: torch.Tensor | None = None,
+def router(x: torch.Tensor, weight: object, func: str, k: int, bias: torch.Tensor | None = None,
            tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
            scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores, selection (top-k or hash table) and weights of the routed experts; see :func:`reference.router`."""
-    return _call("router", logits.device, None, logits, func, k, bias, tid2eid, token_ids, scale)
+    """The gate's projection, scores, selection (top-k or hash table) and weights of the routed
+    experts; see :func:`reference.router`."""
+    return _call("router", x.device, None, x, weight, func, k, bias, tid2eid, token_ids, scale)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -393,15 +393,16 @@ def route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
     return w * scale, ids
 
 
-def router(logits: torch.Tensor, func: str, k: int, bias: torch.Tensor | None = None,
+def router(x: torch.Tensor, weight: object, func: str, k: int, bias: torch.Tensor | None = None,
            tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
            scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole router after the gate's projection: :func:`router_scores` then :func:`route`.
+    """The whole router: the gate's projection ``x [T, D] @ weight [E, D]^T`` in fp32 (the precision
+    floor: the input is never rounded), :func:`router_scores`, then :func:`route`.
 
-    ``logits [T, E]`` fp32. Hash layers give ``tid2eid [vocab, k]`` and ``token_ids [T]`` (the picks
-    are ``tid2eid[token_ids]``), the others ``bias [E]`` (or none) for the top-k selection.
+    Hash layers give ``tid2eid [vocab, k]`` and ``token_ids [T]`` (the picks are
+    ``tid2eid[token_ids]``), the others ``bias [E]`` (or none) for the top-k selection.
     Returns ``(weights [T, k] fp32, ids [T, k] int64)``."""
-    scores = router_scores(logits, func)
+    scores = router_scores(linear(x, weight, out_dtype=torch.float32), func)
     fixed = tid2eid[token_ids] if tid2eid is not None else None
     return route(scores, k, bias=bias, fixed_ids=fixed, scale=scale)
 
