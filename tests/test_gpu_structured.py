@@ -6,7 +6,8 @@ between (it collects the step still in flight first: the overlapped schedule). A
 constrained (JSON schema) and free requests replays that pair on every decode step, never an eager
 step; the tokens equal the eager steps' and those of the synchronous schedule (``overlap`` off, which
 collects every step before planning the next), every constrained answer is JSON the grammar accepts,
-and a batch without a constrained row keeps using the one-graph step without the mask.
+and a batch without a constrained row keeps using the one-graph step without the mask. Staging the
+masks and replaying both graphs never makes the host wait for the device.
 """
 
 from __future__ import annotations
