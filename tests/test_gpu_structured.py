@@ -6,7 +6,8 @@ between (it collects the step still in flight first: the overlapped schedule). A
 constrained (JSON schema) and free requests replays that pair on every decode step, never an eager
 step; the tokens equal the eager steps' and those of the synchronous schedule (``overlap`` off, which
 collects every step before planning the next), every constrained answer is JSON the grammar accepts,
-and a batch without a constrained row keeps using the one-graph step without the mask.
+and a batch without a constrained row keeps using the one-graph step without the mask. Staging the
+masks and replaying both graphs never makes the host wait for the device.
 """
 
 from __future__ import annotations
@@ -139,3 +140,43 @@ def test_mixed_batch_replays_the_forward_and_sampler_graphs(tiny):
         last = max(i for i, g in enumerate(decode) if len(g) == 2)
         assert decode[last + 1:] and all(len(g) == 1 and g[0][0] == "step" and not g[0][2].grammar
                                          for g in decode[last + 1:])
+
+
+def test_a_constrained_step_never_waits_for_the_device(tiny):
+    """The masks staged between the forward and sampler graphs (page-locked uploads) and both replays
+    make no implicit host-device synchronization (``torch.cuda``'s sync debug mode turns one into an
+    error): the only wait of a constrained step is the engine's collection of the step before."""
+    from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
+    from dsv4.engine.grammar import GrammarCompiler, StructuredOutputsParams
+    from dsv4.engine.runner import Runner
+    from dsv4.engine.sampling import SampleFlags, SamplingParams
+    model, tok = tiny
+    V = model.config.vocab_size
+    runner = Runner(model, max_num_seqs=2, max_model_len=256, qat_sim=True, max_num_batched_tokens=64)
+    constrained = SamplingParams(temperature=0.8, seed=1, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    free = SamplingParams(temperature=0.8, seed=2)
+    flags = SampleFlags.of([constrained, free], V)
+    runner.capture([SampleFlags(all_greedy=False), flags], buckets=[2], progress=False)
+    assert set(runner.forward_graphs) == {2} and set(runner.sampler_graphs) == {(2, flags)}
+    prompt = tuple(tok.encode("Describe it.<｜Assistant｜></think>"))
+    constraint = GrammarCompiler(tok, V).constraint(constrained, prompt, 200)
+    staged = []
+
+    def stage():
+        runner.sampling.bitmask.stage([(0, constraint), (1, None)])
+        staged.append(len(staged))
+    rows = (Row(0, 0, prompt, new=NewSequence(constrained, prompt)), Row(1, 0, prompt, new=NewSequence(free, prompt)))
+    out = runner.run(ScheduledBatch(rows), stage).sampled.token_ids.tolist()
+    for step in range(3):
+        constraint.accept([out[0]])
+        decode = ScheduledBatch((Row(0, runner.lengths[0]), Row(1, runner.lengths[1])))
+        torch.cuda.synchronize()
+        if step:                               # the first decode step warms up (page-locked buffers)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            ids = runner.run(decode, stage).sampled.token_ids
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out = ids.tolist()
+    assert staged == [0, 1, 2, 3]
+    assert set(runner.forward_graphs) == {2} and set(runner.sampler_graphs) == {(2, flags)}   # nothing new

@@ -14,7 +14,7 @@ A request that stops on a token or a stop string is seen one step late; the one 
 given is dropped. A constrained request's next mask needs its previous token: a step with one
 launches its forward first, then collects the previous step and stages the masks while the device
 runs that forward, then launches its sampler, so constrained decoding keeps the overlap too.
-``overlap`` (on for CUDA without speculation) may be set on the CPU to run this schedule in tests.
+``overlap`` (on for CUDA) may be set on the CPU to run this schedule in tests.
 
 A failure inside one request's output handling (say its detokenizer raises) ends that request
 alone with reason ``error``; the others keep going.
