@@ -41,6 +41,7 @@ from dsv4.engine.batch import NewSequence, Row, ScheduledBatch  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.sampling import SamplingParams  # noqa: E402
+from dsv4.engine.speculative import SpecPolicy  # noqa: E402
 from dsv4.random_weights import build_random_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -208,8 +209,8 @@ def engine_run(model, args, qat: bool, prompts: list[list[int]], spec: dict | No
     engine = Engine(r, None, eos_id=-1)
     if propose is not None:
         engine.propose = propose
-    if not policy:
-        engine.spec_policy = None
+    if spec is not None:        # the policy is on by default where graphs replay: here on the CPU too
+        engine.spec_policy = SpecPolicy() if policy else None
     for p in prompts:                                     # compile and warm outside the timing
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished:

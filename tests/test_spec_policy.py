@@ -55,6 +55,12 @@ def plain(model):
     return requests, _generate(_engine(model, None), requests)
 
 
+def _wrong(truth: dict, req, k: int) -> list[int]:
+    """``k`` drafts that are all wrong: plain decoding's next tokens plus one."""
+    n = len(req.output_ids)
+    return [(t + 1) % 512 for t in (list(truth[tuple(req.prompt_ids)][n:n + k]) + [3] * k)[:k]]
+
+
 def _same(got, want) -> None:
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
@@ -89,6 +95,15 @@ def test_verify_cost_ratio_is_the_measured_table():
     assert verify_cost_ratio(1, 1) == pytest.approx(1 + 1.39 / 3)          # the extra cost scales with k
     for k in (1, 2, 3, 4, 8):                                            # a new request starts speculating
         assert SpecPolicy().start(k).ema >= verify_cost_ratio(1, k)
+
+
+def test_policy_is_on_where_graphs_replay(model):
+    """The cost table is of CUDA graph replays: an eager engine (here, the CPU) speculates at every
+    step it can unless given a policy; a speculating engine with graphs gets one by default."""
+    assert _engine(model, {"method": "ngram", "num_speculative_tokens": 3}).spec_policy is None
+    runner = Runner(model, max_num_seqs=2, max_model_len=64, speculative={"method": "mtp", "num_speculative_tokens": 1})
+    runner.graphs[(1, None)] = None              # as if captured (Runner.use_graphs)
+    assert isinstance(Engine(runner, None, eos_id=1).spec_policy, SpecPolicy)
 
 
 def test_more_rows_than_disable_by_batch_size_decode_plainly(model, plain):
@@ -140,6 +155,39 @@ def test_policy_turns_wrong_drafts_off_and_keeps_right_ones(model, plain):
     assert late.num_policy_plain_rows <= 40 + PROBE
 
 
+def test_steps_of_one_kind_where_verify_graphs_replay(model, plain):
+    """``one_kind_steps`` (on whenever the runner has verify graphs: a mixed step runs eagerly): the
+    requests of the test above, but no step of decode rows mixes verify and plain rows; the batch
+    verifies while its expected extra tokens pay for the verify step. Plain decoding's tokens."""
+    requests, want = plain
+    k = 3
+    truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
+    kind = {tuple(p): i for i, (p, _) in enumerate(requests)}
+
+    def propose(req):
+        n = len(req.output_ids)
+        right = list(truth[tuple(req.prompt_ids)][n:n + k]) + [3] * k
+        return (right if kind[tuple(req.prompt_ids)] == 0 else [(t + 1) % 512 for t in right])[:k]
+
+    engine = _engine(model, {"method": "ngram", "num_speculative_tokens": k})
+    engine.spec_policy = SpecPolicy(probe_every=PROBE)
+    engine.one_kind_steps = True
+    engine.propose = propose
+    kinds = []
+    run = engine.runner.run
+
+    def spy(batch):
+        if all(r.is_decode for r in batch.rows) and len(batch.rows) == 3:
+            kinds.append({r.is_verify for r in batch.rows})
+        return run(batch)
+    engine.runner.run = spy
+    got = _generate(engine, requests)
+    _same(got, want)
+    assert {True} in kinds and {False} in kinds and {True, False} not in kinds
+    # the always-right request alone does not pay for verifying all three (1 + 3 < 3 x 2.15)
+    assert got[0].spec_decode.num_policy_plain_rows > TOKENS // 2
+
+
 def test_without_the_policy_wrong_drafts_verify_every_step(model, plain):
     """The same always-wrong drafts with the policy off (``spec_policy = None``): a verify row at
     every step, what the policy above avoids."""
@@ -147,7 +195,7 @@ def test_without_the_policy_wrong_drafts_verify_every_step(model, plain):
     engine = _engine(model, {"method": "ngram", "num_speculative_tokens": 3})
     engine.spec_policy = None
     truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
-    engine.propose = lambda req: [(t + 1) % 512 for t in (list(truth[tuple(req.prompt_ids)][len(req.output_ids):]) + [3] * 3)[:3]]
+    engine.propose = lambda req: _wrong(truth, req, 3)
     got = _generate(engine, requests[:1])
     _same(got, want[:1])
     assert got[0].spec_decode.num_drafts == TOKENS - 2 and got[0].spec_decode.num_policy_plain_rows == 0
@@ -185,7 +233,7 @@ def test_plain_steps_overlap_while_every_request_is_off(model, plain):
         in_flight.append(len(engine._inflight))
         return launch(plan)
     engine._launch = spy
-    engine.propose = lambda req: [(t + 1) % 512 for t in (list(truth[tuple(req.prompt_ids)][len(req.output_ids):]) + [3] * 3)[:3]]
+    engine.propose = lambda req: _wrong(truth, req, 3)
     got = _generate(engine, requests)
     _same(got, want)
     assert sum(n > 0 for n in in_flight) > TOKENS // 2            # most steps launched with one in flight

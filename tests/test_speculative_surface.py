@@ -87,8 +87,9 @@ def test_serve_metrics_count_speculation():
         accepted = metric(page, "dsv4_spec_decode_num_accepted_tokens_total")
         assert metric(page, "dsv4_spec_decode_mean_accepted_length") == pytest.approx(1 + accepted / drafts)
         assert "dsv4_spec_decode_num_accepted_tokens_per_pos_total" in page
-        # random weights: the MTP block's drafts are rejected, the policy decodes plainly after a few
-        assert metric(page, "dsv4_spec_decode_num_policy_plain_rows_total") > 0
+        # on the CPU (no CUDA graphs) the acceptance policy is off, and one request is below
+        # disable_by_batch_size: no row decoded plainly by the policy
+        assert metric(page, "dsv4_spec_decode_num_policy_plain_rows_total") == 0
     finally:
         server.stop()
 

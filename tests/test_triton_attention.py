@@ -62,8 +62,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _attn_case(kind, layout, dtype, B, S, H, hd, rope, W, n_ent, k, starts, seed, device="cpu"):
-    """Random inputs of one attention call: ``starts`` per batch row, slots permuted."""
+def _rope_tables(start, S, rd2, seed, device="cpu"):
+    """cos, sin ``[B, S, rd2]`` fp32 at the queries' positions (random frequencies)."""
+    t = (start.view(-1, 1) + torch.arange(S, device=start.device)).float().unsqueeze(-1)
+    ang = t * torch.rand(rd2, generator=_gen(seed)).to(start.device)
+    return dict(cos=ang.cos().to(device), sin=ang.sin().to(device))
+
+
+def _attn_case(kind, layout, dtype, B, S, H, hd, rope, W, n_ent, k, starts, seed, device="cpu", unrot=False):
+    """Random inputs of one attention call: ``starts`` per batch row, slots permuted; ``unrot``: the
+    output's inverse RoPE over the last ``max(rope, 8)`` dims at the query positions too."""
     g = _gen(seed)
     n_slots = B + 1
     slots = torch.randperm(n_slots, generator=g)[:B]
@@ -87,6 +95,8 @@ def _attn_case(kind, layout, dtype, B, S, H, hd, rope, W, n_ent, k, starts, seed
             comp = dict(comp=ents, comp_len=visible.to(device), comp_bound=int(visible.max().item()))
     args = (q.to(device, dtype), kv_new.to(device, dtype), ring, slots.to(device), start.to(device), W,
             sink.to(device), hd ** -0.5)
+    if unrot:
+        comp.update(_rope_tables(start, S, max(rope, 8) // 2, seed + 100, device))
     return args, comp
 
 
@@ -108,9 +118,10 @@ def _check_attention(args, comp, dtype, **split):
 def test_attention_decode(kind, layout, dtype, poison):
     """S = 1, slots at different positions: a fresh ring (start 0), a partly filled one, wrapped ones.
     Ragged head dim (nope 52: a short last scale block), 5 heads, key ranges split (flash decoding),
-    the splits merged by the last program of each query."""
+    the splits merged by the last program of each query, which also applies the output's inverse
+    RoPE (against the reference attention then ``apply_rope(inverse=True)``)."""
     args, comp = _attn_case(kind, layout, dtype, B=4, S=1, H=5, hd=60, rope=8, W=8, n_ent=12, k=6,
-                            starts=[0, 5, 19, 40], seed=1)
+                            starts=[0, 5, 19, 40], seed=1, unrot=True)
     _check_attention(args, comp, dtype)
 
 
@@ -123,7 +134,7 @@ def test_attention_prefill(kind, layout, dtype, target, poison):
     from position 0; unsplit (one program per query and head block, softmax finished in-kernel)
     and split key ranges merged by the last program of each query."""
     args, comp = _attn_case(kind, layout, dtype, B=2, S=9, H=3, hd=40, rope=8, W=4, n_ent=12, k=5,
-                            starts=[13, 0], seed=2)
+                            starts=[13, 0], seed=2, unrot=True)
     _check_attention(args, comp, dtype, _target_programs=target)
 
 
@@ -285,6 +296,7 @@ def _real_attention(kind, geo, layout, B, S, ctx, seed=0):
     q = torch.randn(B, S, H, hd, device=dev, generator=g).bfloat16()
     kv_new = torch.randn(B, S, hd, device=dev, generator=g).bfloat16()
     sink = torch.randn(H, device=dev, generator=g)
+    comp.update(_rope_tables(start, S, 32, seed + 100, dev))           # the output's inverse RoPE, as the model asks
     return (q, kv_new, ring, slots, start, W, sink, hd ** -0.5), comp
 
 
@@ -314,7 +326,7 @@ def test_gpu_attention_decode(kind, geo, layout, B, ctx, poison):
 def test_gpu_attention_prefill(kind, S, ctx, poison):
     """A first chunk from position 0 and one after a wrapped ring, Flash geometry, FP8 stores."""
     args, comp = _real_attention("csa" if kind == "sliding" else kind, FLASH, "fp8", 1, S, ctx)
-    _check_gpu(args, {} if kind == "sliding" else comp)
+    _check_gpu(args, dict(cos=comp["cos"], sin=comp["sin"]) if kind == "sliding" else comp)
 
 
 @pytest.mark.gpu
@@ -326,7 +338,8 @@ def test_gpu_attention_cuda_graph_replay_equals_eager(kind, B, S):
     last program of each split query merges and re-arms its counter (a counter left armed would
     merge too early or never on the next replay)."""
     args, comp = _real_attention("csa" if kind == "sliding" else kind, FLASH, "fp8", B, S, 4096)
-    comp = {} if kind == "sliding" else comp
+    if kind == "sliding":
+        comp = dict(cos=comp["cos"], sin=comp["sin"])
     eager = ka.sparse_attention_triton(*args, **comp)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

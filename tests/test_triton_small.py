@@ -16,6 +16,7 @@ of the statistic, i.e. at most one step of the output dtype.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -116,17 +117,45 @@ def test_rope_qnorm(dtype):
 
 @pytest.mark.parametrize("layout, pow2", [("plain", True), ("fp8", True), ("fp8", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kv_prepare(layout, pow2, dtype):
-    hd, rd = 160, 32                                     # nope 128: two FP8 blocks of 64
-    kv = _randn(3, 2, hd, seed=11, dtype=dtype, scale=5.0)
-    w = _randn(hd, seed=12)
+@pytest.mark.parametrize("strided", [False, True], ids=["apart", "one-buffer"])
+def test_q_kv_prepare(layout, pow2, dtype, strided):
+    """q_norm and the K=V path in one launch (two program rows), against rms_norm and the K=V
+    composition; ``one-buffer``: both inputs are column slices of one ``[..., ql + hd]`` buffer,
+    as ``linear_pair`` returns them. With indices (a decode step) the K=V rows are also written
+    to the store: exactly what store_rows writes for them, nothing else touched."""
+    hd, rd, ql = 160, 32, 96                             # nope 128: two FP8 blocks of 64; q rows ragged
+    if strided:
+        buf = _randn(3, 2, ql + hd, seed=11, dtype=dtype, scale=5.0)
+        qa, kv = buf[..., :ql], buf[..., ql:]
+    else:
+        qa, kv = _randn(3, 2, ql, seed=10, dtype=dtype, scale=3.0), _randn(3, 2, hd, seed=11, dtype=dtype, scale=5.0)
+    qw, w = _randn(ql, seed=9), _randn(hd, seed=12)
     cos, sin = _rope_tables((3, 2), rd // 2, seed=13)
     store = RowStore.allocate(layout, 2, 4, hd, dtype, DEV, rope_dim=rd, pow2=pow2)
-    want = ref.kv_prepare(kv, w, 1e-6, cos, sin, store)
-    out = KERNELS["kv_prepare"](kv, w, 1e-6, cos, sin, store)
+    want_q, want = ref.q_kv_prepare(qa, qw, 1e-6, kv, w, 1e-5, cos, sin, store)
+    got_q, out = KERNELS["q_kv_prepare"](qa, qw, 1e-6, kv, w, 1e-5, cos, sin, store)
+    _close(got_q, want_q)
+    _close(got_q, ref.rms_norm(qa, qw, 1e-6))
     _close(out, want, steps=1.0 if layout == "plain" else 16.0)   # an ulp of the norm can move an FP8 step
     exact_rows = (out == want).all(-1).float().mean()
     assert exact_rows > 0.8, f"only {exact_rows:.2f} of rows bit-exact"
+    # a decode step's window store in the same launch
+    a = RowStore.allocate(layout, 4, 5, hd, dtype, DEV, rope_dim=rd, pow2=pow2)
+    b = RowStore.allocate(layout, 4, 5, hd, dtype, DEV, rope_dim=rd, pow2=pow2)
+    _fill(a, 14)
+    _fill(b, 14)
+    slots, rows_ = torch.tensor([[3, 3], [0, 1], [2, 0]], device=DEV), torch.tensor([[4, 0], [2, 2], [1, 3]], device=DEV)
+    stored_q, stored = KERNELS["q_kv_prepare"](qa, qw, 1e-6, kv, w, 1e-5, cos, sin, b, slots, rows_)
+    assert torch.equal(stored, out) and torch.equal(stored_q, got_q)
+    ref.store_rows(a, slots, rows_, out)
+    for ta, tb in zip(a.tensors(), b.tensors()):
+        assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+    spec = RowStore.allocate(layout, 4, 5, hd, dtype, DEV, rope_dim=rd, pow2=pow2)     # the spec: round trip,
+    _fill(spec, 14)                                                                    # then store_rows
+    assert torch.equal(ref.q_kv_prepare(qa, qw, 1e-6, kv, w, 1e-5, cos, sin, spec, slots, rows_)[1], want)
+    ref.store_rows(a, slots, rows_, want)
+    for ta, tb in zip(a.tensors(), spec.tensors()):
+        assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
 
 
 # ----------------------------------------------------------------------------- mHC
@@ -138,29 +167,38 @@ def _mixer(nc: int, D: int, n_mix: int, n_scale: int, seed: int):
 
 
 @pytest.mark.parametrize("dtype, lead, nc, D, iters", [
-    (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (3,), 3, 33, 20),
+    (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (2,), 3, 33, 20),
     (torch.float16, (17,), 4, 24, 2)])       # 17 tokens: two token blocks (few iterations: interpreter time)
-def test_mhc_pre(dtype, lead, nc, D, iters):
+def test_mhc_pre_norm(dtype, lead, nc, D, iters):
+    """mHC pre and the block's RMSNorm against the composition of the references: two launches, or
+    one for up to ONE_LAUNCH_MAX_TOKENS tokens (the last split finalizes; its counter re-armed)."""
     h = _randn(*lead, nc, D, seed=20, dtype=dtype, scale=2.0)
     fn, base, scale = _mixer(nc, D, (2 + nc) * nc, 3, seed=21)
-    want = ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)
-    got = KERNELS["mhc_pre"](h, fn, base, scale, iters, 1e-6, 1e-6)
+    w = _randn(D, seed=19)
+    want = ref.rms_norm(ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)[0], w, 1e-5), \
+        *ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)[1:]
+    got = KERNELS["mhc_pre_norm"](h, fn, base, scale, iters, 1e-6, 1e-6, w, 1e-5)
     _close(got[0], want[0], steps=1.0 if dtype != torch.float32 else 16.0)
     _close(got[1], want[1], steps=16.0)
     _close(got[2], want[2], steps=64.0)
+    if math.prod(lead) <= small.small_mhc.ONE_LAUNCH_MAX_TOKENS:
+        assert runtime.counters_if_allocated(h.device, "mhc")[0].item() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_hc_head(dtype):
+def test_hc_head_norm(dtype):
     nc, D = 4, 72
     h = _randn(3, 2, nc, D, seed=22, dtype=dtype, scale=2.0)
     fn, base, scale = _mixer(nc, D, nc, 1, seed=23)
-    want = ref.hc_head(h, fn, base, scale, 1e-6, 1e-6)
-    _close(KERNELS["hc_head"](h, fn, base, scale, 1e-6, 1e-6), want, steps=1.0 if dtype != torch.float32 else 16.0)
-    # a strided view, as the model's last-position logits pass it
-    hs = h[:, -1:]
-    _close(KERNELS["hc_head"](hs, fn, base, scale, 1e-6, 1e-6), ref.hc_head(hs, fn, base, scale, 1e-6, 1e-6),
-           steps=1.0 if dtype != torch.float32 else 16.0)
+    w = _randn(D, seed=24)
+
+    def want(x):
+        return ref.rms_norm(ref.hc_head(x, fn, base, scale, 1e-6, 1e-6), w, 1e-6)
+    steps = 1.0 if dtype != torch.float32 else 16.0
+    _close(KERNELS["hc_head_norm"](h, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(h), steps=steps)
+    # strided views, as the model's last-position logits pass them (3 tokens; 2 tokens: one launch)
+    for hs in (h[:, -1:], h[0]):
+        _close(KERNELS["hc_head_norm"](hs, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(hs), steps=steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -395,6 +433,39 @@ def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
     _states_equal(state, other, exact=False)
 
 
+# ----------------------------------------------------------------------------- MoE router
+def _router_inputs(T: int, E: int, D: int, k: int, seed: int, device=DEV, dtype=torch.float32, big: bool = True):
+    """Activations, a gate weight (logits ~ N(0, 9)), a selection bias, a hash table and token ids."""
+    x = _randn(T, D, seed=seed, device="cpu")
+    weight = _randn(E, D, seed=seed + 3, scale=3.0 / D ** 0.5, device="cpu")
+    if big:     # softplus's linear branch (sigmoid would tie such logits at 1)
+        weight[0] = x[0] * (21.0 / x[0].square().sum())
+    tid2eid = torch.stack([torch.randperm(E, generator=_gen(seed + v))[:k] for v in range(40)]).int()
+    tokens = torch.randint(0, 40, (T,), generator=_gen(seed + 1))
+    bias = _randn(E, seed=seed + 2, scale=0.5, device="cpu")
+    return x.to(dtype).to(device), weight.to(dtype).to(device), bias.to(device), tid2eid.to(device), tokens.to(device)
+
+
+def _router_equal(got, want, steps: float = 8.0) -> None:
+    assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1]), (got[1], want[1])
+    _close(got[0], want[0], steps=steps)
+
+
+@pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("T, E, D, k, dtype", [(1, 16, 64, 2, torch.float32), (5, 24, 200, 6, torch.float16),
+                                               (3, 200, 96, 6, torch.float32), (11, 24, 64, 6, torch.float32)])
+def test_router(func, T, E, D, k, dtype):
+    """Gate projection + scores + top-k (with and without the selection bias) and the hash lookup: one
+    kernel for a few tokens (split over experts and K, the last program routes), the projection
+    then a kernel for more (11 tokens)."""
+    x, weight, bias, tid2eid, tokens = _router_inputs(T, E, D, k, seed=170, dtype=dtype, big=func == "sqrtsoftplus")
+    for kw in (dict(bias=bias), dict(), dict(tid2eid=tid2eid, token_ids=tokens)):
+        _router_equal(KERNELS["router"](x, weight, func, k, scale=1.5, **kw),
+                      ref.router(x, weight, func, k, scale=1.5, **kw))
+    if T <= small.small_router.GATE_MAX_TOKENS:
+        assert torch.equal(runtime.counters_if_allocated(x.device, "router")[:1].cpu(), torch.zeros(1, dtype=torch.int32))
+
+
 # ============================================================================= GPU: real shapes, bf16, graphs
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -422,15 +493,18 @@ def test_gpu_mhc(geo, batch):
     fn = _g(24, 4 * D, seed=101, scale=0.02, dtype=torch.float32)
     base = _g(24, seed=102, scale=0.5, dtype=torch.float32)
     scale = _g(3, seed=103, scale=0.5, dtype=torch.float32) + 1
-    want, got = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6), KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
-    _close(got[0], want[0], steps=1.0)
+    w = _g(D, seed=108, dtype=torch.float32)
+    want = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)
+    got = KERNELS["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-6)
+    _close(got[0], ref.rms_norm(want[0], w, 1e-6), steps=1.0)
     _close(got[1], want[1], steps=64.0)
     _close(got[2], want[2], steps=256.0)
     out = _g(batch, 1, D, seed=104)
     _close(KERNELS["mhc_post"](out, h, want[1], want[2]), ref.mhc_post(out, h, want[1], want[2]), steps=1.0)
     hf = _g(4, D * 4, seed=105, scale=0.02, dtype=torch.float32)
     hb, hs = _g(4, seed=106, dtype=torch.float32), _g(1, seed=107, dtype=torch.float32)
-    _close(KERNELS["hc_head"](h, hf, hb, hs, 1e-6, 1e-6), ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), steps=1.0)
+    _close(KERNELS["hc_head_norm"](h, hf, hb, hs, 1e-6, 1e-6, w, 1e-6),
+           ref.rms_norm(ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), w, 1e-6), steps=1.0)
 
 
 @pytest.mark.parametrize("geo", ["flash", "pro"])
@@ -447,13 +521,28 @@ def test_gpu_norms_rope(geo, batch):
     ch, sh = cos.unsqueeze(2), sin.unsqueeze(2)
     _close(KERNELS["rope_qnorm"](q, ch, sh, 1e-6), ref.rope_qnorm(q, ch, sh, 1e-6), steps=1.0)
     _exact(KERNELS["apply_rope"](q, ch, sh, True), ref.apply_rope(q, ch, sh, True))
-    kv, kw = _g(batch, 1, 512, seed=114, scale=3.0), _g(512, seed=115, dtype=torch.float32)
+    # q_norm and the K=V path on wq_a || wkv's output (column slices of one buffer), one launch
+    buf = _g(batch, 1, ql + 512, seed=114, scale=3.0)
+    qa, kv = buf[..., :ql], buf[..., ql:]
+    qw, kw = _g(ql, seed=116, dtype=torch.float32), _g(512, seed=115, dtype=torch.float32)
     for layout in ("plain", "fp8"):
         ring = RowStore.allocate(layout, 33, 128, 512, GDT, GDEV, rope_dim=64)
-        want = ref.kv_prepare(kv, kw, 1e-6, cos, sin, ring)
-        got = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
+        want_q, want = ref.q_kv_prepare(qa, qw, 1e-6, kv, kw, 1e-6, cos, sin, ring)
+        got_q, got = KERNELS["q_kv_prepare"](qa, qw, 1e-6, kv, kw, 1e-6, cos, sin, ring)
+        _close(got_q, want_q, steps=1.0)
         assert (got == want).float().mean() > 0.999
         _close(got, want, steps=16.0)
+        # the decode step's ring store in the same launch: exactly store_rows of its output
+        slots = torch.randperm(33, device=GDEV)[:batch].unsqueeze(1)
+        rows_ = torch.randint(0, 128, (batch, 1), device=GDEV)
+        other = RowStore.allocate(layout, 33, 128, 512, GDT, GDEV, rope_dim=64)
+        for ta, tb in zip(ring.tensors(), other.tensors()):
+            tb.copy_(ta)
+        stored_q, stored = KERNELS["q_kv_prepare"](qa, qw, 1e-6, kv, kw, 1e-6, cos, sin, ring, slots, rows_)
+        assert torch.equal(stored, got) and torch.equal(stored_q, got_q)
+        ref.store_rows(other, slots, rows_, got)
+        for ta, tb in zip(ring.tensors(), other.tensors()):
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32])
@@ -528,6 +617,30 @@ def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
     _states_equal(a, b, exact=False)
 
 
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@gpu
+def test_gpu_router(geo, batch):
+    """The router kernel at V4's expert counts (top-6 of 256 / 384), also replayed in a CUDA graph."""
+    E = {"flash": 256, "pro": 384}[geo]
+    D = GEOMETRY[geo][0]
+    x, weight, bias, tid2eid, tokens = _router_inputs(batch, E, D, 6, seed=175, device=GDEV, dtype=GDT)
+    cases = (dict(bias=bias), dict(tid2eid=tid2eid, token_ids=tokens))
+    eager = [KERNELS["router"](x, weight, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
+    for got, kw in zip(eager, cases):
+        _router_equal(got, ref.router(x, weight, "sqrtsoftplus", 6, scale=1.5, **kw), steps=64.0)   # 4096 products
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [KERNELS["router"](x, weight, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
+    for got in outs:
+        for t in got:
+            t.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, eager):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @gpu
 def test_gpu_graph_replay_equals_eager():
     """A decode layer's small ops captured in one CUDA graph replay to exactly the eager results."""
@@ -547,12 +660,13 @@ def test_gpu_graph_replay_equals_eager():
     ape = _g(4, width, seed=161, dtype=torch.float32)
 
     def step():
-        y, post, comb = KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
+        y, post, comb = KERNELS["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, kw[:1].expand(D).contiguous(), 1e-6)
         qq = KERNELS["rope_qnorm"](q, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6)
-        k = KERNELS["kv_prepare"](kv, kw, 1e-6, cos, sin, ring)
-        KERNELS["store_rows"](ring, slots.unsqueeze(1), pos % 128, k)
+        _, k = KERNELS["q_kv_prepare"](q[:, :, 0], kw, 1e-6, kv, kw, 1e-6, cos, sin, ring, slots.unsqueeze(1),
+                                       pos % 128)
         KERNELS["compressor_step"](ckv, cg, ape, st, slots, pos, kw, 1e-6, cos, sin, False)
-        return [KERNELS["mhc_post"](KERNELS["rms_norm"](y, kw[:1].expand(D).contiguous(), 1e-6), h, post, comb), qq, k]
+        one = KERNELS["mhc_pre_norm"](h[:1], fn, base, scale, 20, 1e-6, 1e-6, kw[:1].expand(D).contiguous(), 1e-6)
+        return [KERNELS["mhc_post"](y, h, post, comb), qq, k, *one]      # (one token: one launch)
 
     saved = [t.clone() for t in ring.tensors() + st.entries.tensors() + [st.win_kv, st.win_gate, st.prev_kv,
                                                                            st.prev_gate]]

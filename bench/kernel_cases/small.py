@@ -50,18 +50,19 @@ def _mhc_cases(k, ref, dev, tag, T, D) -> list[Case]:
         _rand(3, dtype=f32, dev=dev) + 1
     hf, hb, hs = _rand(NC, NC * D, dtype=f32, dev=dev, scale=0.02), _rand(NC, dtype=f32, dev=dev), \
         _rand(1, dtype=f32, dev=dev)
-    y, post, comb = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)
+    nw = _rand(D, dtype=f32, dev=dev)
+    y, post, comb = ref.mhc_pre_norm(h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6)
     out = _rand(T, 1, D, dev=dev)
     h_bytes, mix_bytes = T * NC * D * 2, T * (NC + NC * NC) * 4
     return [
-        Case("small", f"mhc_pre {tag}", lambda: k["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6),
-             bytes=h_bytes + fn.numel() * 4 + T * D * 2 + mix_bytes, peer=PEER,
-             peer_fn=lambda: ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)),
+        Case("small", f"mhc_pre_norm {tag}", lambda: k["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6),
+             bytes=h_bytes + fn.numel() * 4 + D * 4 + T * D * 2 + mix_bytes, peer=PEER,
+             peer_fn=lambda: ref.mhc_pre_norm(h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6)),
         Case("small", f"mhc_post {tag}", lambda: k["mhc_post"](out, h, post, comb),
              bytes=T * D * 2 + 2 * h_bytes + mix_bytes, peer=PEER, peer_fn=lambda: ref.mhc_post(out, h, post, comb)),
-        Case("small", f"hc_head {tag}", lambda: k["hc_head"](h, hf, hb, hs, 1e-6, 1e-6),
-             bytes=h_bytes + hf.numel() * 4 + T * D * 2, peer=PEER,
-             peer_fn=lambda: ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6)),
+        Case("small", f"hc_head_norm {tag}", lambda: k["hc_head_norm"](h, hf, hb, hs, 1e-6, 1e-6, nw, 1e-6),
+             bytes=h_bytes + hf.numel() * 4 + D * 4 + T * D * 2, peer=PEER,
+             peer_fn=lambda: ref.hc_head_norm(h, hf, hb, hs, 1e-6, 1e-6, nw, 1e-6)),
     ]
 
 
@@ -94,14 +95,17 @@ def _cache_cases(k, ref, dev, tag, T) -> list[Case]:
     ring = RowStore.allocate("fp8", max(T, 2), 128, HD, torch.bfloat16, dev, rope_dim=RD)
     slots = torch.arange(T, device=dev)
     rows = torch.randint(0, 128, (T, 1), device=dev)
-    kvr = ref.kv_prepare(kv, w, 1e-6, cos, sin, ring)
+    qa, qw = _rand(T, 1, 1024, dev=dev), _rand(1024, dtype=f32, dev=dev)          # Flash q_lora_rank
+    kvr = ref.q_kv_prepare(qa, qw, 1e-6, kv, w, 1e-6, cos, sin, ring)[1]
+    at = (slots.unsqueeze(1), rows)
     qi = _rand(T, 1, INDEX_HEADS, INDEX_DIM, dev=dev)
     ch, sh = cos.unsqueeze(2), sin.unsqueeze(2)
     row_bytes = HD - RD + (HD - RD) // 64 + RD * 2            # 448 fp8 + 7 e8m0 + 64 bf16
     out = [
-        Case("small", f"kv_prepare fp8 {tag}", lambda: k["kv_prepare"](kv, w, 1e-6, cos, sin, ring),
-             bytes=2 * kv.numel() * 2 + HD * 4 + 2 * cos.numel() * 4, peer=PEER,
-             peer_fn=lambda: ref.kv_prepare(kv, w, 1e-6, cos, sin, ring)),
+        Case("small", f"q_kv_prepare fp8 + ring store {tag}",
+             lambda: k["q_kv_prepare"](qa, qw, 1e-6, kv, w, 1e-6, cos, sin, ring, *at),
+             bytes=2 * (qa.numel() + kv.numel()) * 2 + (1024 + HD) * 4 + 2 * cos.numel() * 4 + T * row_bytes,
+             peer=PEER, peer_fn=lambda: ref.q_kv_prepare(qa, qw, 1e-6, kv, w, 1e-6, cos, sin, ring, *at)),
         Case("small", f"store_rows fp8 ring {tag}", lambda: k["store_rows"](ring, slots.unsqueeze(1), rows, kvr),
              bytes=kvr.numel() * 2 + T * row_bytes + 2 * T * 8, peer=PEER,
              peer_fn=lambda: ref.store_rows(ring, slots.unsqueeze(1), rows, kvr)),

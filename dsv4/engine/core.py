@@ -11,7 +11,10 @@ Only the sampled ids of a step cross to the host. On a GPU the copy is started a
 is launched, and the host prepares the next step's plan while the device still runs this one: the
 plan only needs what the host already knows (a request at ``max_tokens`` is not scheduled again).
 A request that stops on a token or a stop string is seen one step late; the one extra token it was
-given is dropped.
+given is dropped. A constrained request's next mask needs its previous token: a step with one
+launches its forward first, then collects the previous step and stages the masks while the device
+runs that forward, then launches its sampler, so constrained decoding keeps the overlap too.
+``overlap`` (on for CUDA) may be set on the CPU to run this schedule in tests.
 
 A failure inside one request's output handling (say its detokenizer raises) ends that request
 alone with reason ``error``; the others keep going.
@@ -40,7 +43,7 @@ from .prefix_cache import CacheStats, Pending, PrefixCache
 from .runner import Runner
 from .sampling import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
-from .speculative import Acceptance, SpecPolicy, SpecStats, ngram_propose
+from .speculative import Acceptance, SpecPolicy, SpecStats, ngram_propose, verify_cost_ratio
 
 
 @dataclass
@@ -169,17 +172,22 @@ class Engine:
         #: n-gram drafts: ``propose(request) -> k ids or None`` (None: a plain decode row); tests inject
         #: drafts of a chosen quality here
         self.propose = self._ngram_draft
-        #: when a request speculates (its acceptance against the verify step's cost, probes);
-        #: None: every step it can (tests that need every rollback depth)
-        self.spec_policy = SpecPolicy() if self.speculative is not None else None
+        #: when a request speculates (its acceptance against the verify step's cost, probes); on
+        #: where its cost table was measured, CUDA graph replays (eager steps, on the CPU or with
+        #: enforce_eager, cost otherwise); None: every step it can
+        self.spec_policy = SpecPolicy() if self.speculative is not None and runner.use_graphs else None
         self._spec_step = 0                 # engine steps with decode rows (the probe schedule)
         self._verified = False              # the last step had verify rows
+        #: steps of decode rows only are all verify or all plain rows (None: when the runner has
+        #: verify graphs, which replay steps of one kind)
+        self.one_kind_steps: bool | None = None
         if self.speculative is not None:
             self.scheduler.decode_tokens = 1 + self.speculative.k
         # the next plan needs the host to know this step's tokens when verify rows keep a varying count
         # (with speculation only while no request verifies: see _may_verify)
         self.overlap = runner.device.type == "cuda"
         self._pinned = _PinnedPool()
+        self._collected: list[RequestOutput] = []       # outputs of steps collected inside a step's launch
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
 
     # ------------------------------------------------------------------ sizes (read-only)
@@ -274,6 +282,7 @@ class Engine:
             if rid not in ended:
                 ended.append(rid)
         self._inflight.clear()
+        self._collected.clear()
         return ended
 
     def stats(self) -> EngineStats:
@@ -290,10 +299,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan, launch and collect one step; returns the outputs that changed."""
         outputs: list[RequestOutput] = []
-        if self._inflight and (any(t.constraint is not None and t.pending for t in self.tracks.values())
-                               or self._may_verify()):
-            # a constrained row's next mask needs the token still in flight: collect it first (the
-            # steps with a constrained row give up overlapping the host with the device)
+        if self._inflight and self._may_verify():
+            # n-gram drafts and verify rows need the host to know every token: collect first (a
+            # constrained row does not: its masks are staged between this step's forward and sampler)
             for tracks, sampled, event, emitted in self._inflight:
                 outputs += self._collect(tracks, sampled, event, emitted)
             self._inflight = []
@@ -301,6 +309,8 @@ class Engine:
         for req in plan.finished:                      # aborted since the last step
             outputs.append(self._end(self.tracks[req.request_id], "abort"))
         launched = self._launch(plan)
+        outputs += self._collected                     # collected while this step's forward ran
+        self._collected = []
         # with overlap, collect the previous step while this one runs on the device
         ready = self._inflight[:-1] if (self.overlap and launched) else self._inflight
         keep = self._inflight[len(ready):]
@@ -319,20 +329,18 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> bool:
         """Run the plan as one runner step (decode rows first, then prompt chunks in arrival order);
-        queue the sampled ids of the decode rows and of the prompts that completed."""
+        queue the sampled ids of the decode rows and of the prompts that completed. A step with a
+        constrained row collects the steps in flight and stages the grammar masks while the device
+        runs its forward (:meth:`_stage_masks`)."""
         rows, tracks, chunks, saves, published = [], [], {}, [], []
         cache = self.prefix_cache
         spec = self.speculative
-        by_size = spec is not None and spec.disable_by_batch_size is not None and \
-            len(plan.decode) > spec.disable_by_batch_size
-        if plan.decode and spec is not None:
-            self._spec_step += 1
+        off = self._policy_off(plan)
         for req in plan.decode:
             # a constrained request decodes plainly: its mask for each draft position would need the
             # drafts accepted first (Constraint.accept takes several tokens for when it does)
             track = self.tracks[req.request_id]
-            row = self._decode_row(req, None if track.constraint is not None else spec,
-                                   spec is not None and (by_size or not self._speculates(track, len(plan.decode))))
+            row = self._decode_row(req, None if track.constraint is not None else spec, off.get(req.request_id, False))
             rows.append(row)
             tracks.append(track)
             # a verify row's kept length is known after the step: decode-time saves are for plain rows
@@ -366,12 +374,15 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        if any(t.constraint is not None for t in tracks):
+        before_sample = None
+        # the sampler applies masks when a row's params are constrained (SampleFlags.grammar), even
+        # one without a Constraint (a thinking budget without thinking): every row gets a fresh one
+        if any(t.request.params.constrained for t in tracks):
             sampled_slots = [r.slot for r in rows if r.sample]
-            self.runner.sampling.bitmask.stage([(s, t.constraint) for s, t in zip(sampled_slots, tracks)])
+            before_sample = lambda: self._stage_masks(sampled_slots, tracks)   # noqa: E731
         batch = ScheduledBatch(tuple(rows), tuple(saves))
         try:
-            out = self.runner.run(batch)
+            out = self.runner.run(batch) if before_sample is None else self.runner.run(batch, before_sample)
         except BaseException:
             for _, _, blocks, tail in published:      # planned saves that never ran
                 cache.release(list(blocks) + list(tail))
@@ -403,11 +414,41 @@ class Engine:
         self._queue(tracks, out.sampled, out.emitted)
         return True
 
-    def _speculates(self, track: _Track, batch: int) -> bool:
-        """The acceptance policy (:class:`~dsv4.engine.speculative.SpecPolicy`): whether this
-        request's row verifies drafts in this step of ``batch`` decode rows."""
-        policy = self.spec_policy
-        return policy is None or policy.speculate(track.acceptance, batch, self.speculative.k, self._spec_step)
+    def _stage_masks(self, slots: list[int], tracks: list[_Track]) -> None:
+        """Between a step's forward and its sampler: collect the steps still in flight (a mask needs
+        its request's previous token; the device meanwhile runs this step's forward), then write
+        and upload each sampled row's mask. A request that ended on a collected token gets an
+        all-allowed row: its token in this step is dropped."""
+        for tracks_, sampled, event, emitted in self._inflight:
+            self._collected += self._collect(tracks_, sampled, event, emitted)
+        self._inflight = []
+        self.runner.sampling.bitmask.stage(
+            [(s, None if t.request.finished else t.constraint) for s, t in zip(slots, tracks)])
+
+    def _policy_off(self, plan: StepPlan) -> dict[str, bool]:
+        """Which decode rows the speculation policy keeps plain this step, by request id: all of
+        them above ``disable_by_batch_size``, else those whose acceptance does not pay for a verify
+        step (:class:`~dsv4.engine.speculative.SpecPolicy`). With verify graphs (``one_kind_steps``)
+        a step of decode rows only is all verify or all plain rows, since a mix runs eagerly at
+        several times a graph step's cost: all verify when the rows' expected extra tokens pay for
+        the verify step of the whole batch, else all plain."""
+        spec, policy, b = self.speculative, self.spec_policy, len(plan.decode)
+        if spec is None or not b:
+            return {}
+        self._spec_step += 1
+        rows = {r.request_id: self.tracks[r.request_id] for r in plan.decode
+                if self.tracks[r.request_id].constraint is None}
+        if spec.disable_by_batch_size is not None and b > spec.disable_by_batch_size:
+            return dict.fromkeys(rows, True)
+        if policy is None:
+            return {}
+        off = {rid: not policy.speculate(t.acceptance, b, spec.k, self._spec_step) for rid, t in rows.items()}
+        one_kind = bool(self.runner.verify_graphs) if self.one_kind_steps is None else self.one_kind_steps
+        if one_kind and not plan.prefill and 0 < sum(off.values()) < len(off):
+            extra = sum(t.acceptance.ema - 1 for t in rows.values())
+            plain = extra < (verify_cost_ratio(b, spec.k, policy.cost) - 1) * b
+            off = dict.fromkeys(off, plain)
+        return off
 
     def _may_verify(self) -> bool:
         """Whether the next step may have a verify row (n-gram drafts and the kept counts need the

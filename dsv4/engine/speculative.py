@@ -32,24 +32,34 @@ at batch 32. Two rules keep that loss small:
   tokens, interpolated in log-log): 2.55x, the accepted length good MTP drafts give (2.5 tokens a
   step with 3 drafts). Above 64 rows even good acceptance rarely pays.
 - Per request, an exponential moving average of its tokens per verify step (accepted drafts + 1;
-  it starts at ``1 + k / 2``, above every ratio; weight 0.25, 0.5 for a probe and for the first
+  it starts at ``1 + k / 2``, above every ratio; weight 0.1, 0.5 for a probe and for the first
   verify step). While it is below the verify step's cost ratio at the step's batch size
   (:func:`verify_cost_ratio`: the measured table, interpolated in log2 of the batch, its extra cost
   scaled by ``k / 3``) the request decodes plainly and drafts again only on every
   ``probe_every``-th engine step, the same step for every such request (at zero acceptance a probe
   is one verify step of the whole batch, not a mix of verify and plain rows, and costs
   ``(ratio - 1) / probe_every``: 2.2% at batch 1, 1.0% at batch 32 for ``probe_every = 64``).
-  A table, not a ratio timed at start-up: the same decisions on every run and device (and in the
-  CPU tests), no timing noise; a GPU or model far from the measured one keeps speculating while
-  its acceptance pays by this table. A step with both verify and plain rows is correct but runs
-  the eager varlen step (graphs replay steps of one kind). MTP: a plain decode step does not run
-  the MTP block, so its drafts go stale; the probe's first verify step refreshes them and does not
-  count, its second does (the block's window misses the plain steps' positions, which only makes
-  its drafts poorer until it refills).
+
+A table, not a ratio timed at start-up: the same decisions on every run, no timing noise (a GPU or
+model far from the measured one gets this table's decisions all the same: ``SpecPolicy.cost``). The
+table is of CUDA graph replays, so the engine applies the policy where graphs replay (on the CPU a
+verify step of the tiny model costs about 1.3-1.4x a decode step; there, and with
+``enforce_eager``, every row that can speculates, unless ``Engine.spec_policy`` is set).
+
+A step with both verify and plain rows is exact but runs the eager varlen step (graphs replay steps
+of one kind, and an eager step costs several graph steps on a GPU), so with verify graphs a step of
+decode rows only is of one kind: all verify rows when the rows' expected extra tokens (the sum of
+``average - 1``) pay for the verify step of the whole batch (``(ratio - 1) x rows``), else all
+plain (n-gram misses and constrained rows still mix).
+
+MTP: a plain decode step does not run the MTP block, so its drafts go stale; the probe's first
+verify step refreshes them and does not count, its second does (the block's window misses the
+plain steps' positions, which only makes its drafts poorer until it refills).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, fields
@@ -192,7 +202,8 @@ class SpecStats:
                 "num_policy_plain_rows": self.num_policy_plain_rows}
 
 
-def verify_cost_ratio(batch: int, k: int, table: Sequence[tuple[int, float]] = VERIFY_COST_K3) -> float:
+@functools.lru_cache(maxsize=1024)      # asked for every decode row of every step
+def verify_cost_ratio(batch: int, k: int, table: tuple[tuple[int, float], ...] = VERIFY_COST_K3) -> float:
     """What a verify step of ``1 + k`` tokens a row costs against a decode step at ``batch`` rows:
     ``table`` (measured at k = 3) interpolated linearly in log2 of the batch, constant beyond its
     ends, and its extra cost scaled by ``k / 3`` (the drafts are the extra tokens)."""
@@ -226,16 +237,17 @@ class SpecPolicy:
     verify step are at least the verify step's cost ratio at this batch size, else only on probe
     steps (every ``probe_every``-th engine step)."""
 
-    alpha: float = 0.25
-    """weight of a verify step in the moving average while the request speculates (a few rejected
-    steps in a row turn off a request whose drafts are usually right, one does not)"""
+    alpha: float = 0.1
+    """weight of a verify step in the moving average while the request speculates: small, so that
+    the runs of rejected steps of drafts that are right 80% of the time seldom turn it off (with
+    0.25 they did, often enough to lose half of speculation's gain at 2.95 tokens a step, batch 1)"""
     probe_alpha: float = 0.5
     """weight of a probe (and of a request's first verify step): rarer, so it counts more; one
     fully accepted probe turns speculation on again"""
     probe_every: int = 64
     """engine steps between probes of requests decoding plainly"""
-    cost: Sequence[tuple[int, float]] = VERIFY_COST_K3
-    """the verify step's cost ratio by batch size (k = 3; :func:`verify_cost_ratio`)"""
+    cost: tuple[tuple[int, float], ...] = VERIFY_COST_K3
+    """the verify step's cost ratio by batch size, ``((batch, ratio), ...)`` (k = 3; :func:`verify_cost_ratio`)"""
 
     def start(self, k: int) -> Acceptance:
         """A new request's state: half its drafts accepted, which is above every ratio (it speculates)."""

@@ -69,36 +69,33 @@ class Attention(nn.Module):
         rope = ctx.rope[self.rope_kind]
         cos_h, sin_h = rope.cos.unsqueeze(2), rope.sin.unsqueeze(2)    # broadcast over heads
 
-        # wq_a and wkv read the same x: one GEMV for both (they round x alike: both take part in QAT)
+        # wq_a and wkv read the same x: one GEMV for both (they round x alike: both take part in QAT);
+        # then one launch makes both rows ready:
+        #   qr = q_norm(x wq_a)                                        the queries' low-rank rows
+        #   kv = kv_norm(x wkv), RoPE on its last rd dims, rounded as the ring stores it (QAT: FP8)
+        # A decode step (one token a row) also stores kv in the ring there: its ring row pos % W
+        # holds position pos - W, which no query of the step sees. Longer rows store after
+        # attention (their earlier queries still read the rows they overwrite).
         qa, kv = fused.linear_pair(x, self.wq_a.w, self.wkv.w, self.wq_a.act_quant, self.wq_a.pow2)
+        at = (ctx.slots.view(ctx.positions.shape), ctx.ring_rows(self.window)) if ctx.one_token_rows else ()
+        qr, kv = fused.q_kv_prepare(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight,
+                                    self.kv_norm.eps, rope.cos, rope.sin, cache.ring, *at)  # kv [B, S, hd] as stored
         # queries: low-rank (wq_a, q_norm, wq_b), then per head an RMS norm without weight and RoPE
-        qr = self.q_norm(qa)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fused.rope_qnorm(q, cos_h, sin_h, self.eps)                             # [B, S, H, hd]
-        # one K=V head: normed, RoPE on its last rd dims, rounded as the ring stores it (QAT: FP8)
-        kv = fused.kv_prepare(kv, self.kv_norm.weight, self.kv_norm.eps,
-                              rope.cos, rope.sin, cache.ring)                        # [B, S, hd] as stored
 
-        o = ctx.per_group(self._attend, q, kv, x, qr, cache=cache)                  # [B, S, H, hd]
-        # K=V output un-rotation. The values are the keys, so they carry RoPE at their *key*
-        # positions s; the softmax-weighted sum mixes them. Rotating the output back by the
-        # *query* position t leaves each value's rope dims rotated by the relative angle s - t:
-        #
-        #   key/value row s:   [ nope dims | R(s) . rope dims ]
-        #   o_t = sum_s p_ts v_s  ->  R(-t) o_t = sum_s p_ts [ nope | R(s - t) . rope ]
-        #
-        # (the nope dims pass through untouched; DSV4_FACTS 2, "Output").
-        o = ops.apply_rope(o, cos_h, sin_h, inverse=True)
+        o = ctx.per_group(self._attend, q, kv, x, qr, cache=cache, stored=bool(at))  # [B, S, H, hd]
         # grouped output projection: heads in G groups, group g times its own r rows of wo_a
         #   o [B, S, H*hd] -> [B, S, G, H*hd/G] --wo_a (per group)--> [B, S, G, r] --wo_b--> [B, S, D]
         o = self.wo_a(o.flatten(2).unflatten(-1, (self.groups, -1)))
         return self.tp.all_reduce_sum(self.wo_b(o.flatten(2)))     # tensor parallel: sum of the ranks' heads
 
     def _attend(self, ctx: ForwardContext, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, qr: torch.Tensor,
-                cache: LayerCache) -> torch.Tensor:
+                cache: LayerCache, stored: bool) -> torch.Tensor:
         """The part of attention that reads and writes a row's own state, for rows of one length:
         compressor and indexer, sparse attention over window + compressed entries, then the window
-        store. ``q [b, s, H, hd]`` -> ``[b, s, H, hd]``."""
+        store (unless ``stored``: the decode step's ``q_kv_prepare`` wrote the rows already).
+        ``q [b, s, H, hd]`` -> ``[b, s, H, hd]``."""
         # What a query at t attends to, one softmax with the head's sink logit in the denominator:
         #
         #   sliding:  [ window t-W+1 .. t ]
@@ -107,9 +104,20 @@ class Attention(nn.Module):
         comp = dict(comp=None)
         if self.kind != "sliding":
             comp = self._compressed(x, qr, ctx, cache)
+        # K=V output un-rotation (done by the attention as it writes its output). The values are
+        # the keys, so they carry RoPE at their *key* positions s; the softmax-weighted sum mixes
+        # them. Rotating the output back by the *query* position t leaves each value's rope dims
+        # rotated by the relative angle s - t:
+        #
+        #   key/value row s:   [ nope dims | R(s) . rope dims ]
+        #   o_t = sum_s p_ts v_s  ->  R(-t) o_t = sum_s p_ts [ nope | R(s - t) . rope ]
+        #
+        # (the nope dims pass through untouched; DSV4_FACTS 2, "Output").
+        rope = ctx.rope[self.rope_kind]
         o = ops.sparse_attention(q, kv, cache.ring, ctx.slots, ctx.start, self.window, self.attn_sink,
-                                 self.head_dim ** -0.5, **comp)
-        self._store_window(kv, ctx, cache)
+                                 self.head_dim ** -0.5, **comp, cos=rope.cos, sin=rope.sin)
+        if not stored:
+            self._store_window(kv, ctx, cache)
         return o
 
     def _store_window(self, kv: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
@@ -125,8 +133,10 @@ class Attention(nn.Module):
         #
         # A chunk of S > W tokens writes only its last W rows: the earlier ones would be overwritten
         # within the same store (and the chunk's queries read them from `kv` directly).
-        rows = ctx.ring_rows(self.window)                                            # [B, keep]
-        fused.store_rows(cache.ring, ctx.slots.unsqueeze(1), rows, kv[:, kv.shape[1] - rows.shape[1]:])
+        S = kv.shape[1]
+        keep = min(S, self.window)
+        rows = ctx.ring_rows(self.window)[:, S - keep:]                              # [B, keep]
+        fused.store_rows(cache.ring, ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments

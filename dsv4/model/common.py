@@ -297,13 +297,18 @@ class ForwardContext:
         return cache[ratio]
 
     def ring_rows(self, window: int) -> torch.Tensor:
-        """``[B, min(S, window)]``: the ring rows ``pos % window`` of the newest ``min(S, window)``
-        positions (what the window store writes); once per forward and window."""
+        """``[B, S]``: each token's window ring row ``pos % window``; once per forward and window."""
         cache = self.__dict__.setdefault("_ring_rows", {})
         if window not in cache:
-            S = self.positions.shape[1]
-            cache[window] = torch.remainder(self.positions[:, S - min(S, window):], window)
+            cache[window] = torch.remainder(self.positions, window)
         return cache[window]
+
+    @property
+    def one_token_rows(self) -> bool:
+        """Every row of this forward has one token (a decode step; host-known)."""
+        if self.groups is None:
+            return self.token_ids.shape[1] == 1
+        return all(g.token_ids.shape[1] == 1 for g in self.groups)
 
     def entry_bound(self, ratio: int, max_entries: int) -> int:
         """How many compressed entries (ratio ``ratio``) any query of this forward can see, >= 1."""

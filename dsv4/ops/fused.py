@@ -18,15 +18,32 @@ def linear_pair(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False
     return _call("linear_pair", x.device, _fmt(w1), x, w1, w2, act_quant, pow2, out_dtype)
 
 
+def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                 norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre then the block's RMSNorm; see :func:`reference_fused.mhc_pre_norm`."""
+    return _call("mhc_pre_norm", h.device, None, h, fn, base, scale, iters, norm_eps, hc_eps, weight, eps)
+
+
+def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                 hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The final stream collapse then the final RMSNorm; see :func:`reference_fused.hc_head_norm`."""
+    return _call("hc_head_norm", h.device, None, h, fn, base, scale, norm_eps, hc_eps, weight, eps)
+
+
 def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMS norm (no weight) then RoPE; see :func:`reference_fused.rope_qnorm`."""
     return _call("rope_qnorm", q.device, None, q, cos, sin, eps)
 
 
-def kv_prepare(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-               store: object) -> torch.Tensor:
-    """RMSNorm + RoPE + the store's rounding; see :func:`reference_fused.kv_prepare`."""
-    return _call("kv_prepare", kv.device, None, kv, weight, eps, cos, sin, store)
+def q_kv_prepare(qa: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.Tensor, kv_weight: torch.Tensor,
+                 kv_eps: float, cos: torch.Tensor, sin: torch.Tensor, store: object,
+                 slot_idx: torch.Tensor | None = None, row_idx: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_norm`` of the query's low-rank rows, and the K=V rows normed, rotated and rounded as stored
+    (+ the write at ``slot_idx, row_idx``); see :func:`reference_fused.q_kv_prepare`."""
+    return _call("q_kv_prepare", kv.device, None, qa, q_weight, q_eps, kv, kv_weight, kv_eps, cos, sin, store,
+                 slot_idx, row_idx)
 
 
 def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -53,4 +70,5 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
     return _call("window_rollback", start.device, None, state, saved, slots, start, S, kept, plans)
 
 
-__all__ = ["linear_pair", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step", "window_rollback"]
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard",
+           "compressor_step", "window_rollback"]

@@ -259,8 +259,11 @@ def host_reads_forbidden(x: torch.Tensor) -> bool:
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: object, w3: object,
-        w2: object, limit: float, act_quant: bool = False, pow2: bool = True) -> torch.Tensor:
-    """Routed experts: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``.
+        w2: object, limit: float, act_quant: bool = False, pow2: bool = True,
+        shared: tuple[object, object, object] | None = None) -> torch.Tensor:
+    """Routed experts: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``, plus the shared
+    expert's output when ``shared = (w1, w3, w2)`` (:func:`shared_expert`; the two sums are each
+    cast to ``x.dtype``, then added).
 
     ``x [T, D]``; ``topk_ids [T, k]`` int64 (``-1`` = no expert, e.g. another rank's); ``topk_weights
     [T, k]`` fp32; ``w1``, ``w3`` ``[E, I, D]`` and ``w2`` ``[E, D, I]``: stacked plain tensors or
@@ -298,7 +301,21 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1:
                 y[rows] = expert(x[tok[rows]].unsqueeze(0), e, route_w[rows].unsqueeze(0)).squeeze(0)
                 offset += n
     y = torch.where((ids >= 0).unsqueeze(-1), y, 0.0)
-    return y.view(T, k, -1).sum(1).to(x.dtype)
+    out = y.view(T, k, -1).sum(1).to(x.dtype)
+    if shared is not None:
+        out = out + shared_expert(x, *shared, limit, act_quant, pow2)
+    return out
+
+
+def shared_expert(x: torch.Tensor, w1: object, w3: object, w2: object, limit: float, act_quant: bool = False,
+                  pow2: bool = True) -> torch.Tensor:
+    """The always-on expert of a MoE layer: 2-D ``w1``, ``w3`` ``[I, D]``, ``w2`` ``[D, I]`` (any
+    format), ``h = swiglu(x w1^T, x w3^T)`` in fp32 cast to ``x.dtype`` (no routing weight), then
+    ``h w2^T`` in fp32 cast to ``x.dtype``; inputs rounded like :func:`linear` rounds them."""
+    g = linear(x, w1, act_quant, pow2, torch.float32)
+    u = linear(x, w3, act_quant, pow2, torch.float32)
+    h = swiglu(g, u, limit).to(x.dtype)   # w2's input in the activation dtype, as DeepSeek's code
+    return linear(h, w2, act_quant, pow2, torch.float32).to(x.dtype)
 
 
 def _expert_bytes(w1: object, w3: object, w2: object, dtype: torch.dtype) -> int:
@@ -376,6 +393,20 @@ def route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
     return w * scale, ids
 
 
+def router(x: torch.Tensor, weight: object, func: str, k: int, bias: torch.Tensor | None = None,
+           tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole router: the gate's projection ``x [T, D] @ weight [E, D]^T`` in fp32 (the precision
+    floor: the input is never rounded), :func:`router_scores`, then :func:`route`.
+
+    Hash layers give ``tid2eid [vocab, k]`` and ``token_ids [T]`` (the picks are
+    ``tid2eid[token_ids]``), the others ``bias [E]`` (or none) for the top-k selection.
+    Returns ``(weights [T, k] fp32, ids [T, k] int64)``."""
+    scores = router_scores(linear(x, weight, out_dtype=torch.float32), func)
+    fixed = tid2eid[token_ids] if tid2eid is not None else None
+    return route(scores, k, bias=bias, fixed_ids=fixed, scale=scale)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU: ``silu(min(g, L)) * clamp(u, -L, L)`` (no clamp when ``limit <= 0``)."""
     if limit > 0:
@@ -392,7 +423,8 @@ ATTENTION_GATHER_ELEMENTS = 1 << 24
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
                      start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
                      comp: object | None = None, comp_idx: torch.Tensor | None = None,
-                     comp_len: torch.Tensor | None = None, comp_bound: int = 0) -> torch.Tensor:
+                     comp_len: torch.Tensor | None = None, comp_bound: int = 0,
+                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-query attention over the sliding window and the compressed entries, with a sink.
 
     ``q [B, S, H, hd]`` at positions ``start[b] + s``; ``kv_new [B, S, hd]`` this forward's K=V rows
@@ -406,7 +438,9 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots:
     on ``comp_len``). Work per query is O(window + k) (CSA) or O(comp_bound) (HCA).
 
     Logits and softmax in fp32, scale ``scale``, plus the per-head sink logit ``sink [H]`` with a
-    zero value. Returns ``[B, S, H, hd]`` in ``q.dtype``.
+    zero value. Returns ``[B, S, H, hd]`` in ``q.dtype``; given ``cos``, ``sin [B, S, rd/2]`` (the
+    query positions' tables), with the inverse RoPE on its last ``rd`` dims applied to that result
+    (:func:`apply_rope` ``inverse=True``: the K=V values carried RoPE at their key positions).
     """
     B, S, H, hd = q.shape
     dev = q.device
@@ -446,7 +480,10 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots:
         elif dense is not None:
             out = out + torch.einsum("bshk,bkd->bshd", probs[..., nw:], dense)
         outs.append(out)
-    return torch.cat(outs, dim=1).to(q.dtype)
+    out = torch.cat(outs, dim=1).to(q.dtype)
+    if cos is not None:
+        out = apply_rope(out, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
+    return out
 
 
 def _window_mask(start: torch.Tensor, S: int, window: int) -> torch.Tensor:

@@ -10,7 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from .reference import apply_rope, compress_windows, fp4_sim, hadamard, linear, rms_norm, rms_norm_unweighted
+from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, linear, mhc_pre, rms_norm,
+                        rms_norm_unweighted)
+
+
+def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                 norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's input: the mHC pre collapse, then the block's RMSNorm (``attn_norm`` / ``ffn_norm``,
+    ``weight [D]``, ``eps``) of the collapsed ``y``. Returns ``(normed y [..., D] h.dtype, post,
+    comb)`` as :func:`mhc_pre` does."""
+    y, post, comb = mhc_pre(h, fn, base, scale, iters, norm_eps, hc_eps)
+    return rms_norm(y, weight, eps), post, comb
+
+
+def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                 hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The head's input: the final collapse :func:`hc_head`, then the final RMSNorm (``weight [D]``)."""
+    return rms_norm(hc_head(h, fn, base, scale, norm_eps, hc_eps), weight, eps)
 
 
 def linear_pair(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False, pow2: bool = True,
@@ -27,13 +44,23 @@ def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
     return apply_rope(rms_norm_unweighted(q, eps), cos, sin)
 
 
-def kv_prepare(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-               store: object) -> torch.Tensor:
-    """The K=V path: ``kv_norm`` (RMSNorm with ``weight``), RoPE on the last ``rd`` dims, then the
-    values as ``store`` (a ``dsv4.model.cache.RowStore``) keeps them: the FP8 round trip of the
-    non-rope dims (``fp8`` layout) or a cast (``plain``). ``kv [..., hd]``; returns
-    ``store.dtype``. Nothing is written: the caller stores the rows after attention."""
-    return store.round_trip(apply_rope(rms_norm(kv, weight, eps), cos, sin))
+def q_kv_prepare(qa: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.Tensor, kv_weight: torch.Tensor,
+                 kv_eps: float, cos: torch.Tensor, sin: torch.Tensor, store: object,
+                 slot_idx: torch.Tensor | None = None, row_idx: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``wq_a || wkv`` produce, made ready: ``(q_norm(qa), kv)``.
+
+    ``q_norm``: RMSNorm of ``qa [..., q_lora_rank]`` with ``q_weight`` (``qa.dtype``). The K=V path:
+    ``kv_norm`` (RMSNorm of ``kv [..., hd]`` with ``kv_weight``), RoPE on the last ``rd`` dims, then
+    the values as ``store`` (a ``dsv4.model.cache.RowStore``) keeps them: the FP8 round trip of the
+    non-rope dims (``fp8`` layout) or a cast (``plain``), in ``store.dtype``. Without indices nothing
+    is written (the caller stores the rows after attention); with ``slot_idx``, ``row_idx`` (shaped
+    like ``kv[..., 0]``) the K=V rows are also written there (:func:`store_rows`: a decode step's
+    window rows, whose ring rows no query of the step reads)."""
+    y = store.round_trip(apply_rope(rms_norm(kv, kv_weight, kv_eps), cos, sin))
+    if slot_idx is not None:
+        store_rows(store, slot_idx, row_idx, y)
+    return rms_norm(qa, q_weight, q_eps), y
 
 
 def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -127,4 +154,5 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
         t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
 
 
-__all__ = ["linear_pair", "rope_qnorm", "kv_prepare", "store_rows", "rope_hadamard", "compressor_step", "window_rollback"]
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard",
+           "compressor_step", "window_rollback"]

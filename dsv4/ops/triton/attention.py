@@ -40,6 +40,10 @@ order, so the result is deterministic whichever program finishes last. There is 
 combine launch: it would run the same merge (one program per query and head block), only later.
 A query that sees no key gets ``0`` (the sink takes all the weight).
 
+Given the query positions' RoPE tables, the program that writes a query's output then applies the
+inverse RoPE to it in place (read back as written: the reference's ``apply_rope`` on its output),
+so the K=V un-rotation costs no launch.
+
 Everything is sized from host-known shapes: no host read of a device value, CUDA-graph capturable.
 """
 
@@ -51,7 +55,7 @@ import triton.language as tl
 
 from .. import KernelUnsupported
 from . import runtime
-from .numerics import e8m0_to_f32
+from .numerics import e8m0_to_f32, neg
 
 _LOG2E = 1.4426950408889634
 
@@ -118,17 +122,38 @@ def _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _unrotate(o_ptr, h, hm, so_h, cos_ptr, sin_ptr, ROFF, RD2, BR2: tl.constexpr):
+    """The inverse RoPE, in place, of the output rows just written at ``o_ptr + h * so_h`` (heads
+    ``h``): dims ``ROFF + 2i, ROFF + 2i + 1`` (``i < RD2``) read back in the activation dtype as
+    written and rotated by ``-angle_i`` in fp32, exactly :func:`dsv4.ops.reference.apply_rope`
+    ``inverse=True`` on the reference's output. The caller puts a barrier between the writes and
+    this read (other threads of the program wrote them)."""
+    i = tl.arange(0, BR2)
+    im = i < RD2
+    m2 = hm[:, None] & im[None, :]
+    pa = o_ptr + h[:, None] * so_h + ROFF + 2 * i[None, :]
+    a = tl.load(pa, mask=m2, other=0.0).to(tl.float32)
+    b = tl.load(pa + 1, mask=m2, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + i, mask=im, other=0.0).to(tl.float32)[None, :]
+    sn = neg(tl.load(sin_ptr + i, mask=im, other=0.0).to(tl.float32))[None, :]
+    ODT: tl.constexpr = o_ptr.dtype.element_ty
+    tl.store(pa, (a * c - b * sn).to(ODT), mask=m2)
+    tl.store(pa + 1, (a * sn + b * c).to(ODT), mask=m2)
+
+
 # ----------------------------------------------------------------------------- attention kernels
 @triton.jit(do_not_specialize=["NC", "n_splits", "bps"])
 def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, slots_ptr, start_ptr,
                  ring_data, ring_scale, ring_rope, comp_data, comp_scale, comp_rope, idx_ptr, len_ptr,
-                 S, H, ring_rows, comp_rows, NC, qk_scale, n_splits, bps,
-                 sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h,
+                 cos_ptr, sin_ptr, S, H, ring_rows, comp_rows, NC, qk_scale, n_splits, bps,
+                 sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h, sc_b, sc_s, ROFF, RD2,
                  W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
                  ROPE_ALIGNED: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                  R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
                  HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
-                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, PREC: tl.constexpr):
+                 C_NSC: tl.constexpr, C_E8M0: tl.constexpr, UNROT: tl.constexpr, BR2: tl.constexpr,
+                 PREC: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_sp = tl.program_id(2)
@@ -203,8 +228,12 @@ def _attn_kernel(q_ptr, kvn_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr, sink_ptr, 
     if done == n_splits - 1:
         o = _merge_splits(pml_ptr, pacc_ptr, sink_ptr, (pid_q.to(tl.int64) * H + h) * n_splits, h, hm, d3,
                           dm3, HD, NCH, CH, BH, n_splits)
-        tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h3 * so_h + d3,
-                 o.to(out_ptr.dtype.element_ty), mask=hm3 & dm3)
+        o_row = out_ptr + b.to(tl.int64) * so_b + s * so_s
+        tl.store(o_row + h3 * so_h + d3, o.to(out_ptr.dtype.element_ty), mask=hm3 & dm3)
+        if UNROT:
+            tl.debug_barrier()
+            cs = b.to(tl.int64) * sc_b + s * sc_s
+            _unrotate(o_row, h, hm, so_h, cos_ptr + cs, sin_ptr + cs, ROFF, RD2, BR2)
         tl.atomic_xchg(cnt, 0)
 
 
@@ -248,13 +277,14 @@ def _softmax_rows(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
 @triton.jit(do_not_specialize=["NC"])
 def _attn_rows_kernel(q_ptr, kvn_ptr, out_ptr, sink_ptr, slots_ptr, start_ptr,
                       ring_data, ring_scale, ring_rope, comp_data, comp_scale, comp_rope, idx_ptr, len_ptr,
-                      S, H, ring_rows, comp_rows, NC, qk_scale,
-                      sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h,
+                      cos_ptr, sin_ptr, S, H, ring_rows, comp_rows, NC, qk_scale,
+                      sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h, sc_b, sc_s, ROFF, RD2,
                       W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, DP: tl.constexpr,
                       BH: tl.constexpr, BN: tl.constexpr,
                       R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
                       HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
-                      C_NSC: tl.constexpr, C_E8M0: tl.constexpr, PREC: tl.constexpr):
+                      C_NSC: tl.constexpr, C_E8M0: tl.constexpr, UNROT: tl.constexpr, BR2: tl.constexpr,
+                      PREC: tl.constexpr):
     """The unsplit (prefill) attention: what :func:`_attn_kernel` computes with one split, on plain
     ``[BH heads, hd]`` x ``[BN keys, hd]`` tiles, so that each product is one tensor-core GEMM of
     ``K = hd`` (the chunk-major tiles of the decode kernel are batched ``K = 64`` products that keep
@@ -314,8 +344,12 @@ def _attn_rows_kernel(q_ptr, kvn_ptr, out_ptr, sink_ptr, slots_ptr, start_ptr,
     alpha = tl.exp2(m_i - m_f)
     f = alpha / (l_i * alpha + tl.exp2(sink - m_f))
     o = acc * f[:, None]
-    tl.store(out_ptr + b.to(tl.int64) * so_b + s * so_s + h[:, None] * so_h + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+    o_row = out_ptr + b.to(tl.int64) * so_b + s * so_s
+    tl.store(o_row + h[:, None] * so_h + d[None, :], o.to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+    if UNROT:
+        tl.debug_barrier()
+        cs = b.to(tl.int64) * sc_b + s * sc_s
+        _unrotate(o_row, h, hm, so_h, cos_ptr + cs, sin_ptr + cs, ROFF, RD2, BR2)
 
 
 @triton.jit
@@ -424,7 +458,8 @@ def _counters(device: torch.device) -> torch.Tensor:
 def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
                             start: torch.Tensor, window: int, sink: torch.Tensor, scale: float,
                             comp: object | None = None, comp_idx: torch.Tensor | None = None,
-                            comp_len: torch.Tensor | None = None, comp_bound: int = 0, *,
+                            comp_len: torch.Tensor | None = None, comp_bound: int = 0,
+                            cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
                             _target_programs: int | None = None) -> torch.Tensor:
     """Triton twin of :func:`dsv4.ops.reference.sparse_attention` (same signature and result).
 
@@ -447,6 +482,20 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
         raise AttentionKernelError(f"sink must be a float [{H}], got {tuple(sink.shape)} {sink.dtype}")
     if window < 1:
         raise AttentionKernelError(f"window must be >= 1, got {window}")
+    unrot = cos is not None
+    if unrot:
+        rd2 = cos.shape[-1]
+        for t, name in ((cos, "cos"), (sin, "sin")):
+            if t is None or t.dim() != 3 or tuple(t.shape[:2]) != (B, S) or t.shape[-1] != rd2 or t.stride(-1) != 1 \
+                    or t.dtype != torch.float32 or t.device != dev:
+                raise AttentionKernelError(f"{name} must be fp32 [{B}, {S}, rd/2] with a contiguous last dim "
+                                           f"(like cos {tuple(cos.shape)}), got {None if t is None else tuple(t.shape)}")
+        if not 0 < 2 * rd2 <= hd or sin.stride() != cos.stride():
+            raise AttentionKernelError(f"cos/sin: {2 * rd2} rope dims for a head of {hd}, strides "
+                                       f"{cos.stride()} / {sin.stride()}")
+    else:
+        rd2, cos, sin = 1, q, q           # pointers the kernel never reads without UNROT
+    rope_args = (cos.stride(0), cos.stride(1), hd - 2 * rd2, rd2)
     ring_p = _store_parts(ring, "ring", hd, dtype)
     if ring_p[0].shape[1] < window:
         raise AttentionKernelError(f"ring has {ring_p[0].shape[1]} rows < window {window}")
@@ -487,27 +536,27 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
         # a prefill (enough queries to fill the GPU unsplit): plain tiles, one GEMM of K = hd a product
         rbh, rbn, rwarps, rstages = _rows_config(H, hd, q.element_size())
         _attn_rows_kernel[(B * S, triton.cdiv(H, rbh))](
-            q, kv_new, out, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
+            q, kv_new, out, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen, cos, sin,
             S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E,
             q.stride(0), q.stride(1), q.stride(2), kv_new.stride(0), kv_new.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
+            out.stride(0), out.stride(1), out.stride(2), *rope_args,
             W=window, HD=hd, NOPE=nope, DP=dp, BH=rbh, BN=rbn,
             R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
-            C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0,
+            C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, UNROT=unrot, BR2=triton.next_power_of_2(rd2),
             PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=rwarps, num_stages=rstages)
         return out
     cnt = _counters(dev)                        # may refuse (first use inside a graph capture)
     pacc = runtime.empty((B * S, H, splits, hd), torch.float32, dev)
     pml = runtime.empty((B * S, H, splits, 2), torch.float32, dev)
     _attn_kernel[(B * S, triton.cdiv(H, bh), splits)](
-        q, kv_new, out, pacc, pml, cnt, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen,
+        q, kv_new, out, pacc, pml, cnt, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen, cos, sin,
         S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E, splits, bps,
         q.stride(0), q.stride(1), q.stride(2), kv_new.stride(0), kv_new.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), *rope_args,
         W=window, HD=hd, NOPE=nope, NCH=dp // ch, CH=ch, ROPE_ALIGNED=nope % ch == 0 and hd - nope == ch == dp - nope,
         BH=bh, BN=bn,
         R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
-        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0,
+        C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, UNROT=unrot, BR2=triton.next_power_of_2(rd2),
         PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out
 

@@ -1,7 +1,10 @@
-"""mHC (manifold-constrained hyper-connections) as Triton kernels: ``mhc_pre``, ``mhc_post`` and
-the final ``hc_head`` collapse (DSV4_FACTS section 2, "mHC pre/post" and "Head").
+"""mHC (manifold-constrained hyper-connections) as Triton kernels: ``mhc_pre_norm`` (a block's
+mHC pre and the RMSNorm after it), ``mhc_post`` and ``hc_head_norm`` (the final collapse and the
+final norm) (DSV4_FACTS section 2, "mHC pre/post" and "Head"; the compositions they implement are
+in :mod:`dsv4.ops.reference_fused`).
 
-mhc_pre / hc_head: two launches.
+mhc_pre_norm / hc_head_norm: two launches; one for up to ``ONE_LAUNCH_MAX_TOKENS`` tokens (decode),
+where the last program of step 1 to arrive (an arrival counter it re-arms) does step 2 for them.
 
 1. ``_mix_partial_kernel``, grid ``(splits, token blocks)``: the skinny projection
    ``mix = x @ fn.T`` with ``x = h.flatten(nc*D)`` (fp32), split over K so that the
@@ -9,11 +12,13 @@ mhc_pre / hc_head: two launches.
    Each program multiplies a ``[TB, BK]`` slice of the tokens by a ``[BK, NP]`` slice of ``fn``
    (``tl.dot`` in IEEE fp32: exact products, fp32 sums) and also sums ``x^2``; it writes its
    partial ``[TB, NP]`` and ``[TB]`` sums (no atomics: the result does not depend on timing).
-2. ``_mhc_finalize_kernel``, grid ``(tokens, D blocks)``: sums the partials in a fixed order,
+2. ``_mhc_finalize_kernel``, grid ``(tokens,)``: sums the partials in a fixed order,
    ``r = rsqrt(mean x^2 + eps)``, ``mix *= r``, the sigmoids, and for ``mhc_pre`` the softmax
-   and the 20 Sinkhorn iterations on the ``nc x nc`` comb in registers (every program of a
-   token repeats this tiny part, so nothing crosses programs); then its block of the collapse
-   ``y = sum_j pre_j h_j``. The first D block writes ``post`` and ``comb``.
+   and the 20 Sinkhorn iterations on the ``nc x nc`` comb in registers; then the collapse
+   ``y = sum_j pre_j h_j`` of the whole row in registers (cast to the activation dtype, as the
+   reference hands it to the norm) and the RMSNorm of that row, the arithmetic of
+   :mod:`.small_rows` (``w * (y * inv)``, ``inv = 1 / sqrt(mean y^2 + eps)``). It writes the
+   normed row, ``post`` and ``comb``.
 
 mhc_post: one launch, grid ``(tokens, D blocks)``: ``h_next[k] = post_k out + sum_j comb[j,k] h[j]``
 in fp32, cast once.
@@ -28,14 +33,22 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .small_util import check, check_float, pow2, row_stride, rows
+from .small_util import KernelInputError, check, check_float, pow2, row_stride, rows
 
 _BK = 128
+_MAX_ROW = 16384
+#: tokens up to which the last split of the projection finalizes them (one launch); above, a second
+#: launch with a program a token
+ONE_LAUNCH_MAX_TOKENS = 2
 
 
 @triton.jit(do_not_specialize=["T"])
 def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
-                        NP: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr):
+                        cnt_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, Kf, Df, iters,
+                        norm_eps, hc_eps, eps,
+                        NP: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr,
+                        NC: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
+                        HEAD: tl.constexpr):
     pid_s = tl.program_id(0)
     t = tl.program_id(1) * TB + tl.arange(0, TB)
     n = tl.arange(0, NP)
@@ -57,6 +70,18 @@ def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
     base = (pid_s * T + t).to(tl.int64)
     tl.store(part_ptr + base[:, None] * NP + n[None, :], acc, mask=tm[:, None])
     tl.store(ss_ptr + base, ss, mask=tm)
+    if FINAL:
+        # a few tokens: the last split to arrive finalizes them all (no second launch)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            tt = pid_s * 0
+            while tt < T:
+                _finalize_token(tt, x_ptr, sx, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr,
+                                comb_ptr, T, D, Kf, Df, tl.num_programs(0), iters, norm_eps, hc_eps, eps, NC, NCP,
+                                NP, SP, BD, HEAD)
+                tt += 1
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")       # ready for the next call
 
 
 @triton.jit
@@ -65,19 +90,20 @@ def _pick(v, idx, j):
     return tl.sum(tl.where(idx == j, v, 0.0), axis=0)
 
 
-@triton.jit(do_not_specialize=["T", "SPLITS"])
-def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
-                         T, D, Kf, SPLITS, iters, norm_eps, hc_eps,
-                         NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
-                         BD: tl.constexpr, HEAD: tl.constexpr):
-    t = tl.program_id(0)
-    pd = tl.program_id(1)
+@triton.jit
+def _finalize_token(t, h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
+                    T, D, Kf, Df, SPLITS, iters, norm_eps, hc_eps, eps,
+                    NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                    BD: tl.constexpr, HEAD: tl.constexpr):
+    """Token ``t``'s weights, collapse and norm from the ``SPLITS`` partial sums (step 2 above)."""
+    XDT: tl.constexpr = y_ptr.dtype.element_ty
     s = tl.arange(0, SP)
     n = tl.arange(0, NP)
     sm = s < SPLITS
     prow = (s * T + t).to(tl.int64)
-    mix = tl.sum(tl.load(part_ptr + prow[:, None] * NP + n[None, :], mask=sm[:, None], other=0.0), axis=0)
-    ss = tl.sum(tl.load(ss_ptr + prow, mask=sm, other=0.0), axis=0)
+    mix = tl.sum(tl.load(part_ptr + prow[:, None] * NP + n[None, :], mask=sm[:, None], other=0.0,
+                         cache_modifier=".cg"), axis=0)
+    ss = tl.sum(tl.load(ss_ptr + prow, mask=sm, other=0.0, cache_modifier=".cg"), axis=0)
     r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, Kf) + norm_eps))
     mix = mix * r                                                               # [NP]
 
@@ -87,20 +113,23 @@ def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, y_ptr
     pre = tl.sum(tl.where(sel, mix[None, :], 0.0), axis=1)
     pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + j, mask=jm, other=0.0)) + hc_eps
 
-    # collapse: y = sum_j pre_j h_j over this program's D block, in stream order
-    d = pd * BD + tl.arange(0, BD)
+    # collapse: y = sum_j pre_j h_j over the row, in stream order, in the activation dtype
+    d = tl.arange(0, BD)
     dm = d < D
     hrow = h_ptr + t.to(tl.int64) * sh
     y = tl.zeros([BD], tl.float32)
     for jj in tl.static_range(NC):
         y += _pick(pre, j, jj) * tl.load(hrow + jj * D + d, mask=dm, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t.to(tl.int64) * D + d, y.to(y_ptr.dtype.element_ty), mask=dm)
+    y = y.to(XDT).to(tl.float32)
+    # the block's RMSNorm of y (small_rows' arithmetic)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, axis=0), Df) + eps))
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * D + d, (w * (y * inv)).to(XDT), mask=dm)
 
     if not HEAD:
-        first = pd == 0
         post = tl.sum(tl.where(n[None, :] == NC + j[:, None], mix[None, :], 0.0), axis=1)
         post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + NC + j, mask=jm, other=0.0))
-        tl.store(post_ptr + t * NC + j, post, mask=jm & first)
+        tl.store(post_ptr + t * NC + j, post, mask=jm)
 
         ci = tl.arange(0, NCP)[:, None]
         cj = tl.arange(0, NCP)[None, :]
@@ -120,7 +149,16 @@ def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, y_ptr
             comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
             it += 1
-        tl.store(comb_ptr + t * NC * NC + ci * NC + cj, comb, mask=cm & first)
+        tl.store(comb_ptr + t * NC * NC + ci * NC + cj, comb, mask=cm)
+
+
+@triton.jit(do_not_specialize=["T", "SPLITS"])
+def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
+                         T, D, Kf, Df, SPLITS, iters, norm_eps, hc_eps, eps,
+                         NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                         BD: tl.constexpr, HEAD: tl.constexpr):
+    _finalize_token(tl.program_id(0), h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr,
+                    comb_ptr, T, D, Kf, Df, SPLITS, iters, norm_eps, hc_eps, eps, NC, NCP, NP, SP, BD, HEAD)
 
 
 @triton.jit
@@ -155,8 +193,8 @@ def _splits(T: int, K: int, tb: int, device: torch.device) -> tuple[int, int]:
 
 
 def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_mix: int,
-         n_scale: int, iters: int, norm_eps: float, hc_eps: float, head: bool):
-    check_float(op, h=h)
+         n_scale: int, iters: int, norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float, head: bool):
+    check_float(op, h=h, weight=weight)
     check(h.dim() >= 2, op, f"h has shape {tuple(h.shape)}; needs [..., nc, D]")
     nc, D = h.shape[-2], h.shape[-1]
     K = nc * D
@@ -165,6 +203,8 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     check(tuple(base.shape) == (n_mix,), op, f"base has shape {tuple(base.shape)}; needs ({n_mix},)")
     check(scale.numel() >= n_scale, op, f"scale has {scale.numel()} values; needs {n_scale}")
     check(nc <= 8, op, f"{nc} streams; the kernel keeps the nc x nc comb in registers for nc <= 8")
+    check(tuple(weight.shape) == (D,), op, f"norm weight has shape {tuple(weight.shape)}; needs ({D},)")
+    check(D <= _MAX_ROW, op, f"rows of {D} values; the kernel holds at most {_MAX_ROW} in registers")
     lead = tuple(h.shape[:-2])
     T = math.prod(lead)
     x = rows(h, K)
@@ -180,27 +220,38 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     part = torch.empty((splits, T, np_), dtype=torch.float32, device=dev)
     ss = torch.empty((splits, T), dtype=torch.float32, device=dev)
     fn = fn.contiguous()
-    _mix_partial_kernel[(splits, triton.cdiv(T, tb))](x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk,
-                                                      NP=np_, TB=tb, BK=_BK, num_warps=4)
-    bd = min(512, pow2(D))
+    bd = pow2(D)
+    one = T <= ONE_LAUNCH_MAX_TOKENS
+    try:
+        cnt = runtime.counters(dev, 1, "mhc") if one else ss
+    except runtime.CounterError as e:
+        raise KernelInputError(str(e)) from None
+    tail = (base.float().contiguous(), scale.float().contiguous(), weight.contiguous(), y, post, comb)
     # SP covers the most splits any T can get (splits shrink as T grows): one variant for every T
-    _mhc_finalize_kernel[(T, triton.cdiv(D, bd))](
-        x, row_stride(x), part, ss, base.float().contiguous(), scale.float().contiguous(), y, post, comb,
-        T, D, float(K), splits, int(iters), float(norm_eps), float(hc_eps),
-        NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head, num_warps=4)
+    fin = dict(NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head)
+    _mix_partial_kernel[(splits, triton.cdiv(T, tb))](
+        x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk, cnt, *tail, D, float(K), float(D), int(iters),
+        float(norm_eps), float(hc_eps), float(eps), TB=tb, BK=_BK, FINAL=one,
+        num_warps=8 if one and bd >= 4096 else 4, enable_fp_fusion=False, **fin)
+    if not one:
+        _mhc_finalize_kernel[(T,)](
+            x, row_stride(x), part, ss, *tail, T, D, float(K), float(D), splits, int(iters), float(norm_eps),
+            float(hc_eps), float(eps), num_warps=8 if bd >= 4096 else 4, enable_fp_fusion=False, **fin)
     return y, post, comb
 
 
-def mhc_pre_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                   norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mhc_pre_norm_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                        norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     nc = h.shape[-2] if h.dim() >= 2 else 0
-    return _pre("mhc_pre", h, fn, base, scale, (2 + nc) * nc, 3, iters, norm_eps, hc_eps, head=False)
+    return _pre("mhc_pre_norm", h, fn, base, scale, (2 + nc) * nc, 3, iters, norm_eps, hc_eps, weight, eps,
+                head=False)
 
 
-def hc_head_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-                   hc_eps: float) -> torch.Tensor:
+def hc_head_norm_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                        hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
     nc = h.shape[-2] if h.dim() >= 2 else 0
-    return _pre("hc_head", h, fn, base, scale, nc, 1, 0, norm_eps, hc_eps, head=True)[0]
+    return _pre("hc_head_norm", h, fn, base, scale, nc, 1, 0, norm_eps, hc_eps, weight, eps, head=True)[0]
 
 
 def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -226,7 +277,7 @@ def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb
 
 
 REGISTRATIONS = [
-    ("mhc_pre", None, mhc_pre_triton),
+    ("mhc_pre_norm", None, mhc_pre_norm_triton),
     ("mhc_post", None, mhc_post_triton),
-    ("hc_head", None, hc_head_triton),
+    ("hc_head_norm", None, hc_head_norm_triton),
 ]
