@@ -38,23 +38,26 @@ class Indexer(nn.Module):
         self.compressor = Compressor(c.hidden_size, c.index_head_dim, ratio, True, c.rms_norm_eps, dtype,
                                      rotate=True)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, state: CompressorState
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, iq: torch.Tensor, ctx: ForwardContext, state: CompressorState,
+                keys_done: bool = False) -> torch.Tensor:
         """Update the indexer keys with ``x [B, S, D]`` and return each query's picks
         ``[B, S, k]`` int64: compressed-entry indices, ``-1`` where fewer than ``k`` are visible.
+        ``iq = wq_b(qr) [B, S, nI * d]``: the queries projected (the attention runs this module's
+        ``wq_b`` beside its own, on the same ``qr``). ``keys_done``: this forward's keys are in the
+        state already (a decode step: the attention ran this compressor's step beside its own).
 
         ``k = min(index_topk, bound)`` with ``bound`` the entries this forward can see at most.
         """
         rope = ctx.rope["compress"]
 
-        new = self.compressor(x, ctx, state)
+        new = None if keys_done else self.compressor(x, ctx, state)
         if new is not None:                     # a chunk: RoPE, the Hadamard rotation, then store
             entries, pos = new
             cos, sin = ctx.rope_at("compress", pos)
             store_entries(state, ctx, ops.hadamard(ops.apply_rope(entries, cos, sin)), pos)  # FP4 under QAT
 
         # queries from the attention's low-rank qr, rotated like the keys (RoPE, then Hadamard; QAT: FP4)
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))
+        q = iq.unflatten(-1, (self.n_heads, self.dim))
         q = fused.rope_hadamard(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2), ctx.qat_sim)  # [B, S, nI, d]
         w = self.weights_proj(x, torch.float32)
         # Score every entry a query of this forward could see, masked per query. Ratio m = 4,

@@ -51,4 +51,14 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
                                                         cos, sin, rotate)
 
 
-__all__ = ["linear_pair", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard", "compressor_step"]
+def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
+                         norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor, gate2: torch.Tensor,
+                         ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor, eps2: float, rotate2: bool,
+                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Two compressors' decode steps in one call; see :func:`reference_fused.compressor_step_pair`."""
+    return _call("compressor_step_pair", kv.device, None, kv, gate, ape, state, norm_weight, eps, rotate, kv2, gate2,
+                 ape2, state2, norm_weight2, eps2, rotate2, slots, positions, cos, sin)
+
+
+__all__ = ["linear_pair", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard", "compressor_step",
+           "compressor_step_pair"]
