@@ -9,6 +9,7 @@
 #   8192 tokens a step), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
 #   32), serve (dsv4 bench serve on a random Flash slice; serve8k: 8000-token prompts, concurrency 16), decode (the decode step vs the floor),
 #   agent (issue 27's agent workload + serve8k's TTFT on one server), spec_profile (verify step's kernels),
+#   spec_zero (issue 25: engine tokens/s with always-wrong drafts vs plain, batch 1 and 32),
 #   tune (decode GEMV tiling search), perf (per-kernel table; perf_moe: its MoE rows), humming (the
 #   humming-kernels MoE peer vs our fused MoE: W4A16 MXFP4, Flash, 1/8/32 tokens; bench/humming_peer.py);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
@@ -73,19 +74,25 @@ serve8k)   # the agents' workload: 8000-token prompts, 16 at a time (TTFT is wha
   t 60 bench_serve_8k_c1.txt python3 -m dsv4.cli bench serve -n 4 --concurrency 1 --input-len 8000 --output-len 128
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
-agent)   # issue 27's agent workload (caching off, then on), then the 8K-prompt TTFT against the same server
+agent)   # issue 27's agent workload (caching off, then on): one conversation alone (a turn's own TTFT), 64 users
+  # sharing a system prompt, 16 conversations at once; then the 8K-prompt TTFT against the same server
   start_random_server 16 200 36864
   echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
-  t 300 bench_agent.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 16 --turns 10 --system-len 4096 \
-    --turn-len 2560 --output-len 128 --plot "" --json "$OUT/bench_agent.json"
+  t 120 bench_agent_1.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 1 --turns 10 --system-len 4096 \
+    --turn-len 2560 --output-len 128 --plot "" --json "$OUT/bench_agent_1.json"
   t 90 bench_agent_users.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 64 --turns 1 \
     --system-len 4096 --turn-len 256 --output-len 64 --plot "" --json "$OUT/bench_agent_users.json"
+  t 240 bench_agent.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 16 --turns 10 --system-len 4096 \
+    --turn-len 2560 --output-len 128 --plot "" --json "$OUT/bench_agent.json"
   t 120 bench_serve_8k.txt python3 -m dsv4.cli bench serve -n 32 --concurrency 16 --input-len 8000 --output-len 128 \
     --json "$OUT/bench_serve_8k.json"
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 spec_profile)   # the kernels of a verify step (1 + 3 tokens a row) against decode steps of 1 and 4 rows
   t 240 spec_profile.txt python3 bench/spec_bench.py --layers 4 --batch 1 --k 3 --tables cost profile --steps 20
+  ;;
+spec_zero)   # issue 25's batch-32 target: the engine with always-wrong drafts against plain decoding (<= 5% lost)
+  t 400 spec_zero.txt python3 bench/spec_bench.py --layers 4 --batch 1 32 --k 3 --tables zero --tokens 512
   ;;
 decode)
   t 170 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format fp8-mxfp4 \

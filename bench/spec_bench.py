@@ -2,12 +2,12 @@
 
     python bench/spec_bench.py [--preset flash] [--layers 4] [--format fp8-mxfp4] [--k 3]
                                [--batch 1 8 32] [--accept 0.5 0.7 0.9] [--tokens 128] [--context 1024]
-                               [--device cuda|cpu] [--eager]
+                               [--device cuda|cpu] [--eager] [--tables cost simulated real zero profile]
 
 Random weights made on the device (``dsv4.random_weights``, the checkpoint's MTP block
 included); on a GPU BF16 with the QAT simulation and every step a CUDA graph replay (decode and
 verify graphs, unless ``--eager``), on the CPU fp32 eager (the tiny preset runs in seconds: the test
-suite runs it). Three tables:
+suite runs it). Four tables:
 
 1. **verify cost**: ms of a verify step of 1 + k tokens per row against a 1-token decode step, per
    batch size, with drafts that are always rejected (so it is also speculation's worst case: the
@@ -18,6 +18,10 @@ suite runs it). Three tables:
 3. **real drafts**: the MTP block and n-gram drafts through the engine (prompts that repeat a
    segment, so n-gram finds matches in the prompt) against the plain engine: acceptance and
    tokens/s. With random weights the MTP block's acceptance is near zero: reported as it is.
+4. **zero acceptance**: the engine with n-gram drafts that are always wrong against the plain engine,
+   tokens/s with the speculation policy (the default: it turns speculation off and probes) and
+   without it (every step verifies), per batch size: issue 25's "at most 5% lost at zero
+   acceptance" (``--tables zero --batch 1 32 --tokens 512``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dsv4.engine.batch import NewSequence, Row, ScheduledBatch  # noqa: E402
 from dsv4.engine.core import Engine  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.sampling import SamplingParams  # noqa: E402
+from dsv4.engine.speculative import SpecPolicy  # noqa: E402
 from dsv4.random_weights import build_random_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -193,6 +198,42 @@ def simulated(model, args, qat: bool) -> None:
         del r
 
 
+def engine_run(model, args, qat: bool, prompts: list[list[int]], spec: dict | None, propose=None,
+               policy: bool = True):
+    """Greedy generation of ``--tokens`` tokens for each prompt through :class:`Engine` (graphs on
+    the GPU), the prompts prefilled outside the timing: ``(tokens/s, token ids per prompt,
+    SpecStats)``. ``propose`` replaces the n-gram drafter; ``policy=False`` verifies at every step."""
+    b = len(prompts)
+    r = runner_for(model, b, args.context + args.tokens + 4 * args.k + 8, spec, args.graphs, qat,
+                   max_num_batched_tokens=max(args.context * b, 2 * b) + b)
+    engine = Engine(r, None, eos_id=-1)
+    if propose is not None:
+        engine.propose = propose
+    if spec is not None:        # the policy is on by default where graphs replay: here on the CPU too
+        engine.spec_policy = SpecPolicy() if policy else None
+    for p in prompts:                                     # compile and warm outside the timing
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    engine.spec_stats = type(engine.spec_stats)()
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts]
+    engine.step()                                          # the prefill step
+    sync(args.device)
+    t0 = time.perf_counter()
+    n, done = 0, {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            n += len(o.new_token_ids)
+            if o.finished:
+                done[o.request_id] = o.output.token_ids
+    sync(args.device)
+    rate = n / (time.perf_counter() - t0)
+    stats = engine.spec_stats
+    del engine, r
+    return rate, [done[i] for i in rids], stats
+
+
 def real_drafts(model, args, qat: bool) -> None:
     print(f"\n## real drafts through the engine (k = {args.k}, {args.tokens} tokens per request, greedy; "
           f"prompts repeat a 32-token segment)")
@@ -202,34 +243,43 @@ def real_drafts(model, args, qat: bool) -> None:
     for b in args.batch:
         seg = [[rng.randrange(2, V) for _ in range(32)] for _ in range(b)]
         prompts = [(s * (args.context // 32 + 1))[:args.context] for s in seg]
-        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
         base = None
         for method in ("plain", "ngram", "mtp"):
             spec = None if method == "plain" else {"method": method, "num_speculative_tokens": args.k,
                                                     "prompt_lookup_min": 2, "prompt_lookup_max": 8}
-            r = runner_for(model, b, args.context + args.tokens + 4 * args.k + 8, spec, args.graphs, qat,
-                           max_num_batched_tokens=max(args.context * b, 2 * b) + b)
-            engine = Engine(r, None, eos_id=-1)
-            for p in prompts:                                     # prefill outside the timing
-                engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-            while engine.has_unfinished:
-                engine.step()
-            for p in prompts:
-                engine.add_request(p, params)
-            engine.step()                                          # the prefill step
-            sync(args.device)
-            t0 = time.perf_counter()
-            n = 0
-            while engine.has_unfinished:
-                n += sum(len(o.new_token_ids) for o in engine.step())
-            sync(args.device)
-            rate = n / (time.perf_counter() - t0)
+            rate, _, st = engine_run(model, args, qat, prompts, spec)
             base = base or rate
-            st = engine.spec_stats
             acc = f"{st.num_accepted_tokens / st.num_draft_tokens:.3f}" if st.num_draft_tokens else "-"
             per = f"{st.mean_accepted_length:.2f}" if st.num_drafts else "1.00"
             print(f"{b:>5} {method:>6} {rate:>9.1f} {rate / base:>8.2f}x {acc:>15} {per:>12}")
-            del engine, r
+
+
+def zero_acceptance(model, args, qat: bool) -> None:
+    """Issue 25's second target: speculation with every draft rejected loses at most 5% against
+    plain decoding (the policy turns it off, then probes). n-gram drafts replaced by plain
+    decoding's own next tokens plus one (wrong wherever the speculative run still follows plain
+    decoding, random where bf16 rounding made it diverge), through the engine; with the policy
+    (the default) and without it (every step verifies: the raw cost)."""
+    print(f"\n## zero acceptance through the engine (n-gram k = {args.k}, every draft wrong, "
+          f"{args.tokens} tokens per request, context {args.context})")
+    print(f"{'batch':>5} {'tok/s plain':>12} {'tok/s spec':>11} {'vs plain':>9} {'verify rows':>12} "
+          f"{'plain rows':>11} {'no policy':>10} {'vs plain':>9}")
+    rng = random.Random(4)
+    V, k = model.config.vocab_size, args.k
+    for b in args.batch:
+        prompts = [[rng.randrange(2, V) for _ in range(args.context)] for _ in range(b)]
+        plain, truth, _ = engine_run(model, args, qat, prompts, None)
+        ahead = {tuple(p): t for p, t in zip(prompts, truth)}
+
+        def wrong(req):
+            n = len(req.output_ids)
+            want = (list(ahead[tuple(req.prompt_ids)][n:n + k]) + [0] * k)[:k]
+            return [(t + 1) % V for t in want]
+        spec = {"method": "ngram", "num_speculative_tokens": k}
+        on, _, st = engine_run(model, args, qat, prompts, spec, wrong)
+        off, _, _ = engine_run(model, args, qat, prompts, spec, wrong, policy=False)
+        print(f"{b:>5} {plain:>12.1f} {on:>11.1f} {on / plain:>8.3f}x {st.num_drafts:>12} "
+              f"{st.num_policy_plain_rows:>11} {off:>10.1f} {off / plain:>8.3f}x")
 
 
 def main() -> None:
@@ -247,8 +297,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--fp32", action="store_true",
                     help="fp32 weights, QAT off (on the GPU; separates near-tie flips of bf16 from acceptance)")
-    ap.add_argument("--tables", nargs="+", default=["cost", "simulated", "real"],
-                    choices=["cost", "simulated", "real", "profile"],
+    ap.add_argument("--tables", nargs="+", default=["cost", "simulated", "real", "zero"],
+                    choices=["cost", "simulated", "real", "zero", "profile"],
                     help="profile (GPU): the kernels of a verify step against decode steps of as many rows and tokens")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled step")
     args = ap.parse_args()
@@ -267,6 +317,8 @@ def main() -> None:
         simulated(model, args, qat)
     if "real" in args.tables:
         real_drafts(model, args, qat)
+    if "zero" in args.tables:
+        zero_acceptance(model, args, qat)
     if "profile" in args.tables and cuda:
         profile_steps(model, args, qat)
 

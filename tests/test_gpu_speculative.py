@@ -51,14 +51,17 @@ def test_verify_graph_equals_eager_verify(model, method):
     assert graphed.verify_graphs
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_greedy_generation_with_speculation_in_graphs(model, method):
+@pytest.mark.parametrize("method, policy", [("ngram", False), ("mtp", False), ("ngram", True), ("mtp", True)])
+def test_greedy_generation_with_speculation_in_graphs(model, method, policy):
     """Plain decoding (decode graphs) against speculation (verify graphs, mixed steps eager): the same
     greedy tokens, up to a near-tie of plain decoding's top two (the decode and verify kernels round
-    differently in the last bits), and the same logprobs to kernel precision until then."""
+    differently in the last bits), and the same logprobs to kernel precision until then. Without the
+    speculation policy every step verifies; with it (probes every 8 steps) requests turn off and on,
+    and steps with every request off overlap the host with the device."""
     from dsv4.engine.core import Engine
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampling import SamplingParams
+    from dsv4.engine.speculative import SpecPolicy
     g = torch.Generator().manual_seed(1)
     base = torch.randint(2, model.config.vocab_size, (40,), generator=g).tolist()
     prompts = [base * 3, base[:17] * 5, base[5:30]]
@@ -70,6 +73,8 @@ def test_greedy_generation_with_speculation_in_graphs(model, method):
         if spec:
             runner.capture_verify(buckets=[4], progress=False)
         engine = Engine(runner, None, eos_id=1)
+        if spec:
+            engine.spec_policy = SpecPolicy(probe_every=8) if policy else None
         if oracle is not None:
             engine.propose = oracle
         rids = [engine.add_request(p, params) for p in prompts]

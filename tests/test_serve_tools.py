@@ -253,3 +253,29 @@ def test_special_tokens_are_skipped_unless_asked_for(client):
     assert client.completions.create(**prompt).choices[0].text == "Hello there!"
     raw = client.completions.create(**prompt, extra_body={"skip_special_tokens": False}).choices[0].text
     assert raw.startswith(kept), raw
+
+
+def test_a_slow_prompt_preparation_does_not_hold_up_the_event_loop(server, monkeypatch):
+    """Chat template and tokenization run on a worker thread (``ServingContext.prepare``): while a
+    request's prompt takes a second to tokenize, the loop still answers others (and streams tokens)."""
+    tok = server.state.ctx.tokenizer
+    encode = tok.encode
+
+    def slow_encode(text, *a, **kw):
+        if "[[slow]]" in text:
+            import time
+            time.sleep(1.5)
+        return encode(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", slow_encode)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(httpx.post, server.url + "/v1/chat/completions", timeout=60,
+                           json={"model": "tiny", "messages": [{"role": "user", "content": "[[slow]] hi"}],
+                                 "max_tokens": 2})
+        import time
+        time.sleep(0.3)                                   # the slow request is being prepared now
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 200
+        waited = time.monotonic() - t0
+        assert slow.result().status_code == 200
+    assert waited < 0.6, f"/v1/models waited {waited:.2f} s behind another request's tokenization"

@@ -357,6 +357,7 @@ def test_injected_drafts_500_tokens_equal_plain_decoding(model, plain_500, k):
         right = ref[n:n + k] + [3] * (n + k - len(ref))
         return [t if rng.random() < 0.6 else (t + 1 + rng.randrange(500)) % 512 for t in right]
     engine.propose = propose
+    engine.spec_policy = None           # every step verifies: every rollback depth, whatever the acceptance
     got = _generate(engine, requests)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids

@@ -87,19 +87,24 @@ def test_serve_metrics_count_speculation():
         accepted = metric(page, "dsv4_spec_decode_num_accepted_tokens_total")
         assert metric(page, "dsv4_spec_decode_mean_accepted_length") == pytest.approx(1 + accepted / drafts)
         assert "dsv4_spec_decode_num_accepted_tokens_per_pos_total" in page
+        # on the CPU (no CUDA graphs) the acceptance policy is off, and one request is below
+        # disable_by_batch_size: no row decoded plainly by the policy
+        assert metric(page, "dsv4_spec_decode_num_policy_plain_rows_total") == 0
     finally:
         server.stop()
 
 
 def test_spec_bench_runs_on_the_cpu():
-    """bench/spec_bench.py on the tiny preset (what gpu_check.sh runs on the Flash slice): its three
+    """bench/spec_bench.py on the tiny preset (what gpu_check.sh runs on the Flash slice): its four
     tables, with the simulated acceptance's tokens per step within [1, 1 + k]."""
     p = subprocess.run([sys.executable, "bench/spec_bench.py", "--preset", "tiny", "--batch", "2", "--k", "2",
                         "--accept", "0.9", "--tokens", "8", "--steps", "2", "--context", "16"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
-    for title in ("## verify cost", "## simulated acceptance", "## real drafts"):
+    for title in ("## verify cost", "## simulated acceptance", "## real drafts", "## zero acceptance"):
         assert title in p.stdout
+    zero = p.stdout.split("## zero acceptance")[1].strip().splitlines()[-1].split()
+    assert zero[0] == "2" and int(zero[4]) >= 1 and int(zero[5]) >= 1      # verify rows, then plain rows
     sim = p.stdout.split("## simulated acceptance")[1].split("##")[0].strip().splitlines()[-1].split()
     assert 1.0 <= float(sim[4]) <= 3.0
     real = p.stdout.split("## real drafts")[1]

@@ -48,7 +48,6 @@ from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noq
 
 #: small tile configs for the interpreter: few programs, still several N tiles and K steps
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
-         "dot": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 128, 4, 1, 2))}
 
@@ -140,17 +139,16 @@ FORMATS = ["mxfp4", "nvfp4", "fp8e", "fp8"]          # fp8e: e8m0 block scales, 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("act", [True, False])
-@pytest.mark.parametrize("path", ["gemv", "gemv4", "dot", "grouped"])
+@pytest.mark.parametrize("path", ["gemv", "gemv4", "grouped"])
 def test_every_format_path_and_act_quant(monkeypatch, fmt, act, path):
-    """Every format x decode GEMV (T = 1: one program per expert and N tile, a ``-1`` slot; T = 4
-    as the dot case below, one pair a program) / decode ``tl.dot`` (T = 4: ``-1`` slots, an empty token, one token with an expert twice,
-    experts shared across tokens, chunks of up to 16 pairs per expert) / prefill grouped GEMM
+    """Every format x decode GEMV (one program per pair and N tile; T = 1 with a ``-1`` slot; T = 4
+    with ``-1`` slots, an empty token, one token with an expert twice, experts shared across
+    tokens) / prefill grouped GEMM
     (above DECODE_MAX_PAIRS: pairs sorted by expert on the device, tiles, combine) x act-quant
     on / off."""
     if path == "gemv":
         _run(fmt, 1, 3, 5, 256, 128, act)
-    elif path in ("gemv4", "dot"):
-        monkeypatch.setattr(M, "GEMV_MAX_TOKENS", 4 if path == "gemv4" else 0)
+    elif path == "gemv4":
         _run(fmt, 4, 2, 4, 256, 128, act)
     else:
         monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)

@@ -40,7 +40,7 @@ from .prefix_cache import CacheStats, Pending, PrefixCache
 from .runner import Runner
 from .sampling import SampleOutput, SamplingParams, StopChecker
 from .scheduler import Request, Scheduler, StepPlan
-from .speculative import SpecStats, ngram_propose
+from .speculative import Acceptance, SpecPolicy, SpecStats, ngram_propose, verify_cost_ratio
 
 
 @dataclass
@@ -117,6 +117,7 @@ class _Track:
         self.stops = StopChecker(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, None)
         self.pending = 0          # tokens launched on the device, not yet seen on the host
         self.constraint: Constraint | None = None     # the grammar / thinking budget, if any
+        self.acceptance: Acceptance | None = None      # speculative decoding: the policy's state
 
 
 class _PinnedPool:
@@ -168,10 +169,20 @@ class Engine:
         #: n-gram drafts: ``propose(request) -> k ids or None`` (None: a plain decode row); tests inject
         #: drafts of a chosen quality here
         self.propose = self._ngram_draft
+        #: when a request speculates (its acceptance against the verify step's cost, probes); on
+        #: where its cost table was measured, CUDA graph replays (eager steps, on the CPU or with
+        #: enforce_eager, cost otherwise); None: every step it can
+        self.spec_policy = SpecPolicy() if self.speculative is not None and runner.use_graphs else None
+        self._spec_step = 0                 # engine steps with decode rows (the probe schedule)
+        self._verified = False              # the last step had verify rows
+        #: steps of decode rows only are all verify or all plain rows (None: when the runner has
+        #: verify graphs, which replay steps of one kind)
+        self.one_kind_steps: bool | None = None
         if self.speculative is not None:
             self.scheduler.decode_tokens = 1 + self.speculative.k
         # the next plan needs the host to know this step's tokens when verify rows keep a varying count
-        self.overlap = runner.device.type == "cuda" and self.speculative is None
+        # (with speculation only while no request verifies: see _may_verify)
+        self.overlap = runner.device.type == "cuda"
         self._pinned = _PinnedPool()
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
 
@@ -235,6 +246,7 @@ class Engine:
         self.tracks[rid] = track
         if self.speculative is not None:
             track.out.spec_decode = SpecStats()
+            track.acceptance = (self.spec_policy or SpecPolicy()).start(self.speculative.k)
         return rid
 
     def prepare_grammars(self) -> None:
@@ -282,7 +294,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan, launch and collect one step; returns the outputs that changed."""
         outputs: list[RequestOutput] = []
-        if self._inflight and any(t.constraint is not None and t.pending for t in self.tracks.values()):
+        if self._inflight and (any(t.constraint is not None and t.pending for t in self.tracks.values())
+                               or self._may_verify()):
             # a constrained row's next mask needs the token still in flight: collect it first (the
             # steps with a constrained row give up overlapping the host with the device)
             for tracks, sampled, event, emitted in self._inflight:
@@ -314,14 +327,14 @@ class Engine:
         rows, tracks, chunks, saves, published = [], [], {}, [], []
         cache = self.prefix_cache
         spec = self.speculative
-        if spec is not None and spec.disable_by_batch_size is not None and len(plan.decode) > spec.disable_by_batch_size:
-            spec = None
+        off = self._policy_off(plan)
         for req in plan.decode:
             # a constrained request decodes plainly: its mask for each draft position would need the
             # drafts accepted first (Constraint.accept takes several tokens for when it does)
-            row = self._decode_row(req, None if self.tracks[req.request_id].constraint is not None else spec)
+            track = self.tracks[req.request_id]
+            row = self._decode_row(req, None if track.constraint is not None else spec, off.get(req.request_id, False))
             rows.append(row)
-            tracks.append(self.tracks[req.request_id])
+            tracks.append(track)
             # a verify row's kept length is known after the step: decode-time saves are for plain rows
             if cache is not None and not row.is_verify and (row.start + 1) % cache.block == 0:
                 saves += self._save_decoded(req, (row.start + 1) // cache.block)
@@ -356,8 +369,9 @@ class Engine:
         if any(t.constraint is not None for t in tracks):
             sampled_slots = [r.slot for r in rows if r.sample]
             self.runner.sampling.bitmask.stage([(s, t.constraint) for s, t in zip(sampled_slots, tracks)])
+        batch = ScheduledBatch(tuple(rows), tuple(saves))
         try:
-            out = self.runner.run(ScheduledBatch(tuple(rows), tuple(saves)))
+            out = self.runner.run(batch)
         except BaseException:
             for _, _, blocks, tail in published:      # planned saves that never ran
                 cache.release(list(blocks) + list(tail))
@@ -370,6 +384,7 @@ class Engine:
             cache.publish(*p)
         for i, logits in out.logits.items():
             _add_prompt_logprobs(self.tracks[chunks[i].request.request_id].out, chunks[i], logits)
+        self._verified = out.emitted is not None
         if out.sampled is None:
             return False
         if out.emitted is not None:
@@ -379,18 +394,70 @@ class Engine:
                     k = row.num_tokens - 1
                     self.spec_stats.add(k, n - 1)
                     track.out.spec_decode.add(k, n - 1)
+                    if self.spec_policy is not None:
+                        self.spec_policy.verified(track.acceptance, n - 1)
+        if mtp and batch.decode_only:
+            # a plain decode step does not run the MTP block: these rows' drafts are now stale
+            for track in tracks:
+                track.acceptance.stale = True
         self._queue(tracks, out.sampled, out.emitted)
         return True
 
-    def _decode_row(self, req: Request, spec) -> Row:
-        """A decode row, or with speculation a verify row of ``k`` drafts when they fit the context
-        and more than one token is still wanted (MTP drafting runs ``k - 1`` positions further)."""
+    def _policy_off(self, plan: StepPlan) -> dict[str, bool]:
+        """Which decode rows the speculation policy keeps plain this step, by request id: all of
+        them above ``disable_by_batch_size``, else those whose acceptance does not pay for a verify
+        step (:class:`~dsv4.engine.speculative.SpecPolicy`). With verify graphs (``one_kind_steps``)
+        a step of decode rows only is all verify or all plain rows, since a mix runs eagerly at
+        several times a graph step's cost: all verify when the rows' expected extra tokens pay for
+        the verify step of the whole batch, else all plain."""
+        spec, policy, b = self.speculative, self.spec_policy, len(plan.decode)
+        if spec is None or not b:
+            return {}
+        self._spec_step += 1
+        rows = {r.request_id: self.tracks[r.request_id] for r in plan.decode
+                if self.tracks[r.request_id].constraint is None}
+        if spec.disable_by_batch_size is not None and b > spec.disable_by_batch_size:
+            return dict.fromkeys(rows, True)
+        if policy is None:
+            return {}
+        off = {rid: not policy.speculate(t.acceptance, b, spec.k, self._spec_step) for rid, t in rows.items()}
+        one_kind = bool(self.runner.verify_graphs) if self.one_kind_steps is None else self.one_kind_steps
+        if one_kind and not plan.prefill and 0 < sum(off.values()) < len(off):
+            extra = sum(t.acceptance.ema - 1 for t in rows.values())
+            plain = extra < (verify_cost_ratio(b, spec.k, policy.cost) - 1) * b
+            off = dict.fromkeys(off, plain)
+        return off
+
+    def _may_verify(self) -> bool:
+        """Whether the next step may have a verify row (n-gram drafts and the kept counts need the
+        host to know every token: the steps in flight are collected first). Plain steps of a
+        speculating engine overlap like a plain engine's while the policy keeps every request off."""
+        policy, spec = self.spec_policy, self.speculative
+        if spec is None:
+            return False
+        if policy is None or self._verified or (self._spec_step + 1) % policy.probe_every == 0:
+            return True         # (the scheduler counts a verify row in flight as one token: collect it)
+        running = [self.tracks[r.request_id] for r in self.scheduler.running if r.request_id in self.tracks]
+        # the policy's ratio falls with the batch: at the running count it is at most the next step's
+        return any(t.constraint is None and (t.acceptance.follow or policy.pays(t.acceptance, len(running), spec.k))
+                   for t in running)
+
+    def _decode_row(self, req: Request, spec, policy_off: bool) -> Row:
+        """A decode row, or with speculation a verify row of ``k`` drafts when they fit the context,
+        more than one token is still wanted (MTP drafting runs ``k - 1`` positions further) and the
+        policy (batch size, acceptance: ``policy_off``) lets it; those it does not are counted."""
         start = self.runner.lengths[req.slot]
         if spec is None or req.params.max_tokens - len(req.output_ids) <= 1 or \
                 start + 2 * spec.k + 1 > self.runner.max_model_len:
             return Row(req.slot, start)
+        if policy_off:
+            self.spec_stats.num_policy_plain_rows += 1
+            self.tracks[req.request_id].out.spec_decode.num_policy_plain_rows += 1
+            return Row(req.slot, start)
         if spec.method == "mtp":
             return Row(req.slot, start, device_draft=spec.k)
+        if self.tracks[req.request_id].pending:
+            return Row(req.slot, start)          # a token still in flight: the host cannot draft after it
         draft = self.propose(req)
         if draft is None:
             return Row(req.slot, start)

@@ -16,10 +16,50 @@ tokens are then distributed exactly as the target's. Greedy rows keep a draft if
 so their tokens are exactly plain decoding's. Penalties see the drafts before each position; the
 draws use the request's counter-based noise at draw counter ``step + i`` (uniform of the accept
 test on a salted stream), so a seeded request is reproducible.
+
+When to speculate (:class:`SpecPolicy`). A verify step costs more than a decode step, so drafts that
+are rejected lose time. Measured on one H100 (Flash x4 slice, bf16 + QAT, CUDA graphs, k = 3,
+``bench/spec_bench.py --tables cost``): a verify step of 1 + 3 tokens a row costs 2.39x a decode step
+at batch 1 (3.97 vs 1.66 ms) and 1.62x at batch 32 (15.7 vs 9.7 ms). Speculation pays only while a
+verify step emits more tokens than that ratio: at zero acceptance it loses 58% at batch 1 and 38%
+at batch 32. Two rules keep that loss small:
+
+- ``disable_by_batch_size`` (vLLM's field; default :data:`DEFAULT_DISABLE_BY_BATCH_SIZE`): more
+  decode rows than this decode plainly. Above 32 rows nothing is measured; a verify step of b rows
+  feeds ``4 b`` tokens, and once the step's cost grows linearly with its tokens (at the latest above
+  the 128 tokens of the measured batch-32 verify step) a verify step of 64 rows costs
+  ``2 x 15.7 = 31.4`` ms against a decode step of about 12.3 ms (9.7 ms at 32 rows, 15.7 ms at 128
+  tokens, interpolated in log-log): 2.55x, the accepted length good MTP drafts give (2.5 tokens a
+  step with 3 drafts). Above 64 rows even good acceptance rarely pays.
+- Per request, an exponential moving average of its tokens per verify step (accepted drafts + 1;
+  it starts at ``1 + k / 2``, above every ratio; weight 0.1, 0.5 for a probe and for the first
+  verify step). While it is below the verify step's cost ratio at the step's batch size
+  (:func:`verify_cost_ratio`: the measured table, interpolated in log2 of the batch, its extra cost
+  scaled by ``k / 3``) the request decodes plainly and drafts again only on every
+  ``probe_every``-th engine step, the same step for every such request (at zero acceptance a probe
+  is one verify step of the whole batch, not a mix of verify and plain rows, and costs
+  ``(ratio - 1) / probe_every``: 2.2% at batch 1, 1.0% at batch 32 for ``probe_every = 64``).
+
+A table, not a ratio timed at start-up: the same decisions on every run, no timing noise (a GPU or
+model far from the measured one gets this table's decisions all the same: ``SpecPolicy.cost``). The
+table is of CUDA graph replays, so the engine applies the policy where graphs replay (on the CPU a
+verify step of the tiny model costs about 1.3-1.4x a decode step; there, and with
+``enforce_eager``, every row that can speculates, unless ``Engine.spec_policy`` is set).
+
+A step with both verify and plain rows is exact but runs the eager varlen step (graphs replay steps
+of one kind, and an eager step costs several graph steps on a GPU), so with verify graphs a step of
+decode rows only is of one kind: all verify rows when the rows' expected extra tokens (the sum of
+``average - 1``) pay for the verify step of the whole batch (``(ratio - 1) x rows``), else all
+plain (n-gram misses and constrained rows still mix).
+
+MTP: a plain decode step does not run the MTP block, so its drafts go stale; the probe's first
+verify step refreshes them and does not count, its second does (the block's window misses the
+plain steps' positions, which only makes its drafts poorer until it refills).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, fields
@@ -32,6 +72,12 @@ from ..errors import UsageError
 from .sampling import SampleOutput, SamplingBatch, apply_penalties, apply_top_k_top_p_min_p, gumbel_noise, uniform_noise
 
 METHODS = ("ngram", "mtp")
+#: ``disable_by_batch_size``'s default (module docstring: above 64 rows a verify step's cost ratio
+#: reaches the 2.5 tokens a step of good drafts)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 64
+#: a verify step of 1 + 3 tokens a row against a decode step, by batch size (one H100, Flash x4
+#: slice, bf16 + QAT, CUDA graphs: 3.97 / 1.66 ms at batch 1, 15.7 / 9.7 ms at batch 32)
+VERIFY_COST_K3 = ((1, 2.39), (32, 1.62))
 _ACCEPT_SALT = 0x5BD1E995          # the accept test's uniforms: a stream apart from the draws'
 
 
@@ -48,9 +94,9 @@ class SpeculativeConfig:
     """n-gram: the shortest suffix of the tokens that is looked up earlier in them."""
     prompt_lookup_max: int = 4
     """n-gram: the longest suffix looked up (the longest earlier match wins)."""
-    disable_by_batch_size: int | None = None
-    """Decode plainly while more than this many requests decode (verification costs compute that
-    large batches no longer have to spare); None: always speculate."""
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    """Decode plainly while more than this many requests decode (a verify step of that many rows
+    costs more than good drafts win back: module docstring); None (JSON null): at any batch size."""
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> UsageError:
@@ -127,6 +173,9 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] | None = None
+    num_policy_plain_rows: int = 0
+    """decode rows run plainly by the policy (acceptance below the verify step's cost, or more rows
+    than ``disable_by_batch_size``); not verify rows, so not in the counts above"""
 
     def add(self, k: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -149,7 +198,79 @@ class SpecStats:
                 "mean_accepted_length": round(self.mean_accepted_length, 4),
                 "acceptance_rate": round(self.num_accepted_tokens / self.num_draft_tokens, 4)
                 if self.num_draft_tokens else 0.0,
-                "acceptance_per_position": [round(a / self.num_drafts, 4) for a in per] if self.num_drafts else []}
+                "acceptance_per_position": [round(a / self.num_drafts, 4) for a in per] if self.num_drafts else [],
+                "num_policy_plain_rows": self.num_policy_plain_rows}
+
+
+@functools.lru_cache(maxsize=1024)      # asked for every decode row of every step
+def verify_cost_ratio(batch: int, k: int, table: tuple[tuple[int, float], ...] = VERIFY_COST_K3) -> float:
+    """What a verify step of ``1 + k`` tokens a row costs against a decode step at ``batch`` rows:
+    ``table`` (measured at k = 3) interpolated linearly in log2 of the batch, constant beyond its
+    ends, and its extra cost scaled by ``k / 3`` (the drafts are the extra tokens)."""
+    x = math.log2(max(batch, 1))
+    pts = [(math.log2(b), r) for b, r in table]
+    r3 = pts[0][1] if x <= pts[0][0] else pts[-1][1]
+    for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
+        if x0 < x < x1:
+            r3 = r0 + (x - x0) / (x1 - x0) * (r1 - r0)
+    return 1 + (r3 - 1) * k / 3
+
+
+@dataclass
+class Acceptance:
+    """One request's speculation state (:class:`SpecPolicy`)."""
+
+    ema: float
+    """moving average of its tokens per verify step (accepted drafts + 1)"""
+    probing: bool = True
+    """its next verify step is a probe (its first, or one while its average is below the cost)"""
+    stale: bool = False
+    """MTP: its drafts in the runner's buffer are not from its last step (a step without the MTP
+    block ran since): the next verify step only refreshes them and does not count"""
+    follow: bool = False
+    """verify on the next step too (an MTP probe whose first step was a refresh)"""
+
+
+@dataclass
+class SpecPolicy:
+    """When a request's decode row verifies drafts (module docstring): while its average tokens per
+    verify step are at least the verify step's cost ratio at this batch size, else only on probe
+    steps (every ``probe_every``-th engine step)."""
+
+    alpha: float = 0.1
+    """weight of a verify step in the moving average while the request speculates: small, so that
+    the runs of rejected steps of drafts that are right 80% of the time seldom turn it off (with
+    0.25 they did, often enough to lose half of speculation's gain at 2.95 tokens a step, batch 1)"""
+    probe_alpha: float = 0.5
+    """weight of a probe (and of a request's first verify step): rarer, so it counts more; one
+    fully accepted probe turns speculation on again"""
+    probe_every: int = 64
+    """engine steps between probes of requests decoding plainly"""
+    cost: tuple[tuple[int, float], ...] = VERIFY_COST_K3
+    """the verify step's cost ratio by batch size, ``((batch, ratio), ...)`` (k = 3; :func:`verify_cost_ratio`)"""
+
+    def start(self, k: int) -> Acceptance:
+        """A new request's state: half its drafts accepted, which is above every ratio (it speculates)."""
+        return Acceptance(1 + k / 2)
+
+    def pays(self, acc: Acceptance, batch: int, k: int) -> bool:
+        """The request's average tokens per verify step pay for a verify step of ``batch`` rows."""
+        return acc.ema >= verify_cost_ratio(batch, k, self.cost)
+
+    def speculate(self, acc: Acceptance, batch: int, k: int, step: int) -> bool:
+        """Whether the request verifies drafts at engine step ``step`` with ``batch`` decode rows."""
+        if self.pays(acc, batch, k):
+            return True
+        acc.probing = True
+        return acc.follow or step % self.probe_every == 0
+
+    def verified(self, acc: Acceptance, accepted: int) -> None:
+        """A verify step of the request accepted ``accepted`` drafts."""
+        acc.follow = acc.stale             # a refresh: the probe's next step counts
+        if not acc.stale:
+            acc.ema += (self.probe_alpha if acc.probing else self.alpha) * (1 + accepted - acc.ema)
+            acc.probing = False
+        acc.stale = False
 
 
 # ----------------------------------------------------------------------------- verification

@@ -15,7 +15,8 @@ follow Prometheus conventions with a ``dsv4_`` prefix:
   ``dsv4_e2e_request_latency_seconds``;
 - speculative decoding (vLLM's ``spec_decode`` set): counters ``dsv4_spec_decode_num_drafts_total``
   (verify rows), ``dsv4_spec_decode_num_draft_tokens_total``, ``dsv4_spec_decode_num_accepted_tokens_total``,
-  ``dsv4_spec_decode_num_accepted_tokens_per_pos_total{position}``, and the gauge
+  ``dsv4_spec_decode_num_accepted_tokens_per_pos_total{position}``,
+  ``dsv4_spec_decode_num_policy_plain_rows_total`` (decode rows the policy ran plainly), and the gauge
   ``dsv4_spec_decode_mean_accepted_length`` (tokens per verify row, accepted drafts + 1).
 """
 
@@ -75,6 +76,8 @@ class Metrics:
         self.spec_drafts = spec("num_drafts", "Speculative verify rows run")
         self.spec_draft_tokens = spec("num_draft_tokens", "Draft tokens proposed")
         self.spec_accepted = spec("num_accepted_tokens", "Draft tokens accepted")
+        self.spec_policy_plain = spec("num_policy_plain_rows", "Decode rows run plainly by the speculation "
+                                      "policy (acceptance below the verify step's cost, or disable_by_batch_size)")
         self._spec_per_pos = Counter("dsv4_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
                                      "draft position (0 = the first draft)", ["model_name", "position"], registry=r)
         self.spec_mean_length = Gauge("dsv4_spec_decode_mean_accepted_length", "Tokens emitted per verify row "
@@ -102,6 +105,7 @@ class Metrics:
             self.spec_drafts.inc(spec.num_drafts - seen.num_drafts)
             self.spec_draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
             self.spec_accepted.inc(spec.num_accepted_tokens - seen.num_accepted_tokens)
+            self.spec_policy_plain.inc(spec.num_policy_plain_rows - seen.num_policy_plain_rows)
             old = seen.accepted_per_pos or []
             for i, n in enumerate(spec.accepted_per_pos or []):
                 self._spec_per_pos.labels(self.model_name, str(i)).inc(n - (old[i] if i < len(old) else 0))

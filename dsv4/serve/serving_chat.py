@@ -175,7 +175,7 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest, raw: Request):
         started = time.monotonic()
         model = self.ctx.check_model(req.model)
-        ids, reqs, choices = self._request(req)
+        ids, reqs, choices = await self.ctx.prepare(self._request, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = self.ctx.engine.submit(rid, reqs)
         if self.ctx.metrics is not None:

@@ -98,6 +98,14 @@ class CompletionServing:
                 choices.append(_Choice(len(choices), text, ids, req.echo, max_tokens > 0, stop_ids))
         return reqs, choices
 
+    def _prepare(self, req: CompletionRequest):
+        """The prompts' ids and the engine requests (on a worker thread: :meth:`ServingContext.prepare`)."""
+        try:
+            prompts = self._prompts(req.prompt)
+        except RequestError as e:
+            raise bad_request(f"prompt: {e}", "prompt") from None
+        return (prompts, *self._engine_requests(req, prompts))
+
     async def create(self, req: CompletionRequest, raw: Request):
         started = time.monotonic()
         model = self.ctx.check_model(req.model)
@@ -105,11 +113,7 @@ class CompletionServing:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (give n instead)", "best_of")
-        try:
-            prompts = self._prompts(req.prompt)
-        except RequestError as e:
-            raise bad_request(f"prompt: {e}", "prompt") from None
-        reqs, choices = self._engine_requests(req, prompts)
+        prompts, reqs, choices = await self.ctx.prepare(self._prepare, req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         sub = self.ctx.engine.submit(rid, reqs)
         prompt_tokens = sum(len(ids) for _, ids in prompts)

@@ -198,7 +198,7 @@ class MessagesServing:
     async def create(self, req: MessagesRequest, raw: Request):
         started = time.monotonic()
         model = self.ctx.check_model(req.model)
-        ids, ereq, c = self._request(req)
+        ids, ereq, c = await self.ctx.prepare(self._request, req)
         rid = f"msg_{uuid.uuid4().hex}"
         sub = self.ctx.engine.submit(rid, [ereq])
         if self.ctx.metrics is not None:

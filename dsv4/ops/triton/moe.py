@@ -50,16 +50,14 @@ from .moe_experts import quantized
 
 #: pairs (tokens x top-k) up to which the decode kernels run; above, the grouped GEMM
 DECODE_MAX_PAIRS = 256
-#: tokens up to which the decode kernels run the CUDA-core GEMV per pair (BM = 1) rather than
-#: ``tl.dot`` on 16-pair tiles: a few tokens' random top-k rarely share an expert, so a 16-row
-#: tile is mostly padding and its QDOT products (four K = 32 dots per 128 block) cost more than
-#: streaming each pair's expert once (``bench/moe_decode_tune.py``)
-GEMV_MAX_TOKENS = 1
 #: tile configs per path and projection: (BN, BK, num_warps, num_stages, K-loop pipelining of the
 #: CUDA-core GEMV: 1 = plain loop); FP8 experts use BK 128
 CONFIGS = {
-    "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 256, 4, 3, 1)),     # decode, BM = 1 (one token)
-    "dot": dict(w13=(32, 128, 4, 3, 1), w2=(64, 128, 4, 3, 1)),      # decode, BM = 16
+    # decode, BM = 1: one program per (token, expert) pair and N tile, a CUDA-core GEMV. A few
+    # tokens' random top-k rarely share an expert, so 16-pair tl.dot tiles were mostly padding: on
+    # an H100 (Flash layer, MXFP4, act-quant) they took 1.7-2.1x the GEMV's time at 1-32 tokens
+    # (bench/results/2026-11-25c/moe_decode_tune.txt), though the GEMV reads a shared expert per pair
+    "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 256, 4, 3, 1)),
     "grouped": dict(w13=(64, 128, 8, 3, 1), w2=(128, 128, 8, 3, 1)),  # prefill, BM = 64 (16 < 2048 pairs)
     # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 128 pairs an expert on, else 64:
     # bench/moe_prefill_tune.py, H100, Flash, 8192 tokens: 35.1 ms (QDOT, BM 64) -> 13.9 ms a layer
@@ -98,7 +96,7 @@ class Launch:
     w13: tuple                                # tile configs (CONFIGS), BK fixed to 128 for FP8
     w2: tuple
     xdt: object                               # tl dtype of x
-    qdot: bool                                # products on the quantized q (act_quant, BM > 1)
+    qdot: bool                                # products on the quantized q (act_quant, grouped)
     act_quant: bool
     pow2: bool
     q_dtype: torch.dtype
@@ -196,12 +194,11 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     g1, g3, g2 = (g if g is not None else topk_weights for g in (g1, g3, g2))   # unused placeholders
     P = T * k
     decode = P <= DECODE_MAX_PAIRS
-    gemv = decode and T <= GEMV_MAX_TOKENS
-    qdot = bool(act_quant) and (not gemv if decode else not _exact_dequantized(fmt, pow2, x.dtype))
+    qdot = bool(act_quant) and not decode and not _exact_dequantized(fmt, pow2, x.dtype)
     # the MXFP4 grouped GEMM on dequantized operands: larger tiles once experts average a full one
     mx_plain = not decode and not qdot and fmt == FormatCode.MXFP4
     if decode:
-        BM, path = (1, "gemv") if gemv else (16, "dot")
+        BM, path = 1, "gemv"
     elif P < 2048:
         BM, path = 16, "grouped"
     elif mx_plain:

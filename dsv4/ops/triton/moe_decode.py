@@ -9,8 +9,8 @@ Decode (``T * k <= DECODE_MAX_PAIRS``), three launches at most, no host read, fi
    The chunk is found in registers from the ``T*k`` ids (compare, cumsum), so each expert's
    bytes are read once for up to ``BM`` tokens without any sort or extra launch. The program
    streams ``BN`` rows of W1 and W3 over all of ``D`` and writes ``h`` (SwiGLU + clamp + routing
-   weight epilogue) for its pairs. ``BM = 1`` (batch 1): a CUDA-core GEMV whose group scales
-   multiply per-group partial sums. ``BM = 16``: ``tl.dot`` on the dequantized tile.
+   weight epilogue) for its pairs. The engine runs ``BM = 1`` (``moe.CONFIGS["gemv"]`` says why): a
+   CUDA-core GEMV whose group scales multiply per-group partial sums.
    It also zeroes the combine counters of step 2 (saves a memset launch).
 2. ``_w2_decode_kernel``, grid ``(T*k slots, D / BN)``: the same chunks over W2 with ``ĥ`` as
    input (quantized per 128 in the prologue of each K block), fp32 rows per pair; then the
