@@ -275,11 +275,18 @@ def test_hadamard(dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fp4", [False, True])
 @pytest.mark.parametrize("d, rd", [(64, 32), (16, 8)])
-def test_rope_hadamard(dtype, fp4, d, rd):
+def test_queries_prepare(dtype, fp4, d, rd):
+    """A CSA layer's queries in one launch: the attention's (rope_qnorm) and the indexer's (RoPE,
+    Hadamard, FP4 under QAT), each against its reference op."""
     x = _randn(2, 3, 4, d, seed=51, dtype=dtype, scale=3.0)   # [B, S, nI, d]
+    q = _randn(2, 3, 5, 2 * d + 8, seed=53, dtype=dtype, scale=2.0)   # [B, S, H, hd]
     cos, sin = _rope_tables((2, 3), rd // 2, seed=52)
     cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
-    out, want = KERNELS["rope_hadamard"](x, cos_h, sin_h, fp4), ref.rope_hadamard(x, cos_h, sin_h, fp4)
+    got_q, out = KERNELS["queries_prepare"](q, cos_h, sin_h, 1e-6, x, fp4)
+    want_q, want = ref.queries_prepare(q, cos_h, sin_h, 1e-6, x, fp4)
+    assert torch.equal(want_q, ref.rope_qnorm(q, cos_h, sin_h, 1e-6))
+    _close(got_q, want_q)
+    assert torch.equal(want, ref.rope_hadamard(x, cos_h, sin_h, fp4))
     if not fp4:
         _close(out, want, steps=2.0 if dtype != torch.float32 else 64.0)
         return
@@ -543,9 +550,15 @@ def test_gpu_quant_and_stores(batch):
             assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), layout
     ang = torch.rand(batch, 1, 32, generator=_gen(125)).to(GDEV) * 1000
     ch, sh = ang.cos().unsqueeze(2), ang.sin().unsqueeze(2)
-    _close(KERNELS["rope_hadamard"](qi, ch, sh, False), ref.rope_hadamard(qi, ch, sh, False), steps=1.0)
-    got, want = KERNELS["rope_hadamard"](qi, ch, sh, True), ref.rope_hadamard(qi, ch, sh, True)
-    assert (got == want).float().mean() > 0.99
+    q = _g(batch, 1, 64, 512, seed=128, scale=2.0)             # Flash's attention queries beside the indexer's
+    for fp4 in (False, True):
+        got_q, got = KERNELS["queries_prepare"](q, ch, sh, 1e-6, qi, fp4)
+        want_q, want = ref.queries_prepare(q, ch, sh, 1e-6, qi, fp4)
+        _close(got_q, want_q, steps=1.0)
+        if fp4:
+            assert (got == want).float().mean() > 0.99
+        else:
+            _close(got, want, steps=1.0)
     g, u = _g(batch, 2048, seed=126, scale=4.0, dtype=torch.float32), _g(batch, 2048, seed=127, scale=4.0,
                                                                            dtype=torch.float32)
     _close(KERNELS["swiglu"](g, u, 10.0), ref.swiglu(g, u, 10.0), steps=8.0)

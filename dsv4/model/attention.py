@@ -81,13 +81,15 @@ class Attention(nn.Module):
         qr, kv = fused.q_kv_prepare(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight,
                                     self.kv_norm.eps, rope.cos, rope.sin, cache.ring, *at)  # kv [B, S, hd] as stored
         # queries: low-rank (wq_a, q_norm, wq_b), then per head an RMS norm without weight and RoPE.
-        # CSA: the indexer's queries project the same qr (its own wq_b): one GEMV for both
+        # CSA: the indexer's queries project the same qr (its own wq_b): one GEMV for both, then
+        # one launch prepares both (the indexer's: RoPE, Hadamard, QAT: FP4; see Indexer.forward)
         if self.kind == "csa":
             q, iq = fused.linear_pair(qr, self.wq_b.w, self.indexer.wq_b.w, self.wq_b.act_quant, self.wq_b.pow2)
+            q, iq = fused.queries_prepare(q.unflatten(-1, (self.n_heads, self.head_dim)), cos_h, sin_h, self.eps,
+                                          iq.unflatten(-1, (self.indexer.n_heads, self.indexer.dim)), ctx.qat_sim)
         else:
-            q, iq = self.wq_b(qr), qr                                                # iq: unused
-        q = q.unflatten(-1, (self.n_heads, self.head_dim))
-        q = fused.rope_qnorm(q, cos_h, sin_h, self.eps)                             # [B, S, H, hd]
+            q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+            q, iq = fused.rope_qnorm(q, cos_h, sin_h, self.eps), qr                 # iq: unused
 
         o = ctx.per_group(self._attend, q, kv, x, iq, cache=cache, stored=bool(at))  # [B, S, H, hd]
         # grouped output projection: heads in G groups, group g times its own r rows of wo_a
@@ -98,7 +100,7 @@ class Attention(nn.Module):
     def _attend(self, ctx: ForwardContext, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, iq: torch.Tensor,
                 cache: LayerCache, stored: bool) -> torch.Tensor:
         """The part of attention that reads and writes a row's own state, for rows of one length:
-        compressor and indexer (``iq``: its projected queries), sparse attention over window +
+        compressor and indexer (``iq``: its prepared queries), sparse attention over window +
         compressed entries, then the window store (unless ``stored``: the decode step's
         ``q_kv_prepare`` wrote the rows already). ``q [b, s, H, hd]`` -> ``[b, s, H, hd]``."""
         # What a query at t attends to, one softmax with the head's sink logit in the denominator:

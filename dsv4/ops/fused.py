@@ -38,17 +38,18 @@ def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, val
     return _call("store_rows", values.device, None, store, slot_idx, row_idx, values)
 
 
-def rope_hadamard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp4: bool) -> torch.Tensor:
-    """RoPE + Hadamard (+ FP4 round trip); see :func:`reference_fused.rope_hadamard`."""
-    return _call("rope_hadamard", x.device, None, x, cos, sin, fp4)
-
-
 def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
                     positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                     sin: torch.Tensor, rotate: bool) -> None:
     """A KV compressor's decode update in one call; see :func:`reference_fused.compressor_step`."""
     return _call("compressor_step", kv.device, None, kv, gate, ape, state, slots, positions, norm_weight, eps,
                                                         cos, sin, rotate)
+
+
+def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, iq: torch.Tensor,
+                    fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_qnorm(q)`` and ``rope_hadamard(iq)`` in one call; see :func:`reference_fused.queries_prepare`."""
+    return _call("queries_prepare", q.device, None, q, cos, sin, eps, iq, fp4)
 
 
 def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
@@ -60,5 +61,5 @@ def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
                  ape2, state2, norm_weight2, eps2, rotate2, slots, positions, cos, sin)
 
 
-__all__ = ["linear_pair", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard", "compressor_step",
-           "compressor_step_pair"]
+__all__ = ["linear_pair", "rope_qnorm", "q_kv_prepare", "store_rows", "compressor_step",
+           "compressor_step_pair", "queries_prepare"]

@@ -102,6 +102,14 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
         state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
 
 
+def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, iq: torch.Tensor,
+                    fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CSA layer's two query preparations at the same positions: the attention's
+    (:func:`rope_qnorm` of ``q [..., H, hd]``) and the indexer's (:func:`rope_hadamard` of
+    ``iq [..., nI, d]``); ``cos``/``sin`` broadcast against both (``[..., 1, rd/2]``)."""
+    return rope_qnorm(q, cos, sin, eps), rope_hadamard(iq, cos, sin, fp4)
+
+
 def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
                          norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor, gate2: torch.Tensor,
                          ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor, eps2: float, rotate2: bool,
@@ -114,4 +122,4 @@ def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
 
 
 __all__ = ["linear_pair", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard", "compressor_step",
-           "compressor_step_pair"]
+           "compressor_step_pair", "queries_prepare"]
