@@ -70,8 +70,10 @@ def _exercise() -> None:
     for D, H, ql, batches in ((4096, 64, 1024, (1, 32)), (7168, 128, 1536, (1,))):
         for T in batches:
             h = rn(T, 1, 4, D)
-            k["mhc_pre"](h, rn(24, 4 * D, dtype=f32), rn(24, dtype=f32), rn(3, dtype=f32), 20, 1e-6, 1e-6)
-            k["hc_head"](h, rn(4, 4 * D, dtype=f32), rn(4, dtype=f32), rn(1, dtype=f32), 1e-6, 1e-6)
+            k["mhc_pre_norm"](h, rn(24, 4 * D, dtype=f32), rn(24, dtype=f32), rn(3, dtype=f32), 20, 1e-6, 1e-6,
+                              rn(D, dtype=f32), 1e-6)
+            k["hc_head_norm"](h, rn(4, 4 * D, dtype=f32), rn(4, dtype=f32), rn(1, dtype=f32), 1e-6, 1e-6,
+                              rn(D, dtype=f32), 1e-6)
             k["mhc_post"](rn(T, 1, D), h, rn(T, 1, 4, dtype=f32), rn(T, 1, 4, 4, dtype=f32))
             for width in (D, ql):
                 k["rms_norm"](rn(T, 1, width), rn(width, dtype=f32), 1e-6)

@@ -9,12 +9,12 @@ wrapped in a ``record_function`` region; the count of a region is the number of 
 in it: aten ops with no aten op below them (what would become one GPU kernel each), leaving out
 the ones that launch nothing (views, ``empty*``, ``detach``), plus one per Triton kernel launch.
 
-``--fused`` registers the small-op Triton kernels for the CPU (run through Triton's
+``--fused`` registers every Triton kernel for the CPU (run through Triton's
 interpreter, ``TRITON_INTERPRET=1``), which the model's fused decode ops then use; the other hot ops
-(linear, MoE, attention, indexer scores) stay on their references and are counted as they are.
+(linear, MoE, attention, indexer scores) run their kernels too and count under their op's name.
 Geometry does not change the counts (no op count depends on sizes), so the model is small (the tiny
-one, with index heads of 32 dims so that the indexer kernel takes them, and the attention's
-projections in FP8 blocks as released). ``--list`` shows each layer
+one, with index heads of 32 dims so that the indexer kernel takes them, the attention's
+projections and the shared expert in FP8 blocks and the routed experts in MXFP4, as released). ``--list`` shows each layer
 kind's launches in order. Per-forward work (RoPE tables, visible counts) lands on the first layer
 that asks for it.
 """
@@ -49,8 +49,8 @@ def _is_view(name: str) -> bool:
 #: ops owned by other kernel areas (linear, MoE, attention, indexer): counted apart
 BIG_OPS = ("linear", "linear_pair", "grouped_linear", "moe", "sparse_attention", "indexer_scores", "topk_indices")
 #: model components, innermost wins
-COMPONENTS = ("mhc_pre", "mhc_post", "attn_norm/ffn_norm", "q_path", "kv_path", "kv_store", "compressor",
-              "indexer", "attn_out", "router+shared", "other")
+COMPONENTS = ("mhc_pre", "mhc_post", "q_path", "kv_path", "kv_store", "compressor", "indexer", "attn_out", "router",
+              "other")
 
 
 def _wrap(owner, meth, label) -> None:
@@ -79,7 +79,7 @@ def _hooks() -> None:
     _wrap(compressor.Compressor, "forward", "c:compressor")
     _wrap(compressor.Compressor, "decode_step_with", "c:compressor")
     _wrap(indexer.Indexer, "forward", "c:indexer")
-    _wrap(moe.MoE, "forward", "c:router+shared")
+    _wrap(moe.MoE, "forward", "c:router")       # the experts (routed and shared) are the moe op
     from dsv4.ops import fused
     for op in BIG_OPS:
         mod = fused if hasattr(fused, op) else ops      # the model looks them up there at each call
@@ -146,7 +146,7 @@ def main() -> None:
     # index heads of 32 dims: the smallest the indexer kernel takes (the tiny model's 16 run the reference)
     config = dataclasses.replace(preset("tiny", num_layers=4), index_head_dim=32)
     model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
-    _fp8_attention(model)
+    _release_formats(model)
     runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256, qat_sim=args.qat)
     for s in range(args.batch):
         prefill(runner, s, list(range(2, 2 + 37 + s)))
@@ -180,14 +180,21 @@ def main() -> None:
         print(f"{name:<22}" + "".join(f"{sum(v for c, v in table[k].items() if sel(c)):>9.0f}" for k in table))
 
 
-def _fp8_attention(model) -> None:
-    """The attention's projections in FP8 blocks, as in the released checkpoints (plain weights run
-    on the reference: a pair of them would count as two launches; the BF16 precision floor stays)."""
+def _release_formats(model) -> None:
+    """The attention's projections and the shared expert in FP8 blocks, the routed experts in MXFP4,
+    as in the released checkpoints (plain weights run on the reference: a pair of them would count
+    as two launches, the MoE as many; the BF16 precision floor stays)."""
     from dsv4.model.attention import Attention
-    from dsv4.weights.formats import Fp8BlockWeight
+    from dsv4.model.moe import MoE
+    from dsv4.weights.formats import Fp8BlockWeight, Mxfp4Weight
     for m in model.modules():
         if isinstance(m, Attention):
             for lin in (m.wq_a, m.wq_b, m.wkv, m.wo_a, m.wo_b, *([m.indexer.wq_b] if m.kind == "csa" else [])):
+                lin.set_weight(Fp8BlockWeight.quantize(lin.weight.detach(), ue8m0=True))
+        if isinstance(m, MoE):
+            for lin in (m.experts.w1, m.experts.w2, m.experts.w3):
+                lin.set_weight(Mxfp4Weight.quantize(lin.weight.detach()))
+            for lin in (m.shared_experts.w1, m.shared_experts.w2, m.shared_experts.w3):
                 lin.set_weight(Fp8BlockWeight.quantize(lin.weight.detach(), ue8m0=True))
 
 

@@ -6,6 +6,7 @@ request next to constrained ones must give exactly the tokens it gives alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -129,6 +130,97 @@ def test_exactly_one_kind():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(RequestError, match="exactly one of"):
         StructuredOutputsParams()
+
+
+def _overlap_run(llm, prompts, params, overlap: bool):
+    """``_run`` with the engine's overlapped schedule on or off; also returns, for each step whose
+    masks were staged, how many steps were still in flight when its forward had been launched."""
+    engine, runner = llm.engine, llm.engine.runner
+    in_flight, run = [], runner.run
+
+    def spy(batch, before_sample=None):
+        def hook():
+            in_flight.append(len(engine._inflight))
+            before_sample()
+        return run(batch, hook if before_sample is not None else None)
+    engine.overlap, runner.run = overlap, spy
+    try:
+        return _run(llm, prompts, params), in_flight
+    finally:
+        engine.overlap = False
+        del runner.run
+
+
+def test_overlapped_masks_give_the_synchronous_tokens(llm):
+    """The overlapped schedule (as on a GPU: the next step's forward launched before the previous
+    step's tokens are seen; masks staged between forward and sampler) gives exactly the tokens of
+    the synchronous one: constrained and free, greedy and sampled, thinking on (the grammar starts
+    after </think>) and off, requests ending mid-batch (grammar done, max_tokens) while others wait
+    for a slot (12 requests, 8 slots)."""
+    tok = llm.tokenizer
+    answer, think = tok.encode("Describe it.<｜Assistant｜></think>"), tok.encode("Think.<｜Assistant｜><think>")
+    spec = StructuredOutputsParams(json=SCHEMA)
+    prompts, params = [], []
+    for i in range(12):
+        constrained = i % 3 != 2
+        prompts.append(think if i % 4 == 1 else answer)
+        params.append(SamplingParams(max_tokens=(40, 90, 17)[i % 3], temperature=0.0 if i % 5 == 0 else 1.0, seed=i,
+                                     structured_outputs=spec if constrained else None,
+                                     thinking_token_budget=6 if i % 8 == 1 else None, ignore_eos=not constrained))
+    sync, sync_flight = _overlap_run(llm, prompts, params, overlap=False)
+    over, over_flight = _overlap_run(llm, prompts, params, overlap=True)
+    assert max(sync_flight) == 0 and max(over_flight) == 1     # the overlapped schedule did run
+    for i, (a, b) in enumerate(zip(sync, over)):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), i
+    for i, out in enumerate(over):
+        if i % 3 != 2:
+            assert json.loads(out.text.split("</think>")[-1]).keys() == {"name", "n", "tags"}
+    assert {o.finish_reason for o in over} == {"stop", "length"}
+
+
+def test_a_thinking_budget_without_thinking_reads_no_stale_mask(llm):
+    """A request with ``thinking_token_budget`` whose prompt opens no reasoning has no constraint,
+    yet makes its steps apply masks: its slot's row must be all-allowed, not what the last
+    constrained request in that slot left (an EOS-only mask once its answer was done)."""
+    tok = llm.tokenizer
+    prompt = tok.encode("Pick.<｜Assistant｜></think>")
+    free = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    alone = _run(llm, [prompt], [free])[0]
+    _run(llm, [prompt], [SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["x"]))])
+    budget = _run(llm, [prompt], [dataclasses.replace(free, thinking_token_budget=4)])[0]
+    assert budget.token_ids == alone.token_ids and len(alone.token_ids) > 1
+
+
+def test_before_sample_runs_between_the_forward_and_the_sampler(llm):
+    """Runner.run's ``before_sample`` hook sees the step's forward done (positions moved on) and its
+    sampler not yet run, and a mask written there is what the sampler applies: in a prefill step
+    (varlen) and a decode step, for the constrained row only."""
+    from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
+    from dsv4.engine.runner import Runner
+    runner = Runner(llm.runner.model, max_num_seqs=2, max_model_len=64)
+    constrained = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(choice=["x"]))
+    free = SamplingParams(temperature=0.0)
+    prompt = (5, 6, 7)
+    bits = runner.sampling.bitmask.bits
+    seen = []
+
+    def hook(token):
+        def stage():
+            seen.append((runner.state.positions[:2].tolist(), runner.tokens[:2].tolist()))
+            bits[:2] = -1
+            bits[0].zero_()
+            bits[0, token // 32] = 1 << token % 32
+        return stage
+    rows = (Row(0, 0, prompt, new=NewSequence(constrained, prompt)), Row(1, 0, prompt, new=NewSequence(free, prompt)))
+    first = runner.run(ScheduledBatch(rows), hook(9)).sampled.token_ids.tolist()
+    second = runner.run(ScheduledBatch((Row(0, 3), Row(1, 3))), hook(11)).sampled.token_ids.tolist()
+    assert seen == [([3, 3], [0, 0]), ([4, 4], [9, first[1]])]
+    assert first[0] == 9 and second[0] == 11
+    # the free row is the plain greedy continuation
+    plain = Runner(llm.runner.model, max_num_seqs=1, max_model_len=64)
+    a = plain.run(ScheduledBatch((Row(0, 0, prompt, new=NewSequence(free, prompt)),))).sampled.token_ids.tolist()
+    b = plain.run(ScheduledBatch((Row(0, 3),))).sampled.token_ids.tolist()
+    assert [first[1], second[1]] == a + b
 
 
 def test_structured_bench_runs_on_the_cpu():

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from dsv4.engine.grammar import StructuredOutputsParams
 from dsv4.engine.llm import LLM, SamplingParams
 from dsv4.errors import UsageError
 from dsv4.parallel import ParallelError
@@ -31,10 +32,15 @@ def _runs(llm: LLM) -> dict:
     greedy = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
     sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7)
     scored = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    # constrained rows next to free ones: the step's forward and sampler run apart on every rank
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}}})
+    mixed = [SamplingParams(max_tokens=16, temperature=0.9, seed=s, structured_outputs=spec if s % 2 else None)
+             for s in range(3)]
     g = llm.generate(PROMPTS, greedy)
     return dict(greedy=[o.token_ids for o in g], logprobs=[o.logprobs for o in g],
                 sampled=[o.token_ids for o in llm.generate(PROMPTS, sampled)],
-                prompt_logprobs=llm.generate(PROMPTS[2], scored)[0].prompt_logprobs)
+                prompt_logprobs=llm.generate(PROMPTS[2], scored)[0].prompt_logprobs,
+                constrained=[(o.token_ids, o.text) for o in llm.generate(PROMPTS[:3], mixed)])
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,8 @@ def test_two_ranks_generate_what_one_does(both):
     one, two = both
     assert two["greedy"] == one["greedy"]          # incl. a 700-token prompt prefilled in chunks
     assert two["sampled"] == one["sampled"]        # seeded sampling, top-p
+    assert two["constrained"] == one["constrained"]
+    assert json.loads(two["constrained"][1][1]).keys() <= {"n"}
     for a, b in zip(one["logprobs"], two["logprobs"]):
         assert a == pytest.approx(b, abs=1e-4)
     assert two["prompt_logprobs"][0] is None
@@ -119,6 +127,7 @@ def test_two_gpus_with_graphs_generate_what_one_does():
         two = _runs(llm)
     assert two["greedy"] == one["greedy"]
     assert two["sampled"] == one["sampled"]
+    assert two["constrained"] == one["constrained"]      # the split forward and sampler graphs
 
 
 def _children(pid: int) -> list[int]:

@@ -155,6 +155,52 @@ def test_every_format_path_and_act_quant(monkeypatch, fmt, act, path):
         _run(fmt, 37, 2, 4, 128, 128, act)
 
 
+def _shared(fmt: str, I: int, D: int, seed: int, dev: str = DEV) -> tuple:
+    """A shared expert ``(w1, w3, w2)`` of 2-D weights in format ``fmt``."""
+    return (_weights(fmt, 1, I, D, seed, dev).expert(0), _weights(fmt, 1, I, D, seed + 1, dev).expert(0),
+            _weights(fmt, 1, D, I, seed + 2, dev).expert(0))
+
+
+@pytest.mark.parametrize("fmt, sfmt, T, act", [("mxfp4", "fp8e", 1, True), ("mxfp4", "fp8e", 3, True),
+                                               ("nvfp4", "fp8", 3, False), ("fp8e", "mxfp4", 1, False)])
+def test_shared_expert_runs_in_the_decode_kernels(monkeypatch, fmt, sfmt, T, act):
+    """The shared expert (its own format; full width, and half width as under expert parallel) is one
+    more expert of the two decode launches: the same as the reference's routed sum plus shared
+    output, with a ``-1`` slot and (T = 3) a token holding no routed expert, which gets the shared
+    output alone. Nothing runs the shared expert outside the kernels, and one token (the GEMV)
+    launches nothing else: the kernels round x and h themselves."""
+    monkeypatch.setattr(M, "_shared_expert", None)           # any call outside the kernels fails
+    if T == 1:
+        monkeypatch.setattr(moe_experts, "_quant_kernel", None)
+    E, k, D, I = 5, 3, 256, 128
+    w1, w3 = (_weights(fmt, E, I, D, s) for s in (1, 3))
+    w2 = _weights(fmt, E, D, I, 2)
+    x = (torch.randn(T, D, generator=_gen(4)) * 2).half().to(DEV)
+    ids, rw = _routing(T, k, E, 5)
+    exact = fmt in ("mxfp4", "fp8e") and sfmt in ("mxfp4", "fp8e")
+    for width in ((I, I // 2) if T == 1 else (I,)):
+        shared = _shared(sfmt, width, D, 11)
+        got = M.moe_triton(x, ids, rw, w1, w3, w2, 1.5, act, True, shared)
+        exp = ref.moe(x, ids, rw, w1, w3, w2, 1.5, act, True, shared)
+        _check(got, exp, 2e-3 if exact else (3e-3 if not act else 2e-2))
+        if exact:
+            assert (got == exp).float().mean() > 0.99
+
+
+def test_shared_expert_outside_the_decode_kernels(monkeypatch):
+    """Prefill (the grouped path): the shared expert runs through the ops and is added like the
+    reference adds it."""
+    monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 4)
+    T = 5
+    w1, w3 = (_weights("mxfp4", 4, 64, 128, s) for s in (1, 3))
+    w2 = _weights("mxfp4", 4, 128, 64, 2)
+    x = torch.randn(T, 128, generator=_gen(4)).half().to(DEV)
+    ids, rw = _routing(T, 2, 4, 5)
+    shared = _shared("fp8e", 64, 128, 11)
+    _check(M.moe_triton(x, ids, rw, w1, w3, w2, 1.5, True, True, shared),
+           ref.moe(x, ids, rw, w1, w3, w2, 1.5, True, True, shared), 2e-3)
+
+
 def test_37_tokens_chunk_an_expert_twice():
     """T = 37 over 4 experts: ~18 pairs per expert, so each expert is split into two chunks."""
     _run("mxfp4", 37, 2, 4, 128, 128, True)
@@ -370,7 +416,7 @@ def test_no_pairs_gives_zeros():
     assert torch.equal(got.cpu(), torch.zeros(3, 64, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("experts,T,prefill", [("mxfp4", 1, False), ("fp8", 5, False), ("nvfp4", 9, True)])
+@pytest.mark.parametrize("experts,T,prefill", [("mxfp4", 1, False), ("fp8", 3, False), ("nvfp4", 9, True)])
 def test_model_moe_layers_under_expert_parallel(monkeypatch, experts, T, prefill):
     """The model's MoE end to end under expert parallel: ``random_sharded`` builds the same network
     at world size 1 and as ranks 0 and 1 of 2 (4 of the 8 experts each, the shared expert split in
@@ -440,6 +486,7 @@ PRO = dict(E=384, D=7168, I=3072, k=6)
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8e"])
 @pytest.mark.parametrize("T", [1, 8, 32, 300, 2048])
 def test_gpu_real_shapes_bf16(geo, fmt, T):
+    """Real shapes, the shared expert (FP8, e8m0 scales, as released) beside the routed experts."""
     g = FLASH if geo == "flash" else PRO
     E = g["E"] if T == 1 else 64               # all experts once (offsets past 2^31), else a subset
     if fmt == "fp8e" and geo == "pro" and T != 1:
@@ -450,11 +497,12 @@ def test_gpu_real_shapes_bf16(geo, fmt, T):
     ids, rw = _routing(T, g["k"], E, 7)
     if T == 1:
         ids[0, 1] = E - 1                      # the last expert: 64-bit offsets
+    shared = _shared("fp8e", g["I"], g["D"], 21)
     for act in (True, False):
-        got = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, act)
-        exp = ref.moe(x, ids, rw, w1, w3, w2, 10.0, act)
+        got = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, act, True, shared)
+        exp = ref.moe(x, ids, rw, w1, w3, w2, 10.0, act, True, shared)
         _check(got, exp, 2e-2 if act else 1e-2)
-        again = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, act)
+        again = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, act, True, shared)
         assert torch.equal(got, again), "not deterministic"
 
 
@@ -462,22 +510,24 @@ def test_gpu_real_shapes_bf16(geo, fmt, T):
 @cuda_only
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8e"])
 @pytest.mark.parametrize("T", [1, 8])
-def test_gpu_cuda_graph_replay_equals_eager(fmt, T):
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_gpu_cuda_graph_replay_equals_eager(fmt, T, with_shared):
     g = FLASH
     E = 32
     w1, w3 = (_weights(fmt, E, g["I"], g["D"], s) for s in (1, 3))
     w2 = _weights(fmt, E, g["D"], g["I"], 2)
     x = (torch.randn(T, g["D"], device="cuda") * 2).bfloat16()
     ids, rw = _routing(T, g["k"], E, 9)
-    eager = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True)
+    shared = _shared("fp8e", g["I"], g["D"], 21) if with_shared else None
+    eager = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True, shared)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):                       # warm up (compile) off the capture
-        M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True)
+        M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True, shared)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True)
+        out = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True, shared)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
@@ -488,4 +538,4 @@ def test_gpu_cuda_graph_replay_equals_eager(fmt, T):
     x.copy_((torch.randn(T, g["D"], device="cuda") * 2).bfloat16())
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True))
+    assert torch.equal(out, M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True, shared))

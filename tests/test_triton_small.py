@@ -168,27 +168,33 @@ def _mixer(nc: int, D: int, n_mix: int, n_scale: int, seed: int):
 @pytest.mark.parametrize("dtype, lead, nc, D, iters", [
     (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (3,), 3, 33, 20),
     (torch.float16, (17,), 4, 24, 2)])       # 17 tokens: two token blocks (few iterations: interpreter time)
-def test_mhc_pre(dtype, lead, nc, D, iters):
+def test_mhc_pre_norm(dtype, lead, nc, D, iters):
+    """mHC pre and the block's RMSNorm in one kernel pair against the composition of the references."""
     h = _randn(*lead, nc, D, seed=20, dtype=dtype, scale=2.0)
     fn, base, scale = _mixer(nc, D, (2 + nc) * nc, 3, seed=21)
-    want = ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)
-    got = KERNELS["mhc_pre"](h, fn, base, scale, iters, 1e-6, 1e-6)
+    w = _randn(D, seed=19)
+    want = ref.rms_norm(ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)[0], w, 1e-5), \
+        *ref.mhc_pre(h, fn, base, scale, iters, 1e-6, 1e-6)[1:]
+    got = KERNELS["mhc_pre_norm"](h, fn, base, scale, iters, 1e-6, 1e-6, w, 1e-5)
     _close(got[0], want[0], steps=1.0 if dtype != torch.float32 else 16.0)
     _close(got[1], want[1], steps=16.0)
     _close(got[2], want[2], steps=64.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_hc_head(dtype):
+def test_hc_head_norm(dtype):
     nc, D = 4, 72
     h = _randn(3, 2, nc, D, seed=22, dtype=dtype, scale=2.0)
     fn, base, scale = _mixer(nc, D, nc, 1, seed=23)
-    want = ref.hc_head(h, fn, base, scale, 1e-6, 1e-6)
-    _close(KERNELS["hc_head"](h, fn, base, scale, 1e-6, 1e-6), want, steps=1.0 if dtype != torch.float32 else 16.0)
+    w = _randn(D, seed=24)
+
+    def want(x):
+        return ref.rms_norm(ref.hc_head(x, fn, base, scale, 1e-6, 1e-6), w, 1e-6)
+    steps = 1.0 if dtype != torch.float32 else 16.0
+    _close(KERNELS["hc_head_norm"](h, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(h), steps=steps)
     # a strided view, as the model's last-position logits pass it
     hs = h[:, -1:]
-    _close(KERNELS["hc_head"](hs, fn, base, scale, 1e-6, 1e-6), ref.hc_head(hs, fn, base, scale, 1e-6, 1e-6),
-           steps=1.0 if dtype != torch.float32 else 16.0)
+    _close(KERNELS["hc_head_norm"](hs, fn, base, scale, 1e-6, 1e-6, w, 1e-6), want(hs), steps=steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -454,6 +460,39 @@ def test_compressor_step_pair(dtype):
         _states_equal(a, b, exact=False)
 
 
+# ----------------------------------------------------------------------------- MoE router
+def _router_inputs(T: int, E: int, D: int, k: int, seed: int, device=DEV, dtype=torch.float32, big: bool = True):
+    """Activations, a gate weight (logits ~ N(0, 9)), a selection bias, a hash table and token ids."""
+    x = _randn(T, D, seed=seed, device="cpu")
+    weight = _randn(E, D, seed=seed + 3, scale=3.0 / D ** 0.5, device="cpu")
+    if big:     # softplus's linear branch (sigmoid would tie such logits at 1)
+        weight[0] = x[0] * (21.0 / x[0].square().sum())
+    tid2eid = torch.stack([torch.randperm(E, generator=_gen(seed + v))[:k] for v in range(40)]).int()
+    tokens = torch.randint(0, 40, (T,), generator=_gen(seed + 1))
+    bias = _randn(E, seed=seed + 2, scale=0.5, device="cpu")
+    return x.to(dtype).to(device), weight.to(dtype).to(device), bias.to(device), tid2eid.to(device), tokens.to(device)
+
+
+def _router_equal(got, want, steps: float = 8.0) -> None:
+    assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1]), (got[1], want[1])
+    _close(got[0], want[0], steps=steps)
+
+
+@pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("T, E, D, k, dtype", [(1, 16, 64, 2, torch.float32), (5, 24, 200, 6, torch.float16),
+                                               (3, 200, 96, 6, torch.float32), (11, 24, 64, 6, torch.float32)])
+def test_router(func, T, E, D, k, dtype):
+    """Gate projection + scores + top-k (with and without the selection bias) and the hash lookup: one
+    kernel for a few tokens (split over experts and K, the last program routes), the projection
+    then a kernel for more (11 tokens)."""
+    x, weight, bias, tid2eid, tokens = _router_inputs(T, E, D, k, seed=170, dtype=dtype, big=func == "sqrtsoftplus")
+    for kw in (dict(bias=bias), dict(), dict(tid2eid=tid2eid, token_ids=tokens)):
+        _router_equal(KERNELS["router"](x, weight, func, k, scale=1.5, **kw),
+                      ref.router(x, weight, func, k, scale=1.5, **kw))
+    if T <= small.small_router.GATE_MAX_TOKENS:
+        assert torch.equal(runtime.counters_if_allocated(x.device, "router")[:1].cpu(), torch.zeros(1, dtype=torch.int32))
+
+
 # ============================================================================= GPU: real shapes, bf16, graphs
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -481,15 +520,18 @@ def test_gpu_mhc(geo, batch):
     fn = _g(24, 4 * D, seed=101, scale=0.02, dtype=torch.float32)
     base = _g(24, seed=102, scale=0.5, dtype=torch.float32)
     scale = _g(3, seed=103, scale=0.5, dtype=torch.float32) + 1
-    want, got = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6), KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
-    _close(got[0], want[0], steps=1.0)
+    w = _g(D, seed=108, dtype=torch.float32)
+    want = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)
+    got = KERNELS["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-6)
+    _close(got[0], ref.rms_norm(want[0], w, 1e-6), steps=1.0)
     _close(got[1], want[1], steps=64.0)
     _close(got[2], want[2], steps=256.0)
     out = _g(batch, 1, D, seed=104)
     _close(KERNELS["mhc_post"](out, h, want[1], want[2]), ref.mhc_post(out, h, want[1], want[2]), steps=1.0)
     hf = _g(4, D * 4, seed=105, scale=0.02, dtype=torch.float32)
     hb, hs = _g(4, seed=106, dtype=torch.float32), _g(1, seed=107, dtype=torch.float32)
-    _close(KERNELS["hc_head"](h, hf, hb, hs, 1e-6, 1e-6), ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), steps=1.0)
+    _close(KERNELS["hc_head_norm"](h, hf, hb, hs, 1e-6, 1e-6, w, 1e-6),
+           ref.rms_norm(ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), w, 1e-6), steps=1.0)
 
 
 @pytest.mark.parametrize("geo", ["flash", "pro"])
@@ -651,6 +693,30 @@ def test_gpu_compressor_step_pair(batch):
     _states_equal(after[1], ic, exact=True)
 
 
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@gpu
+def test_gpu_router(geo, batch):
+    """The router kernel at V4's expert counts (top-6 of 256 / 384), also replayed in a CUDA graph."""
+    E = {"flash": 256, "pro": 384}[geo]
+    D = GEOMETRY[geo][0]
+    x, weight, bias, tid2eid, tokens = _router_inputs(batch, E, D, 6, seed=175, device=GDEV, dtype=GDT)
+    cases = (dict(bias=bias), dict(tid2eid=tid2eid, token_ids=tokens))
+    eager = [KERNELS["router"](x, weight, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
+    for got, kw in zip(eager, cases):
+        _router_equal(got, ref.router(x, weight, "sqrtsoftplus", 6, scale=1.5, **kw), steps=64.0)   # 4096 products
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [KERNELS["router"](x, weight, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
+    for got in outs:
+        for t in got:
+            t.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, eager):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @gpu
 def test_gpu_graph_replay_equals_eager():
     """A decode layer's small ops captured in one CUDA graph replay to exactly the eager results."""
@@ -670,12 +736,12 @@ def test_gpu_graph_replay_equals_eager():
     ape = _g(4, width, seed=161, dtype=torch.float32)
 
     def step():
-        y, post, comb = KERNELS["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6)
+        y, post, comb = KERNELS["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, kw[:1].expand(D).contiguous(), 1e-6)
         qq = KERNELS["rope_qnorm"](q, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6)
         _, k = KERNELS["q_kv_prepare"](q[:, :, 0], kw, 1e-6, kv, kw, 1e-6, cos, sin, ring, slots.unsqueeze(1),
                                        pos % 128)
         KERNELS["compressor_step"](ckv, cg, ape, st, slots, pos, kw, 1e-6, cos, sin, False)
-        return [KERNELS["mhc_post"](KERNELS["rms_norm"](y, kw[:1].expand(D).contiguous(), 1e-6), h, post, comb), qq, k]
+        return [KERNELS["mhc_post"](y, h, post, comb), qq, k]
 
     saved = [t.clone() for t in ring.tensors() + st.entries.tensors() + [st.win_kv, st.win_gate, st.prev_kv,
                                                                            st.prev_gate]]

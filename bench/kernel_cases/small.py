@@ -50,18 +50,19 @@ def _mhc_cases(k, ref, dev, tag, T, D) -> list[Case]:
         _rand(3, dtype=f32, dev=dev) + 1
     hf, hb, hs = _rand(NC, NC * D, dtype=f32, dev=dev, scale=0.02), _rand(NC, dtype=f32, dev=dev), \
         _rand(1, dtype=f32, dev=dev)
-    y, post, comb = ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)
+    nw = _rand(D, dtype=f32, dev=dev)
+    y, post, comb = ref.mhc_pre_norm(h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6)
     out = _rand(T, 1, D, dev=dev)
     h_bytes, mix_bytes = T * NC * D * 2, T * (NC + NC * NC) * 4
     return [
-        Case("small", f"mhc_pre {tag}", lambda: k["mhc_pre"](h, fn, base, scale, 20, 1e-6, 1e-6),
-             bytes=h_bytes + fn.numel() * 4 + T * D * 2 + mix_bytes, peer=PEER,
-             peer_fn=lambda: ref.mhc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)),
+        Case("small", f"mhc_pre_norm {tag}", lambda: k["mhc_pre_norm"](h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6),
+             bytes=h_bytes + fn.numel() * 4 + D * 4 + T * D * 2 + mix_bytes, peer=PEER,
+             peer_fn=lambda: ref.mhc_pre_norm(h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6)),
         Case("small", f"mhc_post {tag}", lambda: k["mhc_post"](out, h, post, comb),
              bytes=T * D * 2 + 2 * h_bytes + mix_bytes, peer=PEER, peer_fn=lambda: ref.mhc_post(out, h, post, comb)),
-        Case("small", f"hc_head {tag}", lambda: k["hc_head"](h, hf, hb, hs, 1e-6, 1e-6),
-             bytes=h_bytes + hf.numel() * 4 + T * D * 2, peer=PEER,
-             peer_fn=lambda: ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6)),
+        Case("small", f"hc_head_norm {tag}", lambda: k["hc_head_norm"](h, hf, hb, hs, 1e-6, 1e-6, nw, 1e-6),
+             bytes=h_bytes + hf.numel() * 4 + D * 4 + T * D * 2, peer=PEER,
+             peer_fn=lambda: ref.hc_head_norm(h, hf, hb, hs, 1e-6, 1e-6, nw, 1e-6)),
     ]
 
 

@@ -11,7 +11,10 @@ Only the sampled ids of a step cross to the host. On a GPU the copy is started a
 is launched, and the host prepares the next step's plan while the device still runs this one: the
 plan only needs what the host already knows (a request at ``max_tokens`` is not scheduled again).
 A request that stops on a token or a stop string is seen one step late; the one extra token it was
-given is dropped.
+given is dropped. A constrained request's next mask needs its previous token: a step with one
+launches its forward first, then collects the previous step and stages the masks while the device
+runs that forward, then launches its sampler, so constrained decoding keeps the overlap too.
+``overlap`` (on for CUDA) may be set on the CPU to run this schedule in tests.
 
 A failure inside one request's output handling (say its detokenizer raises) ends that request
 alone with reason ``error``; the others keep going.
@@ -184,6 +187,7 @@ class Engine:
         # (with speculation only while no request verifies: see _may_verify)
         self.overlap = runner.device.type == "cuda"
         self._pinned = _PinnedPool()
+        self._collected: list[RequestOutput] = []       # outputs of steps collected inside a step's launch
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
 
     # ------------------------------------------------------------------ sizes (read-only)
@@ -278,6 +282,7 @@ class Engine:
             if rid not in ended:
                 ended.append(rid)
         self._inflight.clear()
+        self._collected.clear()
         return ended
 
     def stats(self) -> EngineStats:
@@ -294,10 +299,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan, launch and collect one step; returns the outputs that changed."""
         outputs: list[RequestOutput] = []
-        if self._inflight and (any(t.constraint is not None and t.pending for t in self.tracks.values())
-                               or self._may_verify()):
-            # a constrained row's next mask needs the token still in flight: collect it first (the
-            # steps with a constrained row give up overlapping the host with the device)
+        if self._inflight and self._may_verify():
+            # n-gram drafts and verify rows need the host to know every token: collect first (a
+            # constrained row does not: its masks are staged between this step's forward and sampler)
             for tracks, sampled, event, emitted in self._inflight:
                 outputs += self._collect(tracks, sampled, event, emitted)
             self._inflight = []
@@ -305,6 +309,8 @@ class Engine:
         for req in plan.finished:                      # aborted since the last step
             outputs.append(self._end(self.tracks[req.request_id], "abort"))
         launched = self._launch(plan)
+        outputs += self._collected                     # collected while this step's forward ran
+        self._collected = []
         # with overlap, collect the previous step while this one runs on the device
         ready = self._inflight[:-1] if (self.overlap and launched) else self._inflight
         keep = self._inflight[len(ready):]
@@ -323,7 +329,9 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> bool:
         """Run the plan as one runner step (decode rows first, then prompt chunks in arrival order);
-        queue the sampled ids of the decode rows and of the prompts that completed."""
+        queue the sampled ids of the decode rows and of the prompts that completed. A step with a
+        constrained row collects the steps in flight and stages the grammar masks while the device
+        runs its forward (:meth:`_stage_masks`)."""
         rows, tracks, chunks, saves, published = [], [], {}, [], []
         cache = self.prefix_cache
         spec = self.speculative
@@ -366,12 +374,15 @@ class Engine:
                 tracks.append(self.tracks[req.request_id])
         if not rows:
             return False
-        if any(t.constraint is not None for t in tracks):
+        before_sample = None
+        # the sampler applies masks when a row's params are constrained (SampleFlags.grammar), even
+        # one without a Constraint (a thinking budget without thinking): every row gets a fresh one
+        if any(t.request.params.constrained for t in tracks):
             sampled_slots = [r.slot for r in rows if r.sample]
-            self.runner.sampling.bitmask.stage([(s, t.constraint) for s, t in zip(sampled_slots, tracks)])
+            before_sample = lambda: self._stage_masks(sampled_slots, tracks)   # noqa: E731
         batch = ScheduledBatch(tuple(rows), tuple(saves))
         try:
-            out = self.runner.run(batch)
+            out = self.runner.run(batch) if before_sample is None else self.runner.run(batch, before_sample)
         except BaseException:
             for _, _, blocks, tail in published:      # planned saves that never ran
                 cache.release(list(blocks) + list(tail))
@@ -402,6 +413,17 @@ class Engine:
                 track.acceptance.stale = True
         self._queue(tracks, out.sampled, out.emitted)
         return True
+
+    def _stage_masks(self, slots: list[int], tracks: list[_Track]) -> None:
+        """Between a step's forward and its sampler: collect the steps still in flight (a mask needs
+        its request's previous token; the device meanwhile runs this step's forward), then write
+        and upload each sampled row's mask. A request that ended on a collected token gets an
+        all-allowed row: its token in this step is dropped."""
+        for tracks_, sampled, event, emitted in self._inflight:
+            self._collected += self._collect(tracks_, sampled, event, emitted)
+        self._inflight = []
+        self.runner.sampling.bitmask.stage(
+            [(s, None if t.request.finished else t.constraint) for s, t in zip(slots, tracks)])
 
     def _policy_off(self, plan: StepPlan) -> dict[str, bool]:
         """Which decode rows the speculation policy keeps plain this step, by request id: all of

@@ -111,9 +111,11 @@ class ParallelRunner:
             self.broken = True
             raise
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        """One engine step on every rank (one message: the whole batch)."""
-        return self._call(("run", batch), lambda: self.runner.run(batch))
+    def run(self, batch: ScheduledBatch, before_sample: Callable[[], None] | None = None) -> StepOutput:
+        """One engine step on every rank (one message: the whole batch). ``before_sample`` runs here
+        only: every rank splits the step the same way (by the batch's sampling flags), and rank 0's
+        sampled ids are the ones every rank feeds next."""
+        return self._call(("run", batch), lambda: self.runner.run(batch, before_sample))
 
     def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
                 max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:

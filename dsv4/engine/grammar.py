@@ -8,8 +8,10 @@ allowed-token bitmask into :class:`TokenBitmask`'s host buffer (one row per slot
 rows to the device buffer the sampler gathers by slot index, inside the captured decode graph (a
 static input, so constrained and free rows share one graph). Free rows in such a batch read all-ones
 rows; a batch with no constrained row runs the graph without the mask, so free requests pay nothing.
-A row's mask needs its previous token, so a step with a constrained row first collects the step in
-flight (on a GPU the engine otherwise plans the next step while the device runs the last one).
+A row's mask needs its previous token, which on a GPU is still in flight when the next step is
+planned: a step with a constrained row launches its forward (which needs no mask), then the engine
+collects the previous step, advances the grammars and stages the masks while the device runs that
+forward, and only then launches the sampler (:meth:`dsv4.engine.runner.Runner.run`'s ``before_sample``).
 
 Each accepted token advances the constraint (:meth:`Constraint.accept`, which takes several tokens
 so a speculative verify step can feed all the tokens it accepted). With thinking on (the prompt ends
@@ -229,15 +231,16 @@ def _bitmask(ids, words: int) -> torch.Tensor:
 class TokenClasses:
     """Bitmasks ``[ceil(V/32)]`` int32 over the vocabulary: ``text`` (every token but the special
     ones, plus ``</think>``: what a constrained request's reasoning may use, so that it can neither
-    end with EOS nor write stray markup) and the closing ``tiers`` (:data:`CLOSING_TIERS`)."""
+    end with EOS nor write stray markup) and the closing ``tiers`` ``[len(CLOSING_TIERS), ceil(V/32)]``
+    (:data:`CLOSING_TIERS`, in order)."""
 
     def __init__(self, tokenizer, vocab_size: int, think_end: int | None):
         words = (vocab_size + 31) // 32
         specials = {t for t, a in tokenizer.hf.get_added_tokens_decoder().items() if a.special}
         texts = {t: tokenizer.decode([t]) for t in range(tokenizer.vocab_size) if t not in specials}
         self.text = _bitmask([t for t in texts] + ([think_end] if think_end is not None else []), words)
-        self.tiers = [_bitmask([t for t, x in texts.items() if x and all(c in chars for c in x)], words)
-                      for chars in CLOSING_TIERS]
+        self.tiers = torch.stack([_bitmask([t for t, x in texts.items() if x and all(c in chars for c in x)], words)
+                                  for chars in CLOSING_TIERS])                  # [tiers, words]
 
 
 class Constraint:
@@ -333,11 +336,10 @@ class TokenBitmask:
             # measured 10x slower for 32 rows: its hand-off costs more than the masks)
             c.matcher.unsafe_compute_mask_ptr(host[slot].data_ptr(), row_bytes)
             if c.closing:           # keep the best closing tokens the grammar allows, if it allows any
-                for tier in c.classes.tiers:
-                    kept = host[slot] & tier
-                    if bool(kept.any()):
-                        host[slot] = kept
-                        break
+                kept = host[slot] & c.classes.tiers                             # every tier at once
+                some = kept.any(1).nonzero()
+                if len(some):
+                    host[slot] = kept[some[0, 0]]
         slots = [s for s, _ in rows]
         # the sampled slots' rows, staged through page-locked memory: the host never waits
         self.bits.index_copy_(0, upload_ints(slots, self.device),

@@ -12,6 +12,10 @@ from there, so sampled ids never travel device -> host -> device), and the per-s
   batch of slots at their own positions. With CUDA graphs on (:meth:`capture`), it is one graph
   replay per batch bucket (1, 2, 4, ...): the batch is padded with the scratch slot, whose state
   nobody reads.
+- A step with a constrained row (``SampleFlags.grammar``) runs its forward and its sampler apart
+  (two graphs per bucket: the forward, shared by every flag set, and the sampler), and calls the
+  caller's ``before_sample`` in between: the engine learns the previous step's tokens and stages
+  the grammar masks on the host while the device runs this step's forward, which needs no mask.
 - Speculative decoding (``speculative``, :mod:`dsv4.engine.speculative`): a verify row feeds a
   slot's last token plus ``k`` drafts (from the host, or the MTP block's in ``drafts``); verify rows
   of one length form one group of the varlen forward, then acceptance and the rollback of every
@@ -26,18 +30,18 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from .. import ops
 from ..errors import ContextOverflowError
 from ..model.cache import block_size
 from ..model.transformer import Transformer
 from ..parallel import SINGLE
 from .batch import Row, ScheduledBatch, StepOutput
+from .graphs import SlotUpload, StepGraph, batch_buckets, record
 from .h2d import upload_ints, upload_parts
 from .prefix_store import PrefixStore
 from .sampling import SampleFlags, SampleOutput, SamplingParams, SlotSampling
@@ -45,45 +49,6 @@ from .speculative import SpeculativeConfig, mtp_drafts
 from .speculative import rollback as spec_rollback
 from .speculative import verify as verify_tokens
 from .state import GenerationState
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Decode batch sizes that get a CUDA graph: powers of two up to ``max_batch``, and it."""
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_batch]
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    slots: torch.Tensor          # static input [bucket]
-    out: SampleOutput            # static outputs
-    loaded: tuple[int, ...] = ()  # the slot list ``slots`` holds now (host copy)
-    drafts: torch.Tensor | None = None   # verify graphs with host drafts: static input [bucket, k]
-    kept: torch.Tensor | None = None     # verify graphs: static output, tokens kept per row [bucket]
-
-
-class _SlotUpload:
-    """Host -> device copies of a graph's slot list without stalling the host: two page-locked
-    buffers used in turn, each reused only once its previous copy has completed."""
-
-    def __init__(self, size: int):
-        self.bufs = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self.done: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
-
-    def __call__(self, dst: torch.Tensor, values: Sequence[int]) -> None:
-        i, self.turn = self.turn, 1 - self.turn
-        if self.done[i] is not None:
-            self.done[i].synchronize()
-        buf = self.bufs[i]
-        buf.copy_(torch.tensor(values, dtype=torch.int64))
-        dst.copy_(buf, non_blocking=True)
-        self.done[i] = torch.cuda.Event()
-        self.done[i].record()
 
 
 class Runner:
@@ -116,15 +81,18 @@ class Runner:
         self.lengths = [0] * max_num_seqs             # host mirror of state.positions
         self.tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.sampling = SlotSampling(max_num_seqs + 1, model.config.vocab_size, self.device)
-        self.graphs: dict[tuple[int, SampleFlags], _Graph] = {}
+        self.graphs: dict[tuple[int, SampleFlags], StepGraph] = {}
+        #: steps with a constrained row: the forward by bucket, the sampler by (bucket, flags)
+        self.forward_graphs: dict[int, StepGraph] = {}
+        self.sampler_graphs: dict[tuple[int, SampleFlags], StepGraph] = {}
         #: speculative verify steps captured like decode steps: (bucket, flags, host drafts?) -> graph
-        self.verify_graphs: dict[tuple[int, SampleFlags, bool], _Graph] = {}
+        self.verify_graphs: dict[tuple[int, SampleFlags, bool], StepGraph] = {}
         #: eager steps read compressed entries up to the batch's longest context; a graph reads up
         #: to ``max_model_len`` (its shapes are fixed). True makes eager steps do the same, so eager
         #: and replay compute bit-identical steps (tests).
         self.full_bound = False
         self.graph_pool = None
-        self._uploads: dict[int, _SlotUpload] = {}
+        self._uploads: dict[int, SlotUpload] = {}
         self.capture_seconds = 0.0
         self.graph_pool_bytes = 0
         #: the prefix cache's pages (``prefix_cache_bytes`` of them; None: caching off)
@@ -141,7 +109,7 @@ class Runner:
 
     @property
     def use_graphs(self) -> bool:
-        return bool(self.graphs)
+        return bool(self.graphs or self.forward_graphs)
 
     @staticmethod
     def _verify_only(rows: Sequence[Row]) -> bool:
@@ -178,9 +146,11 @@ class Runner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
+    def run(self, batch: ScheduledBatch, before_sample: Callable[[], None] | None = None) -> StepOutput:
         """Run one engine step: every row's new tokens in one forward, then the sampler on the rows
-        with ``sample`` (their ids stay on the device as the slots' next inputs).
+        with ``sample`` (their ids stay on the device as the slots' next inputs). ``before_sample``
+        is called once, after the forward is launched and before the sampler is (the engine stages
+        grammar masks there); a step without a constrained row calls it first.
 
         A step of sampled decode rows only is :meth:`decode_step` (one graph replay when graphs are
         captured). Any other step is one varlen forward (:meth:`Transformer.forward_varlen`): the
@@ -217,11 +187,13 @@ class Runner:
                 if r.new.cached is not None:
                     self._restore(r.slot, r.new.cached)
         if batch.decode_only:
-            out = StepOutput(self.decode_step(slots), {})
+            out = StepOutput(self.decode_step(slots, before_sample), {})
         elif self.verify_graphs and self._verify_only(rows):
+            if before_sample is not None:
+                before_sample()
             out = self._verify_replay(rows)
         else:
-            out = self._run_varlen(rows)
+            out = self._run_varlen(rows, before_sample)
         for sv in batch.saves:
             self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
         return out
@@ -233,7 +205,7 @@ class Runner:
         self.lengths[slot] = cached.length
         self.state.positions[slot].fill_(cached.length)
 
-    def _run_varlen(self, rows: Sequence[Row]) -> StepOutput:
+    def _run_varlen(self, rows: Sequence[Row], before_sample: Callable[[], None] | None = None) -> StepOutput:
         singles = [r for r in rows if r.num_tokens == 1]
         verify: dict[int, list[Row]] = {}                                  # verify rows by length
         for r in rows:
@@ -292,6 +264,8 @@ class Runner:
         res = self.model.forward_varlen(ids, groups, self.state.layers, rows_t, self.qat_sim, streams=mtp)
         logits, h, ctx = res if mtp else (res, None, None)
         self.state.positions.index_copy_(0, slot_t, end_t)
+        if before_sample is not None:
+            before_sample()
         out = None
         if N:
             out = self._agree(self.sampling.sample(logits[:N], sample_t, self.sampling.flags(sample_slots)))
@@ -400,26 +374,49 @@ class Runner:
             self._reserve(s, 1)
 
     @torch.inference_mode()
-    def decode_step(self, slots: Sequence[int]) -> SampleOutput:
+    def decode_step(self, slots: Sequence[int], before_sample: Callable[[], None] | None = None) -> SampleOutput:
         """One decode step for ``slots``: each feeds its last sampled token, the sampler picks the
         next one (left on the device as the next input). Returns the sampled ids (and logprobs),
         device tensors ``[len(slots)]``; with graphs they are views of the graph's static outputs,
-        valid until the next step."""
+        valid until the next step.
+
+        With a constrained row the forward and the sampler are launched apart and ``before_sample``
+        runs in between (it may stage grammar masks: the sampler reads them); otherwise the whole
+        step is one launch (one graph) and ``before_sample`` runs first."""
         self._check_batch(slots)
         flags = self.sampling.flags(slots)
         n = len(slots)
+        split = flags.grammar
+        if before_sample is not None and not split:
+            before_sample()
         bucket = next((b for b in self._buckets() if b >= n), None) if self.use_graphs else None
         if bucket is None:
             idx = upload_ints(slots, self.device)
             bound = self.max_model_len if self.full_bound else max(self.lengths[s] for s in slots) + 1
-            out = self._step(idx, flags, bound)
+            if split:
+                logits = self._forward(idx, bound)
+                if before_sample is not None:
+                    before_sample()
+                out = self._sample(idx, logits, flags)
+            else:
+                out = self._step(idx, flags, bound)
         else:
-            graph = self.graphs.get((bucket, flags)) or self._capture_one(bucket, flags)
             padded = tuple(slots) + (self.scratch,) * (bucket - n)
+            if split:
+                # both graphs exist before any slot is loaded (a capture runs on the scratch slot)
+                sampler = self.sampler_graphs.get((bucket, flags)) or self._capture_sampler(bucket, flags)
+                graph = self.forward_graphs[bucket]
+            else:
+                graph = self.graphs.get((bucket, flags)) or self._capture_one(bucket, flags)
             if padded != graph.loaded:        # steady decoding keeps the same slots: no copy at all
-                self._uploads.setdefault(bucket, _SlotUpload(bucket))(graph.slots, padded)
+                self._uploads.setdefault(bucket, SlotUpload(bucket))(graph.slots, padded)
                 graph.loaded = padded
             graph.graph.replay()
+            if split:
+                if before_sample is not None:
+                    before_sample()
+                sampler.graph.replay()
+                graph = sampler
             out = SampleOutput(graph.out.token_ids[:n],
                                None if graph.out.logprobs is None else graph.out.logprobs[:n],
                                None if graph.out.top_logprobs is None else
@@ -431,14 +428,23 @@ class Runner:
     def _step(self, idx: torch.Tensor, flags: SampleFlags, bound: int) -> SampleOutput:
         """The decode step as device work only (what a graph captures): inputs from ``tokens``,
         the forward, the sampler, the outputs back into ``tokens`` and ``positions``."""
+        return self._sample(idx, self._forward(idx, bound), flags)
+
+    def _forward(self, idx: torch.Tensor, bound: int) -> torch.Tensor:
+        """The decode step's forward (device work only): the last-token logits ``[B, vocab]``; the
+        slots' positions move on by one."""
         positions = self.state.positions
         start = positions[idx]
         logits, _ = self.model(self.tokens[idx].view(-1, 1), idx, start, self.state.layers, self.qat_sim,
                                context_bound=bound)
-        out = self._agree(self.sampling.sample(logits[:, 0], idx, flags))
-        self.tokens[idx] = out.token_ids
         positions[idx] = start + 1
         positions.narrow(0, self.scratch, 1).zero_()     # padding rows never move the scratch slot along (no host scalar: capturable)
+        return logits[:, 0]
+
+    def _sample(self, idx: torch.Tensor, logits: torch.Tensor, flags: SampleFlags) -> SampleOutput:
+        """The decode step's sampler (device work only): the next ids, also into ``tokens``."""
+        out = self._agree(self.sampling.sample(logits, idx, flags))
+        self.tokens[idx] = out.token_ids
         return out
 
     def warm_up(self, progress: bool = True) -> float:
@@ -449,7 +455,12 @@ class Runner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _buckets(self) -> list[int]:
-        return sorted({b for b, _ in self.graphs})
+        return sorted({b for b, _ in self.graphs} | set(self.forward_graphs))
+
+    def _record(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        return record(fn, self.graph_pool, self.device)
 
     # ------------------------------------------------------------------ verify steps (speculative)
     def _verify_step(self, idx: torch.Tensor, drafts: torch.Tensor | None, flags: SampleFlags, bound: int
@@ -518,28 +529,19 @@ class Runner:
                 self._capture_verify(b, f, host)
 
     @torch.inference_mode()
-    def _capture_verify(self, bucket: int, flags: SampleFlags, host: bool) -> _Graph:
-        if self.graph_pool is None:
-            self.graph_pool = torch.cuda.graph_pool_handle()
+    def _capture_verify(self, bucket: int, flags: SampleFlags, host: bool) -> StepGraph:
         idx = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
         drafts = torch.zeros(bucket, self.speculative.k, dtype=torch.int64, device=self.device) if host else None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), ops.sync_free():
-            for _ in range(2):
-                self._verify_step(idx, drafts, flags, self.max_model_len)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with ops.sync_free(), torch.cuda.graph(graph, pool=self.graph_pool):
-            out, kept = self._verify_step(idx, drafts, flags, self.max_model_len)
-        entry = _Graph(graph, idx, out, (self.scratch,) * bucket, drafts, kept)
+        graph, (out, kept) = self._record(lambda: self._verify_step(idx, drafts, flags, self.max_model_len))
+        entry = StepGraph(graph, idx, out, (self.scratch,) * bucket, drafts, kept)
         self.verify_graphs[(bucket, flags, host)] = entry
         return entry
 
     def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
                 max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:
         """Capture one decode-step graph per batch bucket (up to ``max_batch``, default all slots;
-        or exactly ``buckets``) and flag set, largest first (smaller ones reuse its memory pool).
+        or exactly ``buckets``) and flag set, largest first (smaller ones reuse its memory pool); a
+        flag set with ``grammar`` gets the bucket's forward graph and its own sampler graph instead.
         Prints the time taken and the pool's size."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
@@ -550,31 +552,42 @@ class Runner:
         before = torch.cuda.memory_reserved(self.device)
         todo = [(b, f) for b in sorted(buckets, reverse=True) for f in flag_sets]
         for b, f in tqdm(todo, desc="capturing CUDA graphs", disable=not progress, file=sys.stderr):
-            self._capture_one(b, f)
+            if f.grammar and (b, f) not in self.sampler_graphs:
+                self._capture_sampler(b, f)
+            elif not f.grammar and (b, f) not in self.graphs:
+                self._capture_one(b, f)
         self.capture_seconds += time.perf_counter() - t0
         self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
         if progress:
-            print(f"captured {len(self.graphs)} decode graphs (batch {', '.join(map(str, buckets))}) in "
+            n = len(self.graphs) + len(self.forward_graphs) + len(self.sampler_graphs)
+            print(f"captured {n} decode graphs (batch {', '.join(map(str, buckets))}) in "
                   f"{self.capture_seconds:.1f} s; graph memory pool {self.graph_pool_bytes / 2**20:.0f} MiB",
                   file=sys.stderr)
 
     @torch.inference_mode()
-    def _capture_one(self, bucket: int, flags: SampleFlags) -> _Graph:
+    def _capture_one(self, bucket: int, flags: SampleFlags) -> StepGraph:
         """Warm up then capture the decode step for ``bucket`` rows (all on the scratch slot while
         capturing: no live slot's state moves)."""
-        if self.graph_pool is None:
-            self.graph_pool = torch.cuda.graph_pool_handle()
         idx = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
-        bound = self.max_model_len
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), ops.sync_free():
-            for _ in range(2):
-                self._step(idx, flags, bound)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with ops.sync_free(), torch.cuda.graph(graph, pool=self.graph_pool):
-            out = self._step(idx, flags, bound)
-        entry = _Graph(graph, idx, out, (self.scratch,) * bucket)
+        graph, out = self._record(lambda: self._step(idx, flags, self.max_model_len))
+        entry = StepGraph(graph, idx, out, (self.scratch,) * bucket)
         self.graphs[(bucket, flags)] = entry
+        return entry
+
+    @torch.inference_mode()
+    def _capture_sampler(self, bucket: int, flags: SampleFlags) -> StepGraph:
+        """Capture the sampler of a step with a constrained row for ``bucket`` rows, after the
+        bucket's forward graph (captured first if missing) whose slots and logits it reads; both on
+        the scratch slot, so no live slot's state moves."""
+        scratch = (self.scratch,) * bucket
+        fwd = self.forward_graphs.get(bucket)
+        if fwd is None:
+            idx = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
+            graph, logits = self._record(lambda: self._forward(idx, self.max_model_len))
+            fwd = self.forward_graphs[bucket] = StepGraph(graph, idx, None, scratch, logits=logits)
+        if fwd.loaded != scratch:              # its slots hold the last batch's: capture on the scratch slot
+            fwd.slots.fill_(self.scratch)
+            fwd.loaded = scratch
+        graph, out = self._record(lambda: self._sample(fwd.slots, fwd.logits, flags))
+        entry = self.sampler_graphs[(bucket, flags)] = StepGraph(graph, fwd.slots, out, scratch)
         return entry

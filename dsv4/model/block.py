@@ -37,8 +37,9 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
         """``h [B, S, nc, D]`` -> ``[B, S, nc, D]``."""
         # h [B, S, nc, D] --pre--> y [B, S, D] --norm, attention--> out --post--> h [B, S, nc, D]
-        y, post, comb = self.hc_attn.pre(h)
-        h = self.hc_attn.post(self.attn(self.attn_norm(y), ctx, cache), h, post, comb)
+        # (pre and the norm are one op: the norm reads the collapsed row where pre wrote it)
+        x, post, comb = self.hc_attn.pre(h, self.attn_norm)
+        h = self.hc_attn.post(self.attn(x, ctx, cache), h, post, comb)
         # the same around the MoE, with its own mixer (mHC diagram: dsv4.model.mhc)
-        y, post, comb = self.hc_ffn.pre(h)
-        return self.hc_ffn.post(self.ffn(self.ffn_norm(y), ctx), h, post, comb)
+        x, post, comb = self.hc_ffn.pre(h, self.ffn_norm)
+        return self.hc_ffn.post(self.ffn(x, ctx), h, post, comb)

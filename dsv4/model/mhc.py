@@ -4,8 +4,9 @@ DSV4_FACTS section 2, "mHC pre/post" and "Head"; the paper's mHC (eqs. for ``H_p
 ``H_res`` with Sinkhorn-projected ``H_res``). The residual is ``nc = hc_mult`` (4) copies of the
 hidden state. Each block has two :class:`HyperConnection` (``hc_attn`` around attention, ``hc_ffn``
 around the MoE); the model and each MTP block end in a :class:`HyperHead` that collapses the
-streams. The math lives in :func:`dsv4.ops.mhc_pre` / :func:`dsv4.ops.mhc_post` /
-:func:`dsv4.ops.hc_head`; these modules own the parameters (checkpoint names ``hc_attn_fn``,
+streams. The math lives in :func:`dsv4.ops.fused.mhc_pre_norm` / :func:`dsv4.ops.mhc_post` /
+:func:`dsv4.ops.fused.hc_head_norm` (each collapse fused with the RMSNorm that follows it: the block's
+``attn_norm`` / ``ffn_norm``, the model's final ``norm``); these modules own the parameters (checkpoint names ``hc_attn_fn``,
 ``hc_attn_base``, ``hc_attn_scale``, mapped in :mod:`dsv4.weights.names`).
 """
 
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import fused
 from ..config import ModelConfig
-from .common import fp32_param
+from .common import RMSNorm, fp32_param
 
 
 # One block, the four streams h[0..3] of one token (nc = hc_mult = 4):
@@ -49,9 +51,11 @@ class HyperConnection(nn.Module):
         self.scale = fp32_param(3)
         self.iters, self.norm_eps, self.hc_eps = config.hc_sinkhorn_iters, config.rms_norm_eps, config.hc_eps
 
-    def pre(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``h [B, S, nc, D]`` -> block input ``[B, S, D]``, ``post [B, S, nc]``, ``comb [B, S, nc, nc]``."""
-        return ops.mhc_pre(h, self.fn, self.base, self.scale, self.iters, self.norm_eps, self.hc_eps)
+    def pre(self, h: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``h [B, S, nc, D]`` -> block input ``norm(y)`` ``[B, S, D]`` (``y`` the collapsed streams, ``norm``
+        the block's ``attn_norm`` / ``ffn_norm``), ``post [B, S, nc]``, ``comb [B, S, nc, nc]``."""
+        return fused.mhc_pre_norm(h, self.fn, self.base, self.scale, self.iters, self.norm_eps, self.hc_eps,
+                                      norm.weight, norm.eps)
 
     @staticmethod
     def post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -71,5 +75,7 @@ class HyperHead(nn.Module):
         self.scale = fp32_param(1)
         self.norm_eps, self.hc_eps = config.rms_norm_eps, config.hc_eps
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return ops.hc_head(h, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps)
+    def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``h [..., nc, D]`` -> ``norm(collapse(h))`` ``[..., D]`` (``norm``: the final RMSNorm)."""
+        return fused.hc_head_norm(h, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, norm.weight,
+                                      norm.eps)

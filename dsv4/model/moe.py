@@ -23,7 +23,8 @@ from .common import ForwardContext, Linear, fp32_param
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert: ``w1`` (gate) and ``w3`` (up) ``[I, D]``, ``w2`` (down) ``[D, I]``."""
+    """The shared expert's weights: ``w1`` (gate) and ``w3`` (up) ``[I, D]``, ``w2`` (down) ``[D, I]``.
+    It runs inside :func:`dsv4.ops.moe` with the routed experts (one pair of launches for all)."""
 
     def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype):
         super().__init__()
@@ -32,12 +33,9 @@ class Expert(nn.Module):
         self.w2 = Linear(inter, hidden, dtype)
         self.w3 = Linear(hidden, inter, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, D]`` -> ``[T, D]``: fp32 accumulation, SwiGLU in fp32, output in ``x.dtype``."""
-        g = self.w1(x, torch.float32)
-        u = self.w3(x, torch.float32)
-        h = ops.swiglu(g, u, self.limit).to(x.dtype)   # w2's input in the activation dtype, as DeepSeek's code
-        return self.w2(h, torch.float32).to(x.dtype)
+    def weights(self) -> tuple[object, object, object]:
+        """``(w1, w3, w2)`` as the ops consume them."""
+        return self.w1.w, self.w3.w, self.w2.w
 
 
 class RoutedExperts(nn.Module):
@@ -50,14 +48,18 @@ class RoutedExperts(nn.Module):
         self.w3 = Linear(hidden, inter, dtype, experts=n_experts)
         self.limit = limit
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                shared: Expert | None = None) -> torch.Tensor:
         """``x [T, D]``, local expert ids ``[T, k]`` (``-1``: none), routing weights ``[T, k]`` ->
-        ``[T, D]``, by the op registered for ``(moe, x.device, expert format)``."""
+        ``[T, D]`` (plus the ``shared`` expert's output), by the op registered for ``(moe, x.device,
+        routed expert format)``."""
         # One op for the three projections: the kernels read only the picked experts' slices, and
         # the routing weight multiplies silu(g) * u before w2's input is rounded (DSV4_FACTS 2b).
-        # The mode (QAT rounding, scale format) is the projections' own, the same for w1, w2, w3.
+        # The mode (QAT rounding, scale format) is the projections' own, the same for w1, w2, w3 (and
+        # the shared expert's: set_qat_sim sets every expert projection alike).
         w1 = self.w1
-        return ops.moe(x, ids, weights, w1.w, self.w3.w, self.w2.w, self.limit, w1.act_quant, w1.pow2)
+        return ops.moe(x, ids, weights, w1.w, self.w3.w, self.w2.w, self.limit, w1.act_quant, w1.pow2,
+                       shared.weights() if shared is not None else None)
 
 
 class Gate(Linear):
@@ -75,12 +77,13 @@ class Gate(Linear):
 
     def route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, D]``, ``token_ids [T]`` -> ``(weights [T, k] fp32, expert ids [T, k] int64)``."""
-        # the router is the precision floor: a plain weight, fp32 logits, never QAT-rounded input
-        scores = ops.router_scores(self(x, torch.float32), self.func)
+        # the router is the precision floor: a plain weight, fp32 logits, never QAT-rounded input;
+        # projection, scores, selection and weights are one op (one kernel when decoding on the GPU)
         # hash layers (the first ones) route by token id through a fixed table; the scores still weigh
         if self.is_hash:
-            return ops.route(scores, self.topk, fixed_ids=self.tid2eid[token_ids], scale=self.route_scale)
-        return ops.route(scores, self.topk, bias=self.bias, scale=self.route_scale)
+            return ops.router(x, self.w, self.func, self.topk, tid2eid=self.tid2eid, token_ids=token_ids,
+                              scale=self.route_scale)
+        return ops.router(x, self.w, self.func, self.topk, bias=self.bias, scale=self.route_scale)
 
 
 class MoE(nn.Module):
@@ -126,9 +129,8 @@ class MoE(nn.Module):
         # all-reduce adds the ranks' partial sums (each pick counted on exactly one rank).
         flat = x.flatten(0, 1)
         weights, ids = self.gate.route(flat, ctx.token_ids.flatten())
-        out = self.experts(flat, self.local_ids(ids), weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+        # the shared expert runs in the same op (on the GPU: in the routed experts' two launches)
+        out = self.experts(flat, self.local_ids(ids), weights, self.shared_experts)
         return self.tp.all_reduce_sum(out).view_as(x)
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:

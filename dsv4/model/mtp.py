@@ -42,6 +42,6 @@ class MTPBlock(Block):
         x = self.h_proj(self.hnorm(h)) + e.unsqueeze(2)
         x = super().forward(x, ctx, cache)
         y = x if rows is None else x.flatten(0, 1).index_select(0, rows).unsqueeze(0)
-        y = self.norm(self.hc_head(y))
+        y = self.hc_head(y, self.norm)
         logits = head_weight(y) if callable(head_weight) else ops.linear(y, head_weight, out_dtype=torch.float32)
         return (logits if rows is None else logits[0]), x

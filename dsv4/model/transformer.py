@@ -103,9 +103,9 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams ``[..., nc, D]`` -> fp32 logits ``[..., vocab]``."""
-        # collapse the nc streams (HyperHead), final RMSNorm, then the BF16 head in fp32: only for the
+        # collapse the nc streams (HyperHead) and the final RMSNorm (one op), then the BF16 head in fp32: only for the
         # rows that need logits (the caller slices h first: last token, or the sampled rows)
-        y = self.norm(self.hc_head(h))
+        y = self.hc_head(h, self.norm)
         return self.project_head(y)
 
     def project_head(self, y: torch.Tensor) -> torch.Tensor:

@@ -141,9 +141,11 @@ def grouped_linear(x: torch.Tensor, w: object, groups: int) -> torch.Tensor:
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: object, w3: object,
-        w2: object, limit: float, act_quant: bool = False, pow2: bool = True) -> torch.Tensor:
-    """Routed experts over stacked weights; see :func:`reference.moe`."""
-    return _call("moe", x.device, _fmt(w1), x, topk_ids, topk_weights, w1, w3, w2, limit, act_quant, pow2)
+        w2: object, limit: float, act_quant: bool = False, pow2: bool = True,
+        shared: tuple[object, object, object] | None = None) -> torch.Tensor:
+    """Routed experts over stacked weights, plus the shared expert ``(w1, w3, w2)``; see
+    :func:`reference.moe`. Dispatched on the routed experts' format."""
+    return _call("moe", x.device, _fmt(w1), x, topk_ids, topk_weights, w1, w3, w2, limit, act_quant, pow2, shared)
 
 
 # ----------------------------------------------------------------------------- other ops
@@ -179,18 +181,8 @@ def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return _call("fp4_sim", x.device, None, x, block)
 
 
-def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-            norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _call("mhc_pre", h.device, None, h, fn, base, scale, iters, norm_eps, hc_eps)
-
-
 def mhc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     return _call("mhc_post", h.device, None, out, h, post, comb)
-
-
-def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float) -> torch.Tensor:
-    return _call("hc_head", h.device, None, h, fn, base, scale, norm_eps, hc_eps)
 
 
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots: torch.Tensor,
@@ -216,13 +208,12 @@ def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None
     return _call("topk_indices", scores.device, None, scores, k, limit)
 
 
-def router_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
-    return _call("router_scores", logits.device, None, logits, func)
-
-
-def route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
-          fixed_ids: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    return _call("route", scores.device, None, scores, k, bias, fixed_ids, scale)
+def router(x: torch.Tensor, weight: object, func: str, k: int, bias: torch.Tensor | None = None,
+           tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate's projection, scores, selection (top-k or hash table) and weights of the routed
+    experts; see :func:`reference.router`."""
+    return _call("router", x.device, None, x, weight, func, k, bias, tid2eid, token_ids, scale)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -231,5 +222,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 __all__ = ["register", "unregister", "implementation", "reference_only", "sync_free", "KernelUnsupported", "numerics", "reference", "FORMAT_OPS",
            "linear", "grouped_linear", "moe", "rms_norm", "rms_norm_unweighted", "rope_inv_freq", "rope_cos_sin",
-           "apply_rope", "hadamard", "fp8_sim", "fp4_sim", "mhc_pre", "mhc_post", "hc_head", "sparse_attention",
-           "compress_windows", "indexer_scores", "topk_indices", "router_scores", "route", "swiglu"]
+           "apply_rope", "hadamard", "fp8_sim", "fp4_sim", "mhc_post", "sparse_attention",
+           "compress_windows", "indexer_scores", "topk_indices", "router", "swiglu"]

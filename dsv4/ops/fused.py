@@ -18,6 +18,19 @@ def linear_pair(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False
     return _call("linear_pair", x.device, _fmt(w1), x, w1, w2, act_quant, pow2, out_dtype)
 
 
+def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                 norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre then the block's RMSNorm; see :func:`reference_fused.mhc_pre_norm`."""
+    return _call("mhc_pre_norm", h.device, None, h, fn, base, scale, iters, norm_eps, hc_eps, weight, eps)
+
+
+def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                 hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The final stream collapse then the final RMSNorm; see :func:`reference_fused.hc_head_norm`."""
+    return _call("hc_head_norm", h.device, None, h, fn, base, scale, norm_eps, hc_eps, weight, eps)
+
+
 def rope_qnorm(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMS norm (no weight) then RoPE; see :func:`reference_fused.rope_qnorm`."""
     return _call("rope_qnorm", q.device, None, q, cos, sin, eps)
@@ -61,5 +74,5 @@ def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
                  ape2, state2, norm_weight2, eps2, rotate2, slots, positions, cos, sin)
 
 
-__all__ = ["linear_pair", "rope_qnorm", "q_kv_prepare", "store_rows", "compressor_step",
-           "compressor_step_pair", "queries_prepare"]
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows",
+           "compressor_step", "compressor_step_pair", "queries_prepare"]

@@ -259,8 +259,11 @@ def host_reads_forbidden(x: torch.Tensor) -> bool:
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: object, w3: object,
-        w2: object, limit: float, act_quant: bool = False, pow2: bool = True) -> torch.Tensor:
-    """Routed experts: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``.
+        w2: object, limit: float, act_quant: bool = False, pow2: bool = True,
+        shared: tuple[object, object, object] | None = None) -> torch.Tensor:
+    """Routed experts: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``, plus the shared
+    expert's output when ``shared = (w1, w3, w2)`` (:func:`shared_expert`; the two sums are each
+    cast to ``x.dtype``, then added).
 
     ``x [T, D]``; ``topk_ids [T, k]`` int64 (``-1`` = no expert, e.g. another rank's); ``topk_weights
     [T, k]`` fp32; ``w1``, ``w3`` ``[E, I, D]`` and ``w2`` ``[E, D, I]``: stacked plain tensors or
@@ -298,7 +301,21 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1:
                 y[rows] = expert(x[tok[rows]].unsqueeze(0), e, route_w[rows].unsqueeze(0)).squeeze(0)
                 offset += n
     y = torch.where((ids >= 0).unsqueeze(-1), y, 0.0)
-    return y.view(T, k, -1).sum(1).to(x.dtype)
+    out = y.view(T, k, -1).sum(1).to(x.dtype)
+    if shared is not None:
+        out = out + shared_expert(x, *shared, limit, act_quant, pow2)
+    return out
+
+
+def shared_expert(x: torch.Tensor, w1: object, w3: object, w2: object, limit: float, act_quant: bool = False,
+                  pow2: bool = True) -> torch.Tensor:
+    """The always-on expert of a MoE layer: 2-D ``w1``, ``w3`` ``[I, D]``, ``w2`` ``[D, I]`` (any
+    format), ``h = swiglu(x w1^T, x w3^T)`` in fp32 cast to ``x.dtype`` (no routing weight), then
+    ``h w2^T`` in fp32 cast to ``x.dtype``; inputs rounded like :func:`linear` rounds them."""
+    g = linear(x, w1, act_quant, pow2, torch.float32)
+    u = linear(x, w3, act_quant, pow2, torch.float32)
+    h = swiglu(g, u, limit).to(x.dtype)   # w2's input in the activation dtype, as DeepSeek's code
+    return linear(h, w2, act_quant, pow2, torch.float32).to(x.dtype)
 
 
 def _expert_bytes(w1: object, w3: object, w2: object, dtype: torch.dtype) -> int:
@@ -374,6 +391,20 @@ def route(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
     w = scores.gather(-1, ids)
     w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * scale, ids
+
+
+def router(x: torch.Tensor, weight: object, func: str, k: int, bias: torch.Tensor | None = None,
+           tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole router: the gate's projection ``x [T, D] @ weight [E, D]^T`` in fp32 (the precision
+    floor: the input is never rounded), :func:`router_scores`, then :func:`route`.
+
+    Hash layers give ``tid2eid [vocab, k]`` and ``token_ids [T]`` (the picks are
+    ``tid2eid[token_ids]``), the others ``bias [E]`` (or none) for the top-k selection.
+    Returns ``(weights [T, k] fp32, ids [T, k] int64)``."""
+    scores = router_scores(linear(x, weight, out_dtype=torch.float32), func)
+    fixed = tid2eid[token_ids] if tid2eid is not None else None
+    return route(scores, k, bias=bias, fixed_ids=fixed, scale=scale)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

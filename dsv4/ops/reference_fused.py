@@ -10,7 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from .reference import apply_rope, compress_windows, fp4_sim, hadamard, linear, rms_norm, rms_norm_unweighted
+from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, linear, mhc_pre, rms_norm,
+                        rms_norm_unweighted)
+
+
+def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                 norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's input: the mHC pre collapse, then the block's RMSNorm (``attn_norm`` / ``ffn_norm``,
+    ``weight [D]``, ``eps``) of the collapsed ``y``. Returns ``(normed y [..., D] h.dtype, post,
+    comb)`` as :func:`mhc_pre` does."""
+    y, post, comb = mhc_pre(h, fn, base, scale, iters, norm_eps, hc_eps)
+    return rms_norm(y, weight, eps), post, comb
+
+
+def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                 hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The head's input: the final collapse :func:`hc_head`, then the final RMSNorm (``weight [D]``)."""
+    return rms_norm(hc_head(h, fn, base, scale, norm_eps, hc_eps), weight, eps)
 
 
 def linear_pair(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False, pow2: bool = True,
@@ -121,5 +138,5 @@ def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     compressor_step(kv2, gate2, ape2, state2, slots, positions, norm_weight2, eps2, cos, sin, rotate2)
 
 
-__all__ = ["linear_pair", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard", "compressor_step",
-           "compressor_step_pair", "queries_prepare"]
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows",
+           "rope_hadamard", "compressor_step", "compressor_step_pair", "queries_prepare"]

@@ -109,6 +109,17 @@ class Launch:
     h: torch.Tensor                           # [P, I] gate/up output
     y: torch.Tensor                           # [P, D] fp32 expert rows
     out: torch.Tensor                         # [T, D]
+    shared: SharedLaunch | None = None        # the shared expert, run by the decode kernels
+
+
+@dataclass
+class SharedLaunch:
+    """The shared expert as the decode kernels run it: one more "expert" of ``T`` rows (weight 1)."""
+    fmt: int                                  # its FormatCode (may differ from the routed experts')
+    I: int                                    # its intermediate width (I / N under expert parallel)
+    weights: tuple                            # ((data, scale, global) of w1, of w3, of w2)
+    h: torch.Tensor                           # [T, I] gate/up output
+    y: torch.Tensor                           # [T, D] fp32 rows
 
 
 def _format_code(w: object) -> FormatCode:
@@ -180,20 +191,55 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     return T, D, I, E, k, fmt
 
 
+def _shared_operands(shared: tuple, x: torch.Tensor, D: int, I: int) -> tuple[int, int, tuple] | None:
+    """``(format code, I_S, ((data, scale, global) of w1, w3, w2))`` of the shared expert when the
+    decode kernels can run it as one more expert, else None (it then runs through the ops)."""
+    sw1, sw3, sw2 = shared
+    if not all(hasattr(w, "kernel_operands") and not w.is_stacked and type(w) is type(sw1) for w in shared):
+        return None
+    Is = sw1.shape[0]
+    if sw1.shape != (Is, D) or sw3.shape != (Is, D) or sw2.shape != (D, Is) or Is > I:
+        return None
+    if any(w.device != x.device for w in shared):
+        return None
+    try:
+        codes = {_format_code(w) for w in shared}
+        tensors = tuple(_weight_tensors(w, name) for w, name in zip(shared, ("shared w1", "shared w3", "shared w2")))
+    except MoeKernelError:
+        return None
+    if len(codes) != 1 or (min(codes) >= FormatCode.MXFP4 and Is % 8):
+        return None
+    return int(codes.pop()), Is, tensors
+
+
+def _shared_expert(x: torch.Tensor, shared: tuple, limit: float, act_quant: bool, pow2: bool) -> torch.Tensor:
+    """The shared expert through the dispatched ops (:func:`dsv4.ops.reference.shared_expert`'s
+    composition, on the linear kernels): the prefill path, and weights the decode kernels do not take."""
+    from .. import linear, swiglu
+    w1, w3, w2 = shared
+    g = linear(x, w1, act_quant, pow2, torch.float32)
+    u = linear(x, w3, act_quant, pow2, torch.float32)
+    h = swiglu(g, u, limit).to(x.dtype)
+    return linear(h, w2, act_quant, pow2, torch.float32).to(x.dtype)
+
+
 def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: object,
                w3: object, w2: object, limit: float, act_quant: bool = False,
-               pow2: bool = True) -> torch.Tensor:
-    """Triton twin of :func:`dsv4.ops.reference.moe` for MXFP4 / NVFP4 / FP8-block experts."""
+               pow2: bool = True, shared: tuple | None = None) -> torch.Tensor:
+    """Triton twin of :func:`dsv4.ops.reference.moe` for MXFP4 / NVFP4 / FP8-block experts; the
+    shared expert runs inside the decode kernels (one more expert of weight 1 for every token)."""
     T, D, I, E, k, fmt = _check(x, topk_ids, topk_weights, w1, w3, w2)
     d1, s1, g1 = _weight_tensors(w1, "w1")     # may refuse: before anything is allocated
     d3, s3, g3 = _weight_tensors(w3, "w3")
     d2, s2, g2 = _weight_tensors(w2, "w2")
-    out = runtime.empty((T, D), x.dtype, x.device)
-    if T == 0 or k == 0:
-        return out.zero_()
-    g1, g3, g2 = (g if g is not None else topk_weights for g in (g1, g3, g2))   # unused placeholders
     P = T * k
     decode = P <= DECODE_MAX_PAIRS
+    fused = _shared_operands(shared, x, D, I) if shared is not None and decode and P else None
+    if P == 0:
+        out = runtime.empty((T, D), x.dtype, x.device).zero_()
+        return out if shared is None else out + _shared_expert(x, shared, limit, act_quant, pow2)
+    out = runtime.empty((T, D), x.dtype, x.device)
+    g1, g3, g2 = (g if g is not None else topk_weights for g in (g1, g3, g2))   # unused placeholders
     qdot = bool(act_quant) and not decode and not _exact_dequantized(fmt, pow2, x.dtype)
     # the MXFP4 grouped GEMM on dequantized operands: larger tiles once experts average a full one
     mx_plain = not decode and not qdot and fmt == FormatCode.MXFP4
@@ -213,11 +259,20 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         w13, w2cfg = (w13[0], 128, *w13[2:]), (w2cfg[0], 128, *w2cfg[2:])
     L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg,
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
-               q_dtype=q_dtype, limit=float(limit), x=x, xin=quantized(x, act_quant, pow2, qdot, q_dtype),
+               q_dtype=q_dtype, limit=float(limit), x=x,
+               # (decode: the kernels round x themselves, moe_decode.run)
+               xin=quantized(x, act_quant and not decode, pow2, qdot, q_dtype),
                ids=topk_ids, rw=topk_weights, weights=((d1, s1, g1), (d3, s3, g3), (d2, s2, g2)),
                h=runtime.empty((P, I), x.dtype, x.device), y=runtime.empty((P, D), torch.float32, x.device),
                out=out)
+    if fused is not None:
+        fmt_s, I_s, tensors = fused
+        tensors = tuple((d, s, g if g is not None else topk_weights) for d, s, g in tensors)
+        L.shared = SharedLaunch(fmt=fmt_s, I=I_s, weights=tensors, h=runtime.empty((T, I_s), x.dtype, x.device),
+                                y=runtime.empty((T, D), torch.float32, x.device))
     (moe_decode if decode else moe_grouped).run(L)
+    if shared is not None and fused is None:
+        out = out + _shared_expert(x, shared, limit, act_quant, pow2)
     return out
 
 

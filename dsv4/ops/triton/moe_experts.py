@@ -183,12 +183,27 @@ def _accumulate(acc, a, w, scale, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.co
 
 
 @triton.jit
+def _act_quant_tile(a, BM: tl.constexpr, BK: tl.constexpr, POW2: tl.constexpr):
+    """``act_quant_sim`` of a ``[BM, BK]`` tile of rows (``BK`` a multiple of 128, at a multiple
+    of 128): what :func:`_quant_kernel` writes as ``dst`` for those values, bit for bit."""
+    NB: tl.constexpr = BK // 128
+    v = tl.reshape(a.to(tl.float32), (BM, NB, 128))
+    s = fp8_scale(tl.max(tl.abs(v), axis=2), POW2)[:, :, None]
+    if POW2:
+        y = v * pow2_inv(s)   # v / s, exact
+    else:
+        y = tl.math.div_rn(v, tl.broadcast_to(s, v.shape))
+    return tl.reshape((quantize_e4m3(y) * s).to(a.dtype), (BM, BK))
+
+
+@triton.jit
 def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, rows, rmask,
           K: tl.constexpr, N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr, TWO: tl.constexpr, QDOT: tl.constexpr,
-          PIPE: tl.constexpr):
+          PIPE: tl.constexpr, AQ: tl.constexpr = False, POW2: tl.constexpr = True):
     """``A[a_rows] @ Wa[rows]^T`` (and ``@ Wb[rows]^T`` with ``TWO``, sharing the A tiles) over all
-    of ``K``: fp32 ``[BM, BN]`` each. ``A`` is the matmul input (``x̂``) ``[*, K]``. With ``QDOT``
+    of ``K``: fp32 ``[BM, BN]`` each. ``A`` is the matmul input (``x̂``) ``[*, K]``, or with ``AQ``
+    (act-quant, no ``QDOT``) the raw input, rounded to ``x̂`` tile by tile here. With ``QDOT``
     (act-quant, ``BM >= 16``) it is the e4m3 values ``q`` and their per-128 scales instead, and the
     product is DeepSeek's ``sum_kb (q . w) * s_x * s_w`` (DSV4_FACTS 2b) on tensor cores: FP8
     experts e4m3 x e4m3 per 128 block; FP4 experts fp16 per 32 / 16 group (``q`` and
@@ -205,7 +220,8 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
         for kb in range(0, K, 128):
             sx = tl.load(as_ptr + a_rows * NKB + kb // 128, mask=a_valid, other=0.0)[:, None]
             if FMT < 2:
-                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0)
+                # (q as e4m3; a shared FP8 expert beside FP4 ones gets them as fp16: exact either way)
+                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0).to(tl.float8e4nv)
                 wa, sa = _weight_tile(wa_ptr, sa_ptr, rows, rmask, kb, K, N, FMT, BN, 128, True)
                 acc_a += tl.dot(a, tl.trans(tl.reshape(wa, (BN, 128)))) * sx * tl.reshape(sa, (1, BN))
                 if TWO:
@@ -216,7 +232,7 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
             elif FMT == 3:
                 # NVFP4: e2m1 * block_scale is exact in fp16 (<= 2688, >= 2^-10, <= 6 bits), so the
                 # weights are scaled in registers and one fp16 dot covers the 128 block
-                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0)
+                a = _load_rows(aq_ptr, a_rows, a_valid, kb, K, 128, K % 128 == 0).to(tl.float16)
                 wa, sa = _weight_tile(wa_ptr, sa_ptr, rows, rmask, kb, K, N, FMT, BN, 128, True)
                 wa = tl.reshape((wa * 16384.0) * sa[:, :, None], (BN, 128))
                 acc_a += tl.dot(a, tl.trans(wa)) * sx
@@ -231,7 +247,7 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
                 blk_a = tl.zeros((BM, BN), tl.float32)
                 blk_b = tl.zeros((BM, BN), tl.float32)
                 for g in tl.static_range(128 // GS):
-                    a = _load_rows(aq_ptr, a_rows, a_valid, kb + g * GS, K, GS, K % 128 == 0)
+                    a = _load_rows(aq_ptr, a_rows, a_valid, kb + g * GS, K, GS, K % 128 == 0).to(tl.float16)
                     wa, sa = _fp4_group16(wa_ptr, sa_ptr, rows, rmask, kb + g * GS, K, N, FMT, BN)
                     blk_a += tl.dot(a, tl.trans(wa)) * sa[None, :]
                     if TWO:
@@ -243,6 +259,8 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
     else:
         for k0 in tl.range(0, K, BK, num_stages=PIPE):
             a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
+            if AQ:
+                a = _act_quant_tile(a, BM, BK, POW2)
             wa, sa = _weight_tile(wa_ptr, sa_ptr, rows, rmask, k0, K, N, FMT, BN, BK, False)
             acc_a = _accumulate(acc_a, a, wa, sa, FMT, BM, BN, BK, CDT)
             if TWO:
@@ -272,21 +290,27 @@ def _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_p
               e, rows, valid, pid_n, limit, D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr,
               FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               HAS_LIMIT: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr, QDOT: tl.constexpr,
-              PIPE: tl.constexpr):
+              PIPE: tl.constexpr, WEIGHTED: tl.constexpr = True, AQ: tl.constexpr = False,
+              POW2: tl.constexpr = True):
     """The gate/up half of expert ``e`` for the pairs ``rows`` (``valid`` masks the padding), output
     columns ``pid_n * BN ...``: W1 and W3 in one pass, the NVFP4 global scales, the clamped SwiGLU
-    times the routing weight, stored to ``h``. Shared by the decode and the grouped (prefill) kernel."""
+    times the routing weight (``WEIGHTED``; the shared expert has none), stored to ``h``. ``AQ``:
+    ``x`` is raw, rounded in the K loop (:func:`_gemm`). Shared by the decode and the grouped
+    (prefill) kernel."""
     tok = rows // KTOP
     n_offs = pid_n * BN + tl.arange(0, BN)
     nmask = n_offs < I
     p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, FMT)
     p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, FMT)
     g, u = _gemm(x_ptr, xq_ptr, xs_ptr, tok, valid, p1, q1, p3, q3, n_offs, nmask, D, I, FMT,
-                 BM, BN, BK, CDT, True, QDOT, PIPE)
+                 BM, BN, BK, CDT, True, QDOT, PIPE, AQ, POW2)
     if FMT == 3:
         g = g * tl.load(g1_ptr + e)
         u = u * tl.load(g3_ptr + e)
-    rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
+    if WEIGHTED:
+        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
+    else:
+        rw = tl.full((BM,), 1.0, tl.float32)
     h = _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n_offs[None, :], h.to(XDT),
              mask=valid[:, None] & nmask[None, :])

@@ -1,7 +1,9 @@
-"""mHC (manifold-constrained hyper-connections) as Triton kernels: ``mhc_pre``, ``mhc_post`` and
-the final ``hc_head`` collapse (DSV4_FACTS section 2, "mHC pre/post" and "Head").
+"""mHC (manifold-constrained hyper-connections) as Triton kernels: ``mhc_pre_norm`` (a block's
+mHC pre and the RMSNorm after it), ``mhc_post`` and ``hc_head_norm`` (the final collapse and the
+final norm) (DSV4_FACTS section 2, "mHC pre/post" and "Head"; the compositions they implement are
+in :mod:`dsv4.ops.reference_fused`).
 
-mhc_pre / hc_head: two launches.
+mhc_pre_norm / hc_head_norm: two launches.
 
 1. ``_mix_partial_kernel``, grid ``(splits, token blocks)``: the skinny projection
    ``mix = x @ fn.T`` with ``x = h.flatten(nc*D)`` (fp32), split over K so that the
@@ -9,11 +11,13 @@ mhc_pre / hc_head: two launches.
    Each program multiplies a ``[TB, BK]`` slice of the tokens by a ``[BK, NP]`` slice of ``fn``
    (``tl.dot`` in IEEE fp32: exact products, fp32 sums) and also sums ``x^2``; it writes its
    partial ``[TB, NP]`` and ``[TB]`` sums (no atomics: the result does not depend on timing).
-2. ``_mhc_finalize_kernel``, grid ``(tokens, D blocks)``: sums the partials in a fixed order,
+2. ``_mhc_finalize_kernel``, grid ``(tokens,)``: sums the partials in a fixed order,
    ``r = rsqrt(mean x^2 + eps)``, ``mix *= r``, the sigmoids, and for ``mhc_pre`` the softmax
-   and the 20 Sinkhorn iterations on the ``nc x nc`` comb in registers (every program of a
-   token repeats this tiny part, so nothing crosses programs); then its block of the collapse
-   ``y = sum_j pre_j h_j``. The first D block writes ``post`` and ``comb``.
+   and the 20 Sinkhorn iterations on the ``nc x nc`` comb in registers; then the collapse
+   ``y = sum_j pre_j h_j`` of the whole row in registers (cast to the activation dtype, as the
+   reference hands it to the norm) and the RMSNorm of that row, the arithmetic of
+   :mod:`.small_rows` (``w * (y * inv)``, ``inv = 1 / sqrt(mean y^2 + eps)``). It writes the
+   normed row, ``post`` and ``comb``.
 
 mhc_post: one launch, grid ``(tokens, D blocks)``: ``h_next[k] = post_k out + sum_j comb[j,k] h[j]``
 in fp32, cast once.
@@ -31,6 +35,7 @@ from . import runtime
 from .small_util import check, check_float, pow2, row_stride, rows
 
 _BK = 128
+_MAX_ROW = 16384
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -66,12 +71,12 @@ def _pick(v, idx, j):
 
 
 @triton.jit(do_not_specialize=["T", "SPLITS"])
-def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
-                         T, D, Kf, SPLITS, iters, norm_eps, hc_eps,
+def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
+                         T, D, Kf, Df, SPLITS, iters, norm_eps, hc_eps, eps,
                          NC: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
                          BD: tl.constexpr, HEAD: tl.constexpr):
+    XDT: tl.constexpr = y_ptr.dtype.element_ty
     t = tl.program_id(0)
-    pd = tl.program_id(1)
     s = tl.arange(0, SP)
     n = tl.arange(0, NP)
     sm = s < SPLITS
@@ -87,20 +92,23 @@ def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, y_ptr
     pre = tl.sum(tl.where(sel, mix[None, :], 0.0), axis=1)
     pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + j, mask=jm, other=0.0)) + hc_eps
 
-    # collapse: y = sum_j pre_j h_j over this program's D block, in stream order
-    d = pd * BD + tl.arange(0, BD)
+    # collapse: y = sum_j pre_j h_j over the row, in stream order, in the activation dtype
+    d = tl.arange(0, BD)
     dm = d < D
     hrow = h_ptr + t.to(tl.int64) * sh
     y = tl.zeros([BD], tl.float32)
     for jj in tl.static_range(NC):
         y += _pick(pre, j, jj) * tl.load(hrow + jj * D + d, mask=dm, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t.to(tl.int64) * D + d, y.to(y_ptr.dtype.element_ty), mask=dm)
+    y = y.to(XDT).to(tl.float32)
+    # the block's RMSNorm of y (small_rows' arithmetic)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, axis=0), Df) + eps))
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * D + d, (w * (y * inv)).to(XDT), mask=dm)
 
     if not HEAD:
-        first = pd == 0
         post = tl.sum(tl.where(n[None, :] == NC + j[:, None], mix[None, :], 0.0), axis=1)
         post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + NC + j, mask=jm, other=0.0))
-        tl.store(post_ptr + t * NC + j, post, mask=jm & first)
+        tl.store(post_ptr + t * NC + j, post, mask=jm)
 
         ci = tl.arange(0, NCP)[:, None]
         cj = tl.arange(0, NCP)[None, :]
@@ -120,7 +128,7 @@ def _mhc_finalize_kernel(h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, y_ptr
             comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
             it += 1
-        tl.store(comb_ptr + t * NC * NC + ci * NC + cj, comb, mask=cm & first)
+        tl.store(comb_ptr + t * NC * NC + ci * NC + cj, comb, mask=cm)
 
 
 @triton.jit
@@ -155,8 +163,8 @@ def _splits(T: int, K: int, tb: int, device: torch.device) -> tuple[int, int]:
 
 
 def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_mix: int,
-         n_scale: int, iters: int, norm_eps: float, hc_eps: float, head: bool):
-    check_float(op, h=h)
+         n_scale: int, iters: int, norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float, head: bool):
+    check_float(op, h=h, weight=weight)
     check(h.dim() >= 2, op, f"h has shape {tuple(h.shape)}; needs [..., nc, D]")
     nc, D = h.shape[-2], h.shape[-1]
     K = nc * D
@@ -165,6 +173,8 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     check(tuple(base.shape) == (n_mix,), op, f"base has shape {tuple(base.shape)}; needs ({n_mix},)")
     check(scale.numel() >= n_scale, op, f"scale has {scale.numel()} values; needs {n_scale}")
     check(nc <= 8, op, f"{nc} streams; the kernel keeps the nc x nc comb in registers for nc <= 8")
+    check(tuple(weight.shape) == (D,), op, f"norm weight has shape {tuple(weight.shape)}; needs ({D},)")
+    check(D <= _MAX_ROW, op, f"rows of {D} values; the kernel holds at most {_MAX_ROW} in registers")
     lead = tuple(h.shape[:-2])
     T = math.prod(lead)
     x = rows(h, K)
@@ -182,25 +192,28 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     fn = fn.contiguous()
     _mix_partial_kernel[(splits, triton.cdiv(T, tb))](x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk,
                                                       NP=np_, TB=tb, BK=_BK, num_warps=4)
-    bd = min(512, pow2(D))
+    bd = pow2(D)
     # SP covers the most splits any T can get (splits shrink as T grows): one variant for every T
-    _mhc_finalize_kernel[(T, triton.cdiv(D, bd))](
-        x, row_stride(x), part, ss, base.float().contiguous(), scale.float().contiguous(), y, post, comb,
-        T, D, float(K), splits, int(iters), float(norm_eps), float(hc_eps),
-        NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head, num_warps=4)
+    _mhc_finalize_kernel[(T,)](
+        x, row_stride(x), part, ss, base.float().contiguous(), scale.float().contiguous(), weight.contiguous(), y,
+        post, comb, T, D, float(K), float(D), splits, int(iters), float(norm_eps), float(hc_eps), float(eps),
+        NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head,
+        num_warps=8 if bd >= 4096 else 4, enable_fp_fusion=False)
     return y, post, comb
 
 
-def mhc_pre_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                   norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mhc_pre_norm_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                        norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     nc = h.shape[-2] if h.dim() >= 2 else 0
-    return _pre("mhc_pre", h, fn, base, scale, (2 + nc) * nc, 3, iters, norm_eps, hc_eps, head=False)
+    return _pre("mhc_pre_norm", h, fn, base, scale, (2 + nc) * nc, 3, iters, norm_eps, hc_eps, weight, eps,
+                head=False)
 
 
-def hc_head_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-                   hc_eps: float) -> torch.Tensor:
+def hc_head_norm_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                        hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
     nc = h.shape[-2] if h.dim() >= 2 else 0
-    return _pre("hc_head", h, fn, base, scale, nc, 1, 0, norm_eps, hc_eps, head=True)[0]
+    return _pre("hc_head_norm", h, fn, base, scale, nc, 1, 0, norm_eps, hc_eps, weight, eps, head=True)[0]
 
 
 def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -226,7 +239,7 @@ def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb
 
 
 REGISTRATIONS = [
-    ("mhc_pre", None, mhc_pre_triton),
+    ("mhc_pre_norm", None, mhc_pre_norm_triton),
     ("mhc_post", None, mhc_post_triton),
-    ("hc_head", None, hc_head_triton),
+    ("hc_head_norm", None, hc_head_norm_triton),
 ]
