@@ -89,7 +89,7 @@ agent)   # issue 27's agent workload (caching off, then on): one conversation al
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 fused)   # the third session's decode fusions and split graphs: their GPU tests in one pytest (strict: no silent reference fallback)
-  t 290 fused_tests.log env DSV4_STRICT_KERNELS=1 python3 -m pytest -q -rf --tb=short -m gpu --maxfail=10 \
+  t 240 fused_tests.log env DSV4_STRICT_KERNELS=1 python3 -m pytest -q -rf --tb=short -m gpu --maxfail=10 \
     tests/test_triton_small.py tests/test_triton_moe.py tests/test_triton_attention.py tests/test_gpu_structured.py \
     tests/test_cuda_graphs_engine.py tests/test_triton_linear.py -k "not gpu_linear_real_shapes and not fp32_scales and not grouped_wo_a"
   ;;
