@@ -94,7 +94,7 @@ def _exercise() -> None:
                             rn(T, 1, 128, dtype=f32))
             qi = rn(T, 1, 64, 128)
             for fp4 in (True, False):
-                k["rope_hadamard"](qi, cos.unsqueeze(2), sin.unsqueeze(2), fp4)
+                k["queries_prepare"](q, cos.unsqueeze(2), sin.unsqueeze(2), 1e-6, qi, fp4)
             k["hadamard"](rn(T, 1, 128, dtype=f32))
             k["hadamard"](rn(T, 1, 16))
             k["swiglu"](rn(T, 2048, dtype=f32), rn(T, 2048, dtype=f32), 10.0)
@@ -111,6 +111,13 @@ def _exercise() -> None:
         k["compressor_step"](rn(8, 1, width, dtype=f32), rn(8, 1, width, dtype=f32), rn(ratio, width, dtype=f32), st,
                              torch.arange(8) % 4, torch.arange(8).unsqueeze(1), torch.ones(dim), 1e-6,
                              rn(8, 1, 32, dtype=f32), rn(8, 1, 32, dtype=f32), rotate)
+    sts = []
+    for dim, layout in ((512, "fp8"), (128, "fp4")):     # a CSA layer's compressor and its indexer's, one launch
+        entries = RowStore.allocate(layout, 4, 65, dim, bf, "cpu", rope_dim=64 if layout == "fp8" else 0)
+        sts.append((rn(8, 1, 2 * dim, dtype=f32), rn(8, 1, 2 * dim, dtype=f32), rn(4, 2 * dim, dtype=f32),
+                    _compressor(entries, 4, 4, dim, True, "cpu"), torch.ones(dim), 1e-6, layout == "fp4"))
+    k["compressor_step_pair"](*sts[0], *sts[1], torch.arange(8) % 4, torch.arange(8).unsqueeze(1),
+                              rn(8, 1, 32, dtype=f32), rn(8, 1, 32, dtype=f32))
 
 
 def _usage(cubin: bytes) -> str:

@@ -8,7 +8,7 @@
 #   layers; prefill: one prompt's host vs device time; prefillbench: bench/prefill_bench.py at 512 and
 #   8192 tokens a step), throughput (continuous batching vs waves, 64 requests x 16 seqs; throughput32: 256 x
 #   32), serve (dsv4 bench serve on a random Flash slice; serve8k: 8000-token prompts, concurrency 16), decode (the decode step vs the floor),
-#   agent (issue 27's agent workload + serve8k's TTFT on one server), spec_profile (verify step's kernels),
+#   fused (GPU tests of the decode fusions and split graphs, one pytest), agent (issue 27's agent workload + serve8k's TTFT on one server), spec_profile (verify step's kernels),
 #   spec_zero (issue 25: engine tokens/s with always-wrong drafts vs plain, batch 1 and 32),
 #   tune (decode GEMV tiling search), perf (per-kernel table; perf_moe: its MoE rows), humming (the
 #   humming-kernels MoE peer vs our fused MoE: W4A16 MXFP4, Flash, 1/8/32 tokens; bench/humming_peer.py);
@@ -87,6 +87,11 @@ agent)   # issue 27's agent workload (caching off, then on): one conversation al
   t 120 bench_serve_8k.txt python3 -m dsv4.cli bench serve -n 32 --concurrency 16 --input-len 8000 --output-len 128 \
     --json "$OUT/bench_serve_8k.json"
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
+  ;;
+fused)   # the third session's decode fusions and split graphs: their GPU tests in one pytest (strict: no silent reference fallback)
+  t 240 fused_tests.log env DSV4_STRICT_KERNELS=1 python3 -m pytest -q -rf --tb=short -m gpu --maxfail=10 \
+    tests/test_triton_small.py tests/test_triton_moe.py tests/test_triton_attention.py tests/test_gpu_structured.py \
+    tests/test_cuda_graphs_engine.py tests/test_triton_linear.py -k "not gpu_linear_real_shapes and not fp32_scales and not grouped_wo_a"
   ;;
 spec_profile)   # the kernels of a verify step (1 + 3 tokens a row) against decode steps of 1 and 4 rows
   t 240 spec_profile.txt python3 bench/spec_bench.py --layers 4 --batch 1 --k 3 --tables cost profile --steps 20

@@ -28,6 +28,50 @@ def _dict_keys(func: ast.FunctionDef, name: str) -> set[str] | None:
     return None
 
 
+def _function(tree: ast.Module, name: str, here: Path) -> ast.FunctionDef | None:
+    """``name``'s definition in the module, or in the sibling module it is imported from."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and any(a.name == name for a in node.names):
+            other = ast.parse((here.parent / f"{node.module}.py").read_text())
+            return _function(other, name, here)
+    return None
+
+
+def _returned_dict_keys(tree: ast.Module, func: ast.FunctionDef, name: str, here: Path) -> set[str] | None:
+    """``a, name, b = helper(...)`` in ``func``: the keys of the dict ``helper`` returns there."""
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)):
+            continue
+        names = [e.id if isinstance(e, ast.Name) else None for e in node.targets[0].elts]
+        helper = _function(tree, node.value.func.id, here) if name in names else None
+        for ret in (n for n in ast.walk(helper) if isinstance(n, ast.Return)) if helper else ():
+            if isinstance(ret.value, ast.Tuple) and isinstance(ret.value.elts[names.index(name)], ast.Name):
+                return _dict_keys(helper, ret.value.elts[names.index(name)].id)
+    return None
+
+
+def _splat_keys(tree: ast.Module, func: ast.FunctionDef, value: ast.expr, where: str, here: Path) -> set[str]:
+    """The keywords a launch's ``**value`` passes: ``**name`` with ``name = dict(...)`` in the
+    launching function, or unpacked from what a plan helper returns; a parameter ``consts2`` (a
+    second operand set) is its module's ``consts``; ``**{k + "2": v for k, v in name.items()}`` the
+    same keys suffixed."""
+    suffix = ""
+    if isinstance(value, ast.DictComp) and isinstance(value.key, ast.BinOp) and \
+            isinstance(value.key.right, ast.Constant) and isinstance(value.generators[0].iter, ast.Call):
+        suffix, value = value.key.right.value, value.generators[0].iter.func.value
+    assert isinstance(value, ast.Name), f"{where}: cannot resolve **{ast.unparse(value)}"
+    keys = _dict_keys(func, value.id) or _returned_dict_keys(tree, func, value.id, here)
+    if keys is None and value.id in {a.arg for a in func.args.args}:
+        base = value.id.rstrip("0123456789")
+        found = [k for f in tree.body if isinstance(f, ast.FunctionDef) for k in [_dict_keys(f, base)] if k]
+        keys = set().union(*found) if found else None
+    assert keys is not None, f"{where}: cannot resolve **{value.id}"
+    return {k + suffix for k in keys}
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
 def test_launch_keywords_are_kernel_parameters(path):
     tree = ast.parse(path.read_text())
@@ -40,10 +84,8 @@ def test_launch_keywords_are_kernel_parameters(path):
                 continue
             names = {kw.arg for kw in call.keywords if kw.arg}
             for kw in call.keywords:
-                if kw.arg is None and isinstance(kw.value, ast.Name):
-                    keys = _dict_keys(func, kw.value.id)
-                    assert keys is not None, f"{path.name}:{call.lineno}: cannot resolve **{kw.value.id}"
-                    names |= keys
+                if kw.arg is None:
+                    names |= _splat_keys(tree, func, kw.value, f"{path.name}:{call.lineno}", path)
             unknown = names - params[f.value.id] - LAUNCH_OPTIONS
             if unknown:
                 bad.append(f"{path.name}:{call.lineno} {f.value.id}: {sorted(unknown)}")

@@ -177,8 +177,31 @@ def test_linear_pair(fmt, aq):
     for y, r in zip(lin.linear_pair_triton(x16, w1, w2, act_quant, pow2), ref.linear_pair(x16, w1, w2, act_quant, pow2)):
         assert y.dtype == torch.float16
         _check(y, r, 2e-3)
-    with pytest.raises(lin.LinearKernelError, match="two formats"):
-        lin.linear_pair_triton(x16, w1, _weight("mxfp4" if fmt != "mxfp4" else "nvfp4", 70, k, seed=46))
+    # weights of two formats (or FP8 with fp32 and e8m0 scales): a launch each, the same results
+    other = _weight({"fp8": "fp8_ue8m0", "fp8_ue8m0": "fp8"}.get(fmt, "fp8"), 70, k, seed=46)
+    x32 = _x((1, 2, k), seed=47)
+    for y, r in zip(lin.linear_pair_triton(x32, w1, other, act_quant, pow2, torch.float32),
+                    ref.linear_pair(x32, w1, other, act_quant, pow2, torch.float32)):
+        _check(y, r, 2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_pair_plain(dtype):
+    """A compressor's plain ``wkv`` || ``wgate`` (the BF16 precision floor; fp32/fp16 in the
+    interpreter), fp32 out: one decode launch, never rounding the input even when asked (a plain
+    weight's input is not quantized), against the two reference linears; the prefill runs them."""
+    k = 300
+    w1 = (torch.randn(150, k, generator=_gen(50)) / k ** 0.5).to(DEV, dtype)
+    w2 = (torch.randn(70, k, generator=_gen(51)) / k ** 0.5).to(DEV, dtype)
+    tol = 2e-6 if dtype == torch.float32 else 1e-3
+    for m, cfg in ((3, dict(BN=64, MP=16, KSTEPS=1, SPLIT=3)), (1, None), (40, None)):
+        x = _x((1, m, k), seed=52 + m, dtype=dtype)
+        got = lin.linear_pair_triton(x, w1, w2, True, True, torch.float32, _config=cfg)
+        for y, r in zip(got, ref.linear_pair(x, w1, w2, True, True, torch.float32)):
+            assert y.dtype == torch.float32
+            _check(y, r, tol)
+        for y, w in zip(got, (w1, w2)):     # exact products, fp32 sums: the float64 product
+            _check(y, (x.double() @ w.double().T).float(), tol)
 
 
 @pytest.mark.parametrize("pow2", [True, False])
@@ -413,6 +436,34 @@ def test_gpu_linear_pair_wq_a_wkv(geo, fmt):
         x.copy_(torch.randn_like(x))
         graph.replay()
         for a, b in zip(static, lin.linear_pair_triton(x, w1, w2, True, True)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("width", [1024, 256], ids=["csa-compressor", "indexer-compressor"])
+def test_gpu_linear_pair_plain_compressor(width):
+    """A compressor's BF16 wkv || wgate (Flash: 2 x 1024 rows for CSA, 2 x 256 for the indexer's,
+    K = 4096), fp32 out, decode batches: one launch against the reference's two cuBLAS products;
+    bit-equal under a CUDA graph replayed with new inputs."""
+    torch.manual_seed(29)
+    w1 = (torch.randn(width, 4096, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(width, 4096, device="cuda") * 0.02).bfloat16()
+    for m in (1, 8, 32, 300):
+        x = torch.randn(1, m, 4096, device="cuda", dtype=torch.bfloat16)
+        for y, r in zip(lin.linear_pair_triton(x, w1, w2, False, True, torch.float32),
+                        ref.linear_pair(x, w1, w2, False, True, torch.float32)):
+            _check(y, r, 2e-5)
+    x = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    lin.linear_pair_triton(x, w1, w2, False, True, torch.float32)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = lin.linear_pair_triton(x, w1, w2, False, True, torch.float32)
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        for a, b in zip(static, lin.linear_pair_triton(x, w1, w2, False, True, torch.float32)):
             assert torch.equal(a, b)
 
 

@@ -170,6 +170,7 @@ def test_shared_expert_runs_in_the_decode_kernels(monkeypatch, fmt, sfmt, T, act
     output alone. Nothing runs the shared expert outside the kernels, and one token (the GEMV)
     launches nothing else: the kernels round x and h themselves."""
     monkeypatch.setattr(M, "_shared_expert", None)           # any call outside the kernels fails
+    monkeypatch.setattr(M, "SHARED_FUSED_MAX_TOKENS", T)     # T = 3: the kernels' multi-token case
     if T == 1:
         monkeypatch.setattr(moe_experts, "_quant_kernel", None)
     E, k, D, I = 5, 3, 256, 128
@@ -187,11 +188,14 @@ def test_shared_expert_runs_in_the_decode_kernels(monkeypatch, fmt, sfmt, T, act
             assert (got == exp).float().mean() > 0.99
 
 
-def test_shared_expert_outside_the_decode_kernels(monkeypatch):
-    """Prefill (the grouped path): the shared expert runs through the ops and is added like the
-    reference adds it."""
-    monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 4)
+@pytest.mark.parametrize("prefill", [True, False])
+def test_shared_expert_outside_the_decode_kernels(monkeypatch, prefill):
+    """Prefill (the grouped path), and decode above SHARED_FUSED_MAX_TOKENS: the shared expert runs
+    through the ops and is added like the reference adds it."""
+    if prefill:
+        monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 4)
     T = 5
+    assert T > M.SHARED_FUSED_MAX_TOKENS
     w1, w3 = (_weights("mxfp4", 4, 64, 128, s) for s in (1, 3))
     w2 = _weights("mxfp4", 4, 128, 64, 2)
     x = torch.randn(T, 128, generator=_gen(4)).half().to(DEV)

@@ -285,11 +285,18 @@ def test_hadamard(dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fp4", [False, True])
 @pytest.mark.parametrize("d, rd", [(64, 32), (16, 8)])
-def test_rope_hadamard(dtype, fp4, d, rd):
+def test_queries_prepare(dtype, fp4, d, rd):
+    """A CSA layer's queries in one launch: the attention's (rope_qnorm) and the indexer's (RoPE,
+    Hadamard, FP4 under QAT), each against its reference op."""
     x = _randn(2, 3, 4, d, seed=51, dtype=dtype, scale=3.0)   # [B, S, nI, d]
+    q = _randn(2, 3, 5, 2 * d + 8, seed=53, dtype=dtype, scale=2.0)   # [B, S, H, hd]
     cos, sin = _rope_tables((2, 3), rd // 2, seed=52)
     cos_h, sin_h = cos.unsqueeze(2), sin.unsqueeze(2)
-    out, want = KERNELS["rope_hadamard"](x, cos_h, sin_h, fp4), ref.rope_hadamard(x, cos_h, sin_h, fp4)
+    got_q, out = KERNELS["queries_prepare"](q, cos_h, sin_h, 1e-6, x, fp4)
+    want_q, want = ref.queries_prepare(q, cos_h, sin_h, 1e-6, x, fp4)
+    assert torch.equal(want_q, ref.rope_qnorm(q, cos_h, sin_h, 1e-6))
+    _close(got_q, want_q)
+    assert torch.equal(want, ref.rope_hadamard(x, cos_h, sin_h, fp4))
     if not fp4:
         _close(out, want, steps=2.0 if dtype != torch.float32 else 64.0)
         return
@@ -433,6 +440,30 @@ def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
     _states_equal(state, other, exact=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compressor_step_pair(dtype):
+    """A CSA layer's KV compressor (fp8 entries, no rotation) and its indexer's (fp4 keys, Hadamard)
+    stepped in one launch, token by token over two closing windows, against the reference's two
+    compressor_step calls; the shared window RoPE is the layer's."""
+    comp, state, hidden = _compressor_case(True, 4, 48, "fp8", dtype, seed=74)
+    icomp, istate, _ = _compressor_case(True, 4, 32, "fp4", dtype, seed=75)
+    states = [(state, istate), (_clone_state(state), _clone_state(istate))]
+
+    def run(impl, st):
+        def step(_, __, x, ctx, inv, rotate):
+            from dsv4.ops import reference as r
+            f32 = torch.float32
+            cos, sin = r.rope_cos_sin(ctx.positions // 4 * 4, inv)
+            args = [(r.linear(x, c.wkv.w, out_dtype=f32), r.linear(x, c.wgate.w, out_dtype=f32), c.ape, s_,
+                     c.norm.weight, c.norm.eps, rot) for c, s_, rot in ((comp, st[0], False), (icomp, st[1], True))]
+            impl(*args[0], *args[1], ctx.slots, ctx.positions, cos, sin)
+        return step
+    _decode_run(comp, None, hidden, False, 9, run(ref.compressor_step_pair, states[0]), seed=76)
+    _decode_run(comp, None, hidden, False, 9, run(KERNELS["compressor_step_pair"], states[1]), seed=76)
+    for a, b in zip(*states):
+        _states_equal(a, b, exact=False)
+
+
 # ----------------------------------------------------------------------------- MoE router
 def _router_inputs(T: int, E: int, D: int, k: int, seed: int, device=DEV, dtype=torch.float32, big: bool = True):
     """Activations, a gate weight (logits ~ N(0, 9)), a selection bias, a hash table and token ids."""
@@ -565,9 +596,15 @@ def test_gpu_quant_and_stores(batch):
             assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), layout
     ang = torch.rand(batch, 1, 32, generator=_gen(125)).to(GDEV) * 1000
     ch, sh = ang.cos().unsqueeze(2), ang.sin().unsqueeze(2)
-    _close(KERNELS["rope_hadamard"](qi, ch, sh, False), ref.rope_hadamard(qi, ch, sh, False), steps=1.0)
-    got, want = KERNELS["rope_hadamard"](qi, ch, sh, True), ref.rope_hadamard(qi, ch, sh, True)
-    assert (got == want).float().mean() > 0.99
+    q = _g(batch, 1, 64, 512, seed=128, scale=2.0)             # Flash's attention queries beside the indexer's
+    for fp4 in (False, True):
+        got_q, got = KERNELS["queries_prepare"](q, ch, sh, 1e-6, qi, fp4)
+        want_q, want = ref.queries_prepare(q, ch, sh, 1e-6, qi, fp4)
+        _close(got_q, want_q, steps=1.0)
+        if fp4:
+            assert (got == want).float().mean() > 0.99
+        else:
+            _close(got, want, steps=1.0)
     g, u = _g(batch, 2048, seed=126, scale=4.0, dtype=torch.float32), _g(batch, 2048, seed=127, scale=4.0,
                                                                            dtype=torch.float32)
     _close(KERNELS["swiglu"](g, u, 10.0), ref.swiglu(g, u, 10.0), steps=8.0)
@@ -615,6 +652,49 @@ def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
     ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
     KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate)
     _states_equal(a, b, exact=False)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@gpu
+def test_gpu_compressor_step_pair(batch):
+    """Flash's CSA step: the KV compressor (512, fp8 entries) and the indexer's (128, fp4 keys,
+    Hadamard) in one launch against the reference's two steps; then replayed in a CUDA graph."""
+    a, width = _gpu_compressor(512, 4, True, "fp8", 33, seed=170)
+    ia, iwidth = _gpu_compressor(128, 4, True, "fp4", 33, seed=171)
+    b, ib = _clone_state(a), _clone_state(ia)
+    slots = torch.randperm(33, generator=_gen(172))[:batch].to(GDEV)
+    pos = torch.randint(0, 4000, (batch, 1), generator=_gen(173)).to(GDEV)
+    pos[::2] = (pos[::2] // 4) * 4 + 3                                # half of the rows close a window
+    kv, gate = _g(batch, 1, width, seed=174, dtype=torch.float32), _g(batch, 1, width, seed=175, dtype=torch.float32)
+    ikv, igate = _g(batch, 1, iwidth, seed=176, dtype=torch.float32), _g(batch, 1, iwidth, seed=177, dtype=torch.float32)
+    ape, w = _g(4, width, seed=178, dtype=torch.float32), _g(512, seed=179, dtype=torch.float32) + 1
+    iape, iw = _g(4, iwidth, seed=180, dtype=torch.float32), _g(128, seed=181, dtype=torch.float32) + 1
+    ang = (pos // 4 * 4).float() * torch.rand(32, generator=_gen(182)).to(GDEV)
+    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+
+    def args(s1, s2):
+        return (kv, gate, ape, s1, w, 1e-6, False, ikv, igate, iape, s2, iw, 1e-6, True, slots, pos, cos, sin)
+    ref.compressor_step_pair(*args(a, ia))
+    saved = [_clone_state(b), _clone_state(ib)]
+    KERNELS["compressor_step_pair"](*args(b, ib))
+    _states_equal(a, b, exact=False)
+    _states_equal(ia, ib, exact=False)
+    after = [_clone_state(b), _clone_state(ib)]
+    c, ic = saved
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        KERNELS["compressor_step_pair"](*args(c, ic))
+    c2, ic2 = _clone_state(saved[0]), _clone_state(saved[1])
+    for st, src in ((c, c2), (ic, ic2)):             # back to the state before the step, then replay
+        for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
+            getattr(st, name).copy_(getattr(src, name))
+        for t, u in zip(st.entries.tensors(), src.entries.tensors()):
+            t.copy_(u)
+    graph.replay()
+    torch.cuda.synchronize()
+    _states_equal(after[0], c, exact=True)
+    _states_equal(after[1], ic, exact=True)
 
 
 @pytest.mark.parametrize("geo", ["flash", "pro"])

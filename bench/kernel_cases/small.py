@@ -99,6 +99,7 @@ def _cache_cases(k, ref, dev, tag, T) -> list[Case]:
     kvr = ref.q_kv_prepare(qa, qw, 1e-6, kv, w, 1e-6, cos, sin, ring)[1]
     at = (slots.unsqueeze(1), rows)
     qi = _rand(T, 1, INDEX_HEADS, INDEX_DIM, dev=dev)
+    qh = _rand(T, 1, 64, HD, dev=dev)                                     # Flash's 64 attention heads
     ch, sh = cos.unsqueeze(2), sin.unsqueeze(2)
     row_bytes = HD - RD + (HD - RD) // 64 + RD * 2            # 448 fp8 + 7 e8m0 + 64 bf16
     out = [
@@ -109,9 +110,10 @@ def _cache_cases(k, ref, dev, tag, T) -> list[Case]:
         Case("small", f"store_rows fp8 ring {tag}", lambda: k["store_rows"](ring, slots.unsqueeze(1), rows, kvr),
              bytes=kvr.numel() * 2 + T * row_bytes + 2 * T * 8, peer=PEER,
              peer_fn=lambda: ref.store_rows(ring, slots.unsqueeze(1), rows, kvr)),
-        Case("small", f"rope_hadamard fp4 {tag}", lambda: k["rope_hadamard"](qi, ch, sh, True),
-             bytes=2 * qi.numel() * 2 + 2 * cos.numel() * 4, peer=PEER,
-             peer_fn=lambda: ref.rope_hadamard(qi, ch, sh, True)),
+        Case("small", f"queries_prepare (attention + indexer, fp4) {tag}",
+             lambda: k["queries_prepare"](qh, ch, sh, 1e-6, qi, True),
+             bytes=2 * (qi.numel() + qh.numel()) * 2 + 2 * cos.numel() * 4, peer=PEER,
+             peer_fn=lambda: ref.queries_prepare(qh, ch, sh, 1e-6, qi, True)),
     ]
     for name, dim, ratio, overlap, layout, rotate in (("csa", HD, 4, True, "fp8", False),
                                                        ("indexer", INDEX_DIM, 4, True, "fp4", True),

@@ -80,22 +80,29 @@ class Attention(nn.Module):
         at = (ctx.slots.view(ctx.positions.shape), ctx.ring_rows(self.window)) if ctx.one_token_rows else ()
         qr, kv = fused.q_kv_prepare(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight,
                                     self.kv_norm.eps, rope.cos, rope.sin, cache.ring, *at)  # kv [B, S, hd] as stored
-        # queries: low-rank (wq_a, q_norm, wq_b), then per head an RMS norm without weight and RoPE
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = fused.rope_qnorm(q, cos_h, sin_h, self.eps)                             # [B, S, H, hd]
+        # queries: low-rank (wq_a, q_norm, wq_b), then per head an RMS norm without weight and RoPE.
+        # CSA: the indexer's queries project the same qr (its own wq_b): one GEMV for both, then
+        # one launch prepares both (the indexer's: RoPE, Hadamard, QAT: FP4; see Indexer.forward)
+        if self.kind == "csa":
+            q, iq = fused.linear_pair(qr, self.wq_b.w, self.indexer.wq_b.w, self.wq_b.act_quant, self.wq_b.pow2)
+            q, iq = fused.queries_prepare(q.unflatten(-1, (self.n_heads, self.head_dim)), cos_h, sin_h, self.eps,
+                                          iq.unflatten(-1, (self.indexer.n_heads, self.indexer.dim)), ctx.qat_sim)
+        else:
+            q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+            q, iq = fused.rope_qnorm(q, cos_h, sin_h, self.eps), qr                 # iq: unused
 
-        o = ctx.per_group(self._attend, q, kv, x, qr, cache=cache, stored=bool(at))  # [B, S, H, hd]
+        o = ctx.per_group(self._attend, q, kv, x, iq, cache=cache, stored=bool(at))  # [B, S, H, hd]
         # grouped output projection: heads in G groups, group g times its own r rows of wo_a
         #   o [B, S, H*hd] -> [B, S, G, H*hd/G] --wo_a (per group)--> [B, S, G, r] --wo_b--> [B, S, D]
         o = self.wo_a(o.flatten(2).unflatten(-1, (self.groups, -1)))
         return self.tp.all_reduce_sum(self.wo_b(o.flatten(2)))     # tensor parallel: sum of the ranks' heads
 
-    def _attend(self, ctx: ForwardContext, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, qr: torch.Tensor,
+    def _attend(self, ctx: ForwardContext, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, iq: torch.Tensor,
                 cache: LayerCache, stored: bool) -> torch.Tensor:
         """The part of attention that reads and writes a row's own state, for rows of one length:
-        compressor and indexer, sparse attention over window + compressed entries, then the window
-        store (unless ``stored``: the decode step's ``q_kv_prepare`` wrote the rows already).
-        ``q [b, s, H, hd]`` -> ``[b, s, H, hd]``."""
+        compressor and indexer (``iq``: its prepared queries), sparse attention over window +
+        compressed entries, then the window store (unless ``stored``: the decode step's
+        ``q_kv_prepare`` wrote the rows already). ``q [b, s, H, hd]`` -> ``[b, s, H, hd]``."""
         # What a query at t attends to, one softmax with the head's sink logit in the denominator:
         #
         #   sliding:  [ window t-W+1 .. t ]
@@ -103,7 +110,7 @@ class Attention(nn.Module):
         #   CSA:      [ window ] + [ the indexer's top-k of those entries ]           (m = 4)
         comp = dict(comp=None)
         if self.kind != "sliding":
-            comp = self._compressed(x, qr, ctx, cache)
+            comp = self._compressed(x, iq, ctx, cache)
         # K=V output un-rotation (done by the attention as it writes its output). The values are
         # the keys, so they carry RoPE at their *key* positions s; the softmax-weighted sum mixes
         # them. Rotating the output back by the *query* position t leaves each value's rope dims
@@ -138,12 +145,17 @@ class Attention(nn.Module):
         rows = ctx.ring_rows(self.window)[:, S - keep:]                              # [B, keep]
         fused.store_rows(cache.ring, ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
 
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
+    def _compressed(self, x: torch.Tensor, iq: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments
         of :func:`dsv4.ops.sparse_attention`: the store and the indexer's picks (CSA) or each
         query's visible length (HCA)."""
         # compressed entries first (a query sees entries of windows that closed at or before it)
         comp = cache.compressor
+        if self.kind == "csa" and ctx.seq_len == 1:
+            # decode: the KV compressor's step and the indexer's (same tokens, positions and ratio)
+            # in one launch, then the indexer's queries against its keys
+            self.compressor.decode_step_with(self.indexer.compressor, x, ctx, comp, cache.indexer)
+            return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer, keys_done=True))
         new = self.compressor(x, ctx, comp)
         if new is not None:                     # a chunk: RoPE at each window's first position, then store
             entries, pos = new
@@ -151,6 +163,6 @@ class Attention(nn.Module):
             store_entries(comp, ctx, ops.apply_rope(entries, cos, sin), pos)
         bound = ctx.entry_bound(self.ratio, comp.max_entries)
         if self.kind == "csa":
-            return dict(comp=comp.entries, comp_idx=self.indexer(x, qr, ctx, cache.indexer))
+            return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer))
         # HCA attends to every visible entry: entry w is visible from position (w + 1) * m - 1 on
         return dict(comp=comp.entries, comp_len=ctx.visible_entries(self.ratio), comp_bound=bound)

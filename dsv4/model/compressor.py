@@ -55,9 +55,7 @@ class Compressor(nn.Module):
         """
         m, slots = self.ratio, ctx.slots
         B, S, _ = x.shape
-        f32 = torch.float32
-        kv = self.wkv(x, f32)                                                  # [B, S, width]
-        gate = self.wgate(x, f32)
+        kv, gate = self.project(x)
         if S == 1:       # decode: the window row, the closing entry and its store in one op
             # the same math as below for one token (tests/test_triton_small.py checks the two
             # agree); RoPE at the window's start, where the entry closing now sits
@@ -119,6 +117,22 @@ class Compressor(nn.Module):
             state.prev_kv[slots] = prev_kv.gather(1, pick).squeeze(1)
             state.prev_gate[slots] = prev_gate.gather(1, pick).squeeze(1)
         return entry, plan.entry_pos
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``C = x wkv^T`` and ``Z = x wgate^T`` (without ``ape``), fp32: one GEMV for both at decode
+        (plain weights never round their input)."""
+        return fused.linear_pair(x, self.wkv.w, self.wgate.w, self.wkv.act_quant, self.wkv.pow2, torch.float32)
+
+    def decode_step_with(self, other: "Compressor", x: torch.Tensor, ctx: ForwardContext, state: CompressorState,
+                         other_state: CompressorState) -> None:
+        """:meth:`forward` at ``S = 1`` for this compressor and ``other`` (same ratio: a CSA layer's
+        and its indexer's), the two steps in one launch."""
+        kv, gate = self.project(x)
+        kv2, gate2 = other.project(x)
+        cos, sin = ctx.window_rope(self.ratio)
+        fused.compressor_step_pair(kv, gate, self.ape, state, self.norm.weight, self.norm.eps, self.rotate,
+                                   kv2, gate2, other.ape, other_state, other.norm.weight, other.norm.eps, other.rotate,
+                                   ctx.slots, ctx.positions, cos, sin)
 
     @staticmethod
     def _aligned(window_rows: torch.Tensor, length: int) -> torch.Tensor:

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops import fused
 from ..config import ModelConfig
 from .cache import CompressorState
 from .common import ForwardContext, Linear
@@ -38,24 +37,22 @@ class Indexer(nn.Module):
         self.compressor = Compressor(c.hidden_size, c.index_head_dim, ratio, True, c.rms_norm_eps, dtype,
                                      rotate=True)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, state: CompressorState
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, iq: torch.Tensor, ctx: ForwardContext, state: CompressorState,
+                keys_done: bool = False) -> torch.Tensor:
         """Update the indexer keys with ``x [B, S, D]`` and return each query's picks
         ``[B, S, k]`` int64: compressed-entry indices, ``-1`` where fewer than ``k`` are visible.
+        ``iq [B, S, nI, d]``: the queries, ``wq_b(qr)`` rotated like the keys (RoPE, then the Hadamard
+        rotation; QAT: FP4), which the attention prepares beside its own (same ``qr``, same positions). ``keys_done``: this forward's keys are in the
+        state already (a decode step: the attention ran this compressor's step beside its own).
 
         ``k = min(index_topk, bound)`` with ``bound`` the entries this forward can see at most.
         """
-        rope = ctx.rope["compress"]
-
-        new = self.compressor(x, ctx, state)
+        new = None if keys_done else self.compressor(x, ctx, state)
         if new is not None:                     # a chunk: RoPE, the Hadamard rotation, then store
             entries, pos = new
             cos, sin = window_plan(ctx, self.ratio).entry_rope(ctx)      # shared by the ratio's compressors
             store_entries(state, ctx, ops.hadamard(ops.apply_rope(entries, cos, sin)), pos)  # FP4 under QAT
 
-        # queries from the attention's low-rank qr, rotated like the keys (RoPE, then Hadamard; QAT: FP4)
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.dim))
-        q = fused.rope_hadamard(q, rope.cos.unsqueeze(2), rope.sin.unsqueeze(2), ctx.qat_sim)  # [B, S, nI, d]
         w = self.weights_proj(x, torch.float32)
         # Score every entry a query of this forward could see, masked per query. Ratio m = 4,
         # query at t = 13 (visible: (13 + 1) // 4 = 3 entries), bound = 5 (a longer row's reach):
@@ -65,6 +62,6 @@ class Indexer(nn.Module):
         #   top-4:   picks 0, 2, 1, 3  ->  0, 2, 1, -1   (a pick at s >= visible, a -inf tie, is dropped)
         bound = ctx.entry_bound(self.ratio, state.max_entries)
         visible = ctx.visible_entries(self.ratio)                                        # [B, S]
-        scores = ops.indexer_scores(q, state.entries, ctx.slots, w, bound, self.dim ** -0.5 * self.n_heads ** -0.5,
+        scores = ops.indexer_scores(iq, state.entries, ctx.slots, w, bound, self.dim ** -0.5 * self.n_heads ** -0.5,
                                     visible)                                             # [B, S, bound]
         return ops.topk_indices(scores, min(self.topk, bound), visible)                 # [B, S, k]

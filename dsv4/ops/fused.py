@@ -51,11 +51,6 @@ def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, val
     return _call("store_rows", values.device, None, store, slot_idx, row_idx, values)
 
 
-def rope_hadamard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp4: bool) -> torch.Tensor:
-    """RoPE + Hadamard (+ FP4 round trip); see :func:`reference_fused.rope_hadamard`."""
-    return _call("rope_hadamard", x.device, None, x, cos, sin, fp4)
-
-
 def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
                     positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                     sin: torch.Tensor, rotate: bool) -> None:
@@ -64,11 +59,26 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
                                                         cos, sin, rotate)
 
 
+def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, iq: torch.Tensor,
+                    fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_qnorm(q)`` and ``rope_hadamard(iq)`` in one call; see :func:`reference_fused.queries_prepare`."""
+    return _call("queries_prepare", q.device, None, q, cos, sin, eps, iq, fp4)
+
+
+def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
+                         norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor, gate2: torch.Tensor,
+                         ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor, eps2: float, rotate2: bool,
+                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Two compressors' decode steps in one call; see :func:`reference_fused.compressor_step_pair`."""
+    return _call("compressor_step_pair", kv.device, None, kv, gate, ape, state, norm_weight, eps, rotate, kv2, gate2,
+                 ape2, state2, norm_weight2, eps2, rotate2, slots, positions, cos, sin)
+
+
 def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor,
                     S: int, kept: torch.Tensor, plans: dict | None = None) -> None:
     """A compressor's windows rolled back after a verify forward; see :func:`reference_fused.window_rollback`."""
     return _call("window_rollback", start.device, None, state, saved, slots, start, S, kept, plans)
 
 
-__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard",
-           "compressor_step", "window_rollback"]
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows",
+           "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback"]

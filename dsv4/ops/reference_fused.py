@@ -119,6 +119,25 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
         state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
 
 
+def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, iq: torch.Tensor,
+                    fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CSA layer's two query preparations at the same positions: the attention's
+    (:func:`rope_qnorm` of ``q [..., H, hd]``) and the indexer's (:func:`rope_hadamard` of
+    ``iq [..., nI, d]``); ``cos``/``sin`` broadcast against both (``[..., 1, rd/2]``)."""
+    return rope_qnorm(q, cos, sin, eps), rope_hadamard(iq, cos, sin, fp4)
+
+
+def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
+                         norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor, gate2: torch.Tensor,
+                         ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor, eps2: float, rotate2: bool,
+                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Two compressors' decode steps on the same tokens (a CSA layer's KV compressor and its
+    indexer's: same slots, positions, ratio, hence the same window RoPE): :func:`compressor_step`
+    of each."""
+    compressor_step(kv, gate, ape, state, slots, positions, norm_weight, eps, cos, sin, rotate)
+    compressor_step(kv2, gate2, ape2, state2, slots, positions, norm_weight2, eps2, cos, sin, rotate2)
+
+
 def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor,
                     S: int, kept: torch.Tensor, plans: dict | None = None) -> None:
     """Roll a compressor's open (and, overlap, previous) window back after a forward of ``S >= 2``
@@ -154,5 +173,5 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
         t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
 
 
-__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows", "rope_hadamard",
-           "compressor_step", "window_rollback"]
+__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows",
+           "rope_hadamard", "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback"]

@@ -33,9 +33,11 @@ Two kernels, chosen by the number of rows ``M`` (``SKINNY_MAX_M``):
 
 ``grouped_linear`` (``wo_a``, no activation quantization) runs the same kernels with a group
 index in the grid: group ``g`` multiplies ``x[..., g, :]`` by rows ``g*r:(g+1)*r``. ``linear_pair``
-(``wq_a`` and ``wkv``, one input) runs the decode kernel once over both weights' row tiles.
+(two weights on one input: ``wq_a`` and ``wkv``, ``wq_b`` and the indexer's ``wq_b``, a
+compressor's ``wkv`` and ``wgate``) runs the decode kernel once over both weights' row tiles; it
+also takes plain (BF16) weights there: ``tl.dot`` of the weight as stored, fp32 accumulation.
 
-Plain ``torch.Tensor`` weights are not registered: they stay on the reference (cuBLAS).
+Plain ``torch.Tensor`` weights are not registered for ``linear``: they stay on the reference (cuBLAS).
 """
 
 from __future__ import annotations
@@ -174,6 +176,13 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, w2_ptr, s2_ptr, g2_ptr, out_ptr, 
             else:
                 wd = (w.to(tl.float32) * sw[:, None]).to(xr.dtype)
                 acc = tl.dot(wd, tl.trans(xr), acc, input_precision=PREC)
+        elif FMT == 4:  # ------------------------------------------------ plain (BF16 precision floor)
+            kk = k0 + tl.arange(0, 128)
+            k_ok = kk < K
+            w = tl.load(w_ptr + wrows[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            xr = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(w.to(xr.dtype), tl.trans(xr), acc, input_precision=PREC)
         else:  # ------------------------------------------------------ MXFP4 / NVFP4
             lo, hi = _fp4_tile(w_ptr, s_ptr, g_ptr, wrows, r_ok, k0, K, stride_wn, stride_sn, FMT,
                                FMT == 3 and not ACT_QUANT, BN)
@@ -338,6 +347,11 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def _weight_args(w: object, who: str) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(format code, data, scale, global scale (or a dummy), bytes per K value) of a packed weight,
     validated (2-D, contiguous, the block sizes the kernels assume)."""
+    if isinstance(w, torch.Tensor):         # a plain weight (only the decode pair takes one)
+        if w.dim() != 2 or not w.is_contiguous() or not w.is_floating_point():
+            raise LinearKernelError(f"{who}: a plain weight must be a contiguous float [N, K], got "
+                                    f"{tuple(w.shape)} {w.dtype}")
+        return int(FormatCode.BF16), w, w, w, float(w.element_size())
     name = getattr(w, "name", None) or "<unnamed weight>"
     if len(w.shape) != 2:
         raise LinearKernelError(f"{who}: weight {name} has shape {tuple(w.shape)}; the kernel takes one 2-D "
@@ -512,29 +526,50 @@ def linear_triton(x: torch.Tensor, w: object, act_quant: bool = False, pow2: boo
     return out.view(*x.shape[:-1], N)
 
 
+def _one_format(w1: object, w2: object) -> bool:
+    """The two weights share one kernel format code (the pair kernel's constexpr) and storage type."""
+    if isinstance(w1, torch.Tensor) or isinstance(w2, torch.Tensor):
+        return isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and w1.dtype == w2.dtype
+    if type(w1) is not type(w2) or not hasattr(w2, "kernel_operands"):
+        return False
+    return w1.kernel_operands()[0] == w2.kernel_operands()[0]
+
+
+def _linear_op(x: torch.Tensor, w: object, act_quant: bool, pow2: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dsv4.ops.linear`` (whatever kernel is registered for ``w``'s format)."""
+    from ... import ops
+    return ops.linear(x, w, act_quant, pow2, out_dtype)
+
+
 def linear_pair_triton(x: torch.Tensor, w1: object, w2: object, act_quant: bool = False, pow2: bool = True,
                        out_dtype: torch.dtype | None = None, *, _config: dict | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two weights of one format on the same input (``wq_a`` and ``wkv``); see
     :func:`dsv4.ops.reference_fused.linear_pair`. Decode: one launch of the split-K GEMV over both
     weights' rows, the results views of one ``[..., N1 + N2]`` buffer. Prefill: the GEMM per weight.
-    ``_config`` forces the decode tiling (tests)."""
+    Plain weights (the compressor's BF16 ``wkv`` and ``wgate``) take the decode kernel's plain path
+    (their input is never rounded); their prefill is the reference's matmul. Weights of two formats:
+    a launch each. ``_config`` forces the decode tiling (tests)."""
     who = "linear_pair (triton)"
     _check_x(x, who)
     (N1, K), N2 = w1.shape[-2:], w2.shape[-2]
     if x.shape[-1] != K or w2.shape[-1] != K:
         raise LinearKernelError(f"{who}: x has shape {tuple(x.shape)}, the weights {tuple(w1.shape)} and "
                                 f"{tuple(w2.shape)}")
-    if type(w1) is not type(w2):
-        raise LinearKernelError(f"{who}: weights of two formats ({type(w1).__name__}, {type(w2).__name__})")
     out_dtype = out_dtype or x.dtype
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise LinearKernelError(f"{who}: out_dtype {out_dtype} not supported")
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    decode = 0 < x2.shape[0] <= SKINNY_MAX_M
+    if not _one_format(w1, w2) or (isinstance(w1, torch.Tensor) and not decode):
+        # weights of two formats (some exports mix them), or a plain pair's prefill: a launch each
+        return _linear_op(x, w1, act_quant, pow2, out_dtype), _linear_op(x, w2, act_quant, pow2, out_dtype)
+    if isinstance(w1, torch.Tensor):
+        act_quant = False                 # a plain weight's input is never rounded (reference.linear)
     out = runtime.empty((x2.shape[0], N1 + N2), out_dtype, x.device)
-    if 0 < x2.shape[0] <= SKINNY_MAX_M:
+    if decode:
         _run_skinny(x2.unsqueeze(1), w1, act_quant, pow2, out.unsqueeze(1), 1, N1, who, _config, w2=w2)
     else:
         _run(x2.unsqueeze(1), w1, act_quant, pow2, out[:, :N1].unsqueeze(1), 1, N1, who)
@@ -564,6 +599,7 @@ def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str
 
 
 REGISTRATIONS = [
+    ("linear_pair", torch.Tensor, linear_pair_triton),
     ("linear_pair", Fp8BlockWeight, linear_pair_triton),
     ("linear_pair", Mxfp4Weight, linear_pair_triton),
     ("linear_pair", Nvfp4Weight, linear_pair_triton),

@@ -7,8 +7,10 @@ this one; this module gathers their registrations.
 
 from __future__ import annotations
 
-from . import small_compressor, small_mhc, small_misc, small_quant, small_rollback, small_router, small_rows
+from . import (small_compressor, small_mhc, small_misc, small_quant, small_queries, small_rollback, small_router,
+               small_rows)
 
 REGISTRATIONS = [*small_mhc.REGISTRATIONS, *small_rows.REGISTRATIONS, *small_quant.REGISTRATIONS,
                  *small_misc.REGISTRATIONS, *small_compressor.REGISTRATIONS, *small_router.REGISTRATIONS,
+                 *small_queries.REGISTRATIONS,
                  *small_rollback.REGISTRATIONS]

@@ -1,7 +1,8 @@
 """A KV compressor's decode step in one launch (``compressor_step``, spec in
 ``dsv4.ops.reference_fused``): the batched compressor path takes ~60-120 small ops per call.
+``compressor_step_pair``: a CSA layer's KV compressor and its indexer's in the same launch.
 
-Grid: one program per decode row (slot). With ``r = pos % m``:
+Grid: one program per decode row (slot) and compressor. With ``r = pos % m``:
 
 - ``r < m - 1``: the token's ``C`` row and ``Z + ape[r]`` row go into the open window (row ``r``).
 - ``r = m - 1`` (the window closes, a device-side branch): the entry is pooled per channel over
@@ -77,11 +78,37 @@ def _zero(ptr, n, BLK: tl.constexpr):
 
 @triton.jit
 def _compressor_step_kernel(kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
-                            slot_ptr, pos_ptr, spos, w_ptr, eps, cos_ptr, sin_ptr, data_ptr, scale_ptr, rope_ptr,
-                            rows_per_slot, NSCALE, M, W, DIM, Df, NOPE, RD2, hscale,
+                            w_ptr, eps, data_ptr, scale_ptr, rope_ptr, rows_per_slot, NSCALE, M, W, DIM, Df, NOPE,
+                            hscale,
+                            kv2_ptr, skv2, g2_ptr, sg2, ape2_ptr, win_kv2_ptr, win_g2_ptr, prev_kv2_ptr, prev_g2_ptr,
+                            w2_ptr, eps2, data2_ptr, scale2_ptr, rope2_ptr, rows_per_slot2, NSCALE2, M2, W2, DIM2,
+                            Df2, NOPE2, hscale2,
+                            slot_ptr, pos_ptr, spos, cos_ptr, sin_ptr, RD2,
                             OVERLAP: tl.constexpr, ROTATE: tl.constexpr, LAYOUT: tl.constexpr, POW2: tl.constexpr,
-                            MC: tl.constexpr, DP2: tl.constexpr, QP: tl.constexpr, BLK: tl.constexpr):
-    b = tl.program_id(0)
+                            MC: tl.constexpr, DP2: tl.constexpr, QP: tl.constexpr, BLK: tl.constexpr,
+                            OVERLAP2: tl.constexpr, ROTATE2: tl.constexpr, LAYOUT2: tl.constexpr, POW22: tl.constexpr,
+                            MC2: tl.constexpr, DP22: tl.constexpr, QP2: tl.constexpr, BLK2: tl.constexpr):
+    """Program ``(b, j)``: decode row ``b`` through compressor ``j``. Grid ``(B, 1)``: one
+    compressor; ``(B, 2)``: a CSA layer's KV compressor and its indexer's (the same tokens at the
+    same positions, one launch), the second's arguments after the first's."""
+    if tl.program_id(1) == 0:
+        _step(tl.program_id(0), kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
+              slot_ptr, pos_ptr, spos, w_ptr, eps, cos_ptr, sin_ptr, data_ptr, scale_ptr, rope_ptr,
+              rows_per_slot, NSCALE, M, W, DIM, Df, NOPE, RD2, hscale, OVERLAP, ROTATE, LAYOUT, POW2, MC, DP2, QP, BLK)
+    else:
+        _step(tl.program_id(0), kv2_ptr, skv2, g2_ptr, sg2, ape2_ptr, win_kv2_ptr, win_g2_ptr, prev_kv2_ptr,
+              prev_g2_ptr, slot_ptr, pos_ptr, spos, w2_ptr, eps2, cos_ptr, sin_ptr, data2_ptr, scale2_ptr, rope2_ptr,
+              rows_per_slot2, NSCALE2, M2, W2, DIM2, Df2, NOPE2, RD2, hscale2, OVERLAP2, ROTATE2, LAYOUT2, POW22,
+              MC2, DP22, QP2, BLK2)
+
+
+@triton.jit
+def _step(b, kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
+          slot_ptr, pos_ptr, spos, w_ptr, eps, cos_ptr, sin_ptr, data_ptr, scale_ptr, rope_ptr,
+          rows_per_slot, NSCALE, M, W, DIM, Df, NOPE, RD2, hscale,
+          OVERLAP: tl.constexpr, ROTATE: tl.constexpr, LAYOUT: tl.constexpr, POW2: tl.constexpr,
+          MC: tl.constexpr, DP2: tl.constexpr, QP: tl.constexpr, BLK: tl.constexpr):
+    """Decode row ``b`` through one compressor (the module docstring)."""
     slot = tl.load(slot_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b * spos).to(tl.int64)
     r = pos % M
@@ -227,7 +254,43 @@ def _compressor_step_kernel(kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_p
 def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
                            slots: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            cos: torch.Tensor, sin: torch.Tensor, rotate: bool) -> None:
-    op = "compressor_step"
+    args, consts = _plan("compressor_step", kv, gate, ape, state, slots, norm_weight, eps, cos, rotate)
+    _launch("compressor_step", 1, args, consts, args, consts, slots, positions, cos, sin)
+
+
+def compressor_step_pair_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
+                                norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor,
+                                gate2: torch.Tensor, ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor,
+                                eps2: float, rotate2: bool, slots: torch.Tensor, positions: torch.Tensor,
+                                cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Two compressors' decode steps (a CSA layer's and its indexer's) in one launch; see
+    :func:`dsv4.ops.reference_fused.compressor_step_pair`."""
+    op = "compressor_step_pair"
+    check(state.ratio == state2.ratio, op, f"ratios {state.ratio} and {state2.ratio}: the window RoPE is shared")
+    a = _plan(op, kv, gate, ape, state, slots, norm_weight, eps, cos, rotate)
+    b = _plan(op, kv2, gate2, ape2, state2, slots, norm_weight2, eps2, cos, rotate2)
+    _launch(op, 2, *a, *b, slots, positions, cos, sin)
+
+
+def _launch(op: str, n: int, args: tuple, consts: dict, args2: tuple, consts2: dict, slots: torch.Tensor,
+            positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The step of ``n`` compressors (1 or 2; with 1 the second argument set is the first's, unread)."""
+    B, rd2 = slots.shape[0], cos.shape[-1]
+    check(positions.numel() == B, op, f"positions {tuple(positions.shape)}: one per slot ({B})")
+    check(sin.shape == cos.shape, op, f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} differ")
+    check_float(op, sin=sin)
+    if B == 0:
+        return
+    pos2 = positions.reshape(B)
+    cos2, sin2 = cos.reshape(B, rd2).float().contiguous(), sin.reshape(B, rd2).float().contiguous()
+    _compressor_step_kernel[(B, n)](
+        *args, *args2, slots.reshape(B).contiguous(), pos2, pos2.stride(0) if B > 1 else 1, cos2, sin2, rd2,
+        **consts, **{k + "2": v for k, v in consts2.items()}, num_warps=8, enable_fp_fusion=False)
+
+
+def _plan(op: str, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
+          norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, rotate: bool) -> tuple[tuple, dict]:
+    """Check one compressor's decode inputs: ``(its kernel arguments, its constexprs)``."""
     m, B = state.ratio, slots.shape[0]
     overlap = state.prev_kv is not None
     width = state.win_kv.shape[-1]
@@ -237,12 +300,11 @@ def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tens
     check(kv.numel() == B * width and gate.numel() == B * width, op,
           f"kv {tuple(kv.shape)} / gate {tuple(gate.shape)}: need one row of {width} per slot ({B} slots)")
     check(tuple(ape.shape) == (m, width) and ape.dtype == torch.float32, op, f"ape {tuple(ape.shape)} {ape.dtype}")
-    check(positions.numel() == B, op, f"positions {tuple(positions.shape)}: one per slot ({B})")
     check(tuple(norm_weight.shape) == (dim,), op, f"norm weight {tuple(norm_weight.shape)}; needs ({dim},)")
-    check_float(op, cos=cos, sin=sin)
+    check_float(op, cos=cos)
     rd2 = cos.shape[-1]
-    check(cos.numel() == B * rd2 and sin.shape == cos.shape and 0 < 2 * rd2 <= dim and dim % 2 == 0, op,
-          f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: need [B, rd/2] with rd <= {dim}")
+    check(cos.numel() == B * rd2 and 0 < 2 * rd2 <= dim and dim % 2 == 0, op,
+          f"cos {tuple(cos.shape)}: need [B, rd/2] with rd <= {dim}")
     for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
         t = getattr(state, name)
         check(t is None or (t.dtype == torch.float32 and t.is_contiguous()), op, f"state.{name} must be "
@@ -254,8 +316,6 @@ def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tens
     check(layout is not None and store.dim == dim, op, f"entry store {store.layout!r} of width {store.dim}")
     for t in store.tensors():
         check(t.is_contiguous(), op, "entry store tensors must be contiguous")
-    if B == 0:
-        return
     nope, qp = dim, 16
     data, scale, rope, nscale = store.data, store.data, store.data, 1
     if layout == 1:
@@ -268,8 +328,6 @@ def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tens
     elif layout == 2:
         data, scale, nscale = store.data, store.scale, store.scale.shape[-1]
     kv2, g2 = rows(kv, width), rows(gate, width)
-    pos2 = positions.reshape(B)
-    cos2, sin2 = cos.reshape(B, rd2).float().contiguous(), sin.reshape(B, rd2).float().contiguous()
     mc = 1
     while mc < 8 and m % (2 * mc) == 0:
         mc *= 2
@@ -277,12 +335,13 @@ def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tens
     hscale = float(torch.tensor(dim ** -0.5, dtype=torch.float32))
     prev_kv = state.prev_kv if overlap else state.win_kv
     prev_g = state.prev_gate if overlap else state.win_gate
-    _compressor_step_kernel[(B,)](
-        kv2, row_stride(kv2), g2, row_stride(g2), ape.contiguous(), state.win_kv, state.win_gate, prev_kv, prev_g,
-        slots.reshape(B).contiguous(), pos2, pos2.stride(0) if B > 1 else 1, norm_weight.float().contiguous(),
-        float(eps), cos2, sin2, data, scale, rope, store.data.shape[1], nscale, m, width, dim, float(dim), nope, rd2,
-        hscale, OVERLAP=overlap, ROTATE=bool(rotate), LAYOUT=layout, POW2=bool(store.pow2), MC=mc, DP2=dp2, QP=qp,
-        BLK=min(1024, pow2(width)), num_warps=8, enable_fp_fusion=False)
+    args = (kv2, row_stride(kv2), g2, row_stride(g2), ape.contiguous(), state.win_kv, state.win_gate, prev_kv, prev_g,
+            norm_weight.float().contiguous(), float(eps), data, scale, rope, store.data.shape[1], nscale, m, width, dim,
+            float(dim), nope, hscale)
+    consts = dict(OVERLAP=overlap, ROTATE=bool(rotate), LAYOUT=layout, POW2=bool(store.pow2), MC=mc, DP2=dp2, QP=qp,
+                  BLK=min(1024, pow2(width)))
+    return args, consts
 
 
-REGISTRATIONS = [("compressor_step", None, compressor_step_triton)]
+REGISTRATIONS = [("compressor_step", None, compressor_step_triton),
+                 ("compressor_step_pair", None, compressor_step_pair_triton)]

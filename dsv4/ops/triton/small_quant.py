@@ -10,8 +10,9 @@
 - ``hadamard``: ``x @ H_n / sqrt(n)`` with the +-1 Sylvester matrix generated in registers
   (``H[i, j] = (-1)^popcount(i & j)``): a ``[BM, n] x [n, n]`` ``tl.dot`` (fp16/bf16 operands on
   the tensor cores, products exact; fp32 in IEEE mode), then one multiply by ``n^-1/2``.
-- ``rope_hadamard``: the indexer's query path in one launch: RoPE on the last ``rd`` dims of each
-  row, Hadamard, and (QAT) the FP4 round trip. The rotation is done on even/odd halves, so the
+- the indexer's query path (``rope_hadamard``, run by ``queries_prepare`` in
+  :mod:`.small_queries` beside the attention's queries): RoPE on the last ``rd`` dims of each row,
+  Hadamard, and (QAT) the FP4 round trip. The rotation is done on even/odd halves, so the
   Hadamard is two dots against ``H[0::2]`` and ``H[1::2]``.
 """
 
@@ -213,8 +214,17 @@ def _mul_pm1(x, h, IEEE: tl.constexpr, DOT: tl.constexpr):
 def _hadamard_kernel(x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale,
                      N: tl.constexpr, BM: tl.constexpr, ROPE: tl.constexpr, FP4: tl.constexpr, IEEE: tl.constexpr,
                      DOT: tl.constexpr, FB: tl.constexpr):
+    _hadamard_rows(tl.program_id(0), x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale, N, BM, ROPE, FP4, IEEE,
+                   DOT, FB)
+
+
+@triton.jit
+def _hadamard_rows(pid, x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale,
+                   N: tl.constexpr, BM: tl.constexpr, ROPE: tl.constexpr, FP4: tl.constexpr, IEEE: tl.constexpr,
+                   DOT: tl.constexpr, FB: tl.constexpr):
+    """Program ``pid``'s ``BM`` rows: RoPE (``ROPE``), the Hadamard rotation, the FP4 round trip (``FP4``)."""
     XDT: tl.constexpr = x_ptr.dtype.element_ty
-    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    r = pid * BM + tl.arange(0, BM)
     rm = r < R
     r64 = r.to(tl.int64)
     p = tl.arange(0, N // 2)                                            # pair index
@@ -247,6 +257,15 @@ def _hadamard_kernel(x_ptr, sx, cos_ptr, sin_ptr, y_ptr, R, G, RD2, scale,
 
 
 def _hadamard(op: str, x: torch.Tensor, cos=None, sin=None, fp4: bool = False) -> torch.Tensor:
+    y, args, consts, programs = hadamard_plan(op, x, cos, sin, fp4)
+    if programs:
+        _hadamard_kernel[(programs,)](*args, **consts, num_warps=4, enable_fp_fusion=False)
+    return y
+
+
+def hadamard_plan(op: str, x: torch.Tensor, cos=None, sin=None, fp4: bool = False
+                  ) -> tuple[torch.Tensor, tuple, dict, int]:
+    """Check a Hadamard row op and allocate its output: ``(y, arguments, constexprs, programs)``."""
     check_float(op, x=x)
     n = x.shape[-1]
     check(n & (n - 1) == 0 and 2 <= n <= 256, op, f"last dim {n}: the kernel does powers of two from 2 to 256")
@@ -261,23 +280,17 @@ def _hadamard(op: str, x: torch.Tensor, cos=None, sin=None, fp4: bool = False) -
               f"do not fit rows of {n}")
         cos, g = broadcast_rows(cos, lead, rd2, op, "cos")
         sin, _ = broadcast_rows(sin, lead, rd2, op, "sin")
-    if R == 0:
-        return y
     dot = n >= 32                                   # tl.dot tiles need K = n / 2 >= 16
     bm = 16 if dot else max(1, min(64, 4096 // (n * n // 2)))
-    _hadamard_kernel[(triton.cdiv(R, bm),)](
-        x2, row_stride(x2), cos if cos is not None else x2, sin if sin is not None else x2, y, R, g, rd2,
-        float(torch.tensor(n ** -0.5, dtype=torch.float32)), N=n, BM=bm, ROPE=cos is not None, FP4=bool(fp4),
-        IEEE=x.dtype == torch.float32, DOT=dot, FB=min(32, n), num_warps=4, enable_fp_fusion=False)
-    return y
+    args = (x2, row_stride(x2), cos if cos is not None else x2, sin if sin is not None else x2, y, R, g, rd2,
+            float(torch.tensor(n ** -0.5, dtype=torch.float32)))
+    consts = dict(N=n, BM=bm, ROPE=cos is not None, FP4=bool(fp4), IEEE=x.dtype == torch.float32, DOT=dot,
+                  FB=min(32, n))
+    return y, args, consts, triton.cdiv(R, bm)
 
 
 def hadamard_triton(x: torch.Tensor) -> torch.Tensor:
     return _hadamard("hadamard", x)
-
-
-def rope_hadamard_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp4: bool) -> torch.Tensor:
-    return _hadamard("rope_hadamard", x, cos, sin, fp4)
 
 
 REGISTRATIONS = [
@@ -285,5 +298,4 @@ REGISTRATIONS = [
     ("fp4_sim", None, fp4_sim_triton),
     ("store_rows", None, store_rows_triton),
     ("hadamard", None, hadamard_triton),
-    ("rope_hadamard", None, rope_hadamard_triton),
 ]
