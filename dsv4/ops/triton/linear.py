@@ -515,15 +515,20 @@ def linear_triton(x: torch.Tensor, w: object, act_quant: bool = False, pow2: boo
     N, K = w.shape[-2], w.shape[-1]
     if x.shape[-1] != K:
         raise LinearKernelError(f"{who}: x has shape {tuple(x.shape)} but the weight has shape {tuple(w.shape)}")
+    x2, out_dtype = _rows(x, K, out_dtype, who)
+    out = runtime.empty((x2.shape[0], N), out_dtype, x.device)
+    _run(x2.unsqueeze(1), w, act_quant, pow2, out.unsqueeze(1), 1, N, who, _path, _config)
+    return out.view(*x.shape[:-1], N)
+
+
+def _rows(x: torch.Tensor, K: int, out_dtype: torch.dtype | None, who: str) -> tuple[torch.Tensor, torch.dtype]:
+    """``x`` as ``[M, K]`` rows with a unit last stride, and the output dtype (``x``'s by default;
+    bf16, fp16 or fp32)."""
     out_dtype = out_dtype or x.dtype
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise LinearKernelError(f"{who}: out_dtype {out_dtype} not supported")
     x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = runtime.empty((x2.shape[0], N), out_dtype, x.device)
-    _run(x2.unsqueeze(1), w, act_quant, pow2, out.unsqueeze(1), 1, N, who, _path, _config)
-    return out.view(*x.shape[:-1], N)
+    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), out_dtype
 
 
 def _one_format(w1: object, w2: object) -> bool:
@@ -556,12 +561,7 @@ def linear_pair_triton(x: torch.Tensor, w1: object, w2: object, act_quant: bool 
     if x.shape[-1] != K or w2.shape[-1] != K:
         raise LinearKernelError(f"{who}: x has shape {tuple(x.shape)}, the weights {tuple(w1.shape)} and "
                                 f"{tuple(w2.shape)}")
-    out_dtype = out_dtype or x.dtype
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise LinearKernelError(f"{who}: out_dtype {out_dtype} not supported")
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, out_dtype = _rows(x, K, out_dtype, who)
     decode = 0 < x2.shape[0] <= SKINNY_MAX_M
     if not _one_format(w1, w2) or (isinstance(w1, torch.Tensor) and not decode):
         # weights of two formats (some exports mix them), or a plain pair's prefill: a launch each
