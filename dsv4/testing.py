@@ -8,6 +8,7 @@ module (``tests/test_testing_helpers.py`` checks).
 
     prefill(runner, 0, [5, 6, 7])                 # -> logits of the last token [vocab]
     decode(runner, [0], torch.tensor([9]))        # -> logits [1, vocab]
+    generate(engine, [(ids, params), ...])        # -> each request's final output, in order
 
 ``runner`` may be a :class:`~dsv4.engine.runner.Runner` or a tensor-parallel
 :class:`~dsv4.engine.distributed.ParallelRunner` (whose ``run`` reaches every rank).
@@ -64,3 +65,16 @@ def decode(runner, slots: Sequence[int], token_ids: Sequence[int] | torch.Tensor
     rows = tuple(Row(s, _length(runner, s), (t,), sample=False, logits=True) for s, t in zip(slots, ids))
     out = runner.run(ScheduledBatch(rows))
     return torch.stack([out.logits[i][0] for i in range(len(rows))])
+
+
+def generate(engine, requests: Sequence[tuple[Sequence[int], SamplingParams]], **add_kwargs) -> list:
+    """Add ``(prompt_ids, params)`` requests to an :class:`~dsv4.engine.core.Engine` (``add_kwargs``
+    go to ``add_request``), step it until nothing is left, and return each request's final
+    :class:`~dsv4.engine.core.CompletionOutput` in the order given."""
+    ids = [engine.add_request(p, params, **add_kwargs) for p, params in requests]
+    done = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.output
+    return [done[i] for i in ids]

@@ -58,6 +58,7 @@ def test_greedy_generation_with_speculation_in_graphs(model, method, policy):
     differently in the last bits), and the same logprobs to kernel precision until then. Without the
     speculation policy every step verifies; with it (probes every 8 steps) requests turn off and on,
     and steps with every request off overlap the host with the device."""
+    from dsv4 import testing
     from dsv4.engine.core import Engine
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampling import SamplingParams
@@ -77,13 +78,7 @@ def test_greedy_generation_with_speculation_in_graphs(model, method, policy):
             engine.spec_policy = SpecPolicy(probe_every=8) if policy else None
         if oracle is not None:
             engine.propose = oracle
-        rids = [engine.add_request(p, params) for p in prompts]
-        done = {}
-        while engine.has_unfinished:
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o.output
-        return [done[r] for r in rids], engine
+        return testing.generate(engine, [(p, params) for p in prompts]), engine
 
     want, _ = generate(None)
     oracle = None

@@ -94,6 +94,7 @@ def _generate(model, tok, graphs: bool, overlap: bool = True):
     from dsv4.engine.grammar import StructuredOutputsParams
     from dsv4.engine.runner import Runner
     from dsv4.engine.sampling import SamplingParams
+    from dsv4.testing import generate
     runner = Runner(model, max_num_seqs=4, max_model_len=256, qat_sim=True, max_num_batched_tokens=64)
     runner.full_bound = True
     if graphs:
@@ -105,13 +106,7 @@ def _generate(model, tok, graphs: bool, overlap: bool = True):
     spec = StructuredOutputsParams(json=SCHEMA)
     params = [SamplingParams(max_tokens=64 if s % 2 == 0 else 96, temperature=0.8, seed=s,
                              structured_outputs=spec if s % 2 == 0 else None, ignore_eos=s % 2 == 1) for s in range(4)]
-    ids = [engine.add_request(prompt, p, skip_special_tokens=False) for p in params]
-    done = {}
-    while engine.has_unfinished:
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.output
-    return [done[i] for i in ids], spy
+    return generate(engine, [(prompt, p) for p in params], skip_special_tokens=False), spy
 
 
 def test_mixed_batch_replays_the_forward_and_sampler_graphs(tiny):

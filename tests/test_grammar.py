@@ -20,6 +20,7 @@ llguidance = pytest.importorskip("llguidance")
 from dsv4.engine.grammar import StructuredOutputsParams, apply_token_bitmask  # noqa: E402
 from dsv4.engine.sampling import SamplingParams  # noqa: E402
 from dsv4.errors import RequestError  # noqa: E402
+from dsv4.testing import generate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
@@ -34,14 +35,7 @@ def llm():
 
 
 def _run(llm, prompts, params) -> list:
-    engine = llm.engine
-    ids = [engine.add_request(p, sp, skip_special_tokens=False) for p, sp in zip(prompts, params)]
-    done = {}
-    while engine.has_unfinished:
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.output
-    return [done[i] for i in ids]
+    return generate(llm.engine, list(zip(prompts, params)), skip_special_tokens=False)
 
 
 def _replay(llm, spec, tokens) -> bool:

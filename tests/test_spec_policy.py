@@ -22,6 +22,7 @@ from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.speculative import (DEFAULT_DISABLE_BY_BATCH_SIZE, SpecPolicy, SpeculativeConfig,
                                      verify_cost_ratio)
 from dsv4.errors import UsageError
+from dsv4.testing import generate
 
 TOKENS = 120
 PROBE = 16
@@ -37,28 +38,28 @@ def _engine(model, spec, slots: int = 3) -> Engine:
     return Engine(runner, None, eos_id=1)
 
 
-def _generate(engine: Engine, requests) -> list:
-    ids = [engine.add_request(p, params) for p, params in requests]
-    done = {}
-    while engine.has_unfinished:
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.output
-    return [done[i] for i in ids]
-
-
 @pytest.fixture(scope="module")
 def plain(model):
     rng = random.Random(4)
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=1, ignore_eos=True)
     requests = [([rng.randrange(2, 512) for _ in range(n)], params) for n in (9, 21, 14)]
-    return requests, _generate(_engine(model, None), requests)
+    return requests, generate(_engine(model, None), requests)
+
+
+def _truth(requests, want) -> dict:
+    """Each prompt's plain-decoding tokens, what a right draft continues."""
+    return {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
+
+
+def _right(truth: dict, req, k: int) -> list[int]:
+    """``k`` drafts that are all right: plain decoding's next tokens (padded past its end)."""
+    n = len(req.output_ids)
+    return (list(truth[tuple(req.prompt_ids)][n:n + k]) + [3] * k)[:k]
 
 
 def _wrong(truth: dict, req, k: int) -> list[int]:
     """``k`` drafts that are all wrong: plain decoding's next tokens plus one."""
-    n = len(req.output_ids)
-    return [(t + 1) % 512 for t in (list(truth[tuple(req.prompt_ids)][n:n + k]) + [3] * k)[:k]]
+    return [(t + 1) % 512 for t in _right(truth, req, k)]
 
 
 def _same(got, want) -> None:
@@ -111,9 +112,9 @@ def test_more_rows_than_disable_by_batch_size_decode_plainly(model, plain):
     plain rows are counted; the tokens are plain decoding's."""
     requests, want = plain
     engine = _engine(model, {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 2})
-    truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
-    engine.propose = lambda req: list(truth[tuple(req.prompt_ids)][len(req.output_ids):][:2]) + [3] * 2
-    got = _generate(engine, requests)
+    truth = _truth(requests, want)
+    engine.propose = lambda req: _right(truth, req, 2)
+    got = generate(engine, requests)
     _same(got, want)
     stats = engine.spec_stats
     assert stats.num_drafts == 0 and stats.num_policy_plain_rows >= 3 * (TOKENS - 2)
@@ -129,20 +130,17 @@ def test_policy_turns_wrong_drafts_off_and_keeps_right_ones(model, plain):
     tokens and right after (a probe turns it on again). Plain decoding's tokens and logprobs."""
     requests, want = plain
     k = 3
-    truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
-    kind = {tuple(p): i for i, (p, _) in enumerate(requests)}
+    truth, kind = _truth(requests, want), {tuple(p): i for i, (p, _) in enumerate(requests)}
 
     def propose(req):
-        n = len(req.output_ids)
-        right = list(truth[tuple(req.prompt_ids)][n:n + k]) + [3] * k
-        wrong = [(t + 1) % 512 for t in right]
         i = kind[tuple(req.prompt_ids)]
-        return (right if i == 0 or (i == 2 and n >= 40) else wrong)[:k]
+        right = i == 0 or (i == 2 and len(req.output_ids) >= 40)
+        return (_right if right else _wrong)(truth, req, k)
 
     engine = _engine(model, {"method": "ngram", "num_speculative_tokens": k})
     engine.spec_policy = SpecPolicy(probe_every=PROBE)
     engine.propose = propose
-    got = _generate(engine, requests)
+    got = generate(engine, requests)
     _same(got, want)
     right, wrong, late = (g.spec_decode for g in got)
     assert right.num_policy_plain_rows == 0 and right.num_accepted_tokens == k * right.num_drafts
@@ -161,13 +159,10 @@ def test_steps_of_one_kind_where_verify_graphs_replay(model, plain):
     verifies while its expected extra tokens pay for the verify step. Plain decoding's tokens."""
     requests, want = plain
     k = 3
-    truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
-    kind = {tuple(p): i for i, (p, _) in enumerate(requests)}
+    truth, kind = _truth(requests, want), {tuple(p): i for i, (p, _) in enumerate(requests)}
 
     def propose(req):
-        n = len(req.output_ids)
-        right = list(truth[tuple(req.prompt_ids)][n:n + k]) + [3] * k
-        return (right if kind[tuple(req.prompt_ids)] == 0 else [(t + 1) % 512 for t in right])[:k]
+        return (_right if kind[tuple(req.prompt_ids)] == 0 else _wrong)(truth, req, k)
 
     engine = _engine(model, {"method": "ngram", "num_speculative_tokens": k})
     engine.spec_policy = SpecPolicy(probe_every=PROBE)
@@ -181,7 +176,7 @@ def test_steps_of_one_kind_where_verify_graphs_replay(model, plain):
             kinds.append({r.is_verify for r in batch.rows})
         return run(batch)
     engine.runner.run = spy
-    got = _generate(engine, requests)
+    got = generate(engine, requests)
     _same(got, want)
     assert {True} in kinds and {False} in kinds and {True, False} not in kinds
     # the always-right request alone does not pay for verifying all three (1 + 3 < 3 x 2.15)
@@ -194,9 +189,9 @@ def test_without_the_policy_wrong_drafts_verify_every_step(model, plain):
     requests, want = plain
     engine = _engine(model, {"method": "ngram", "num_speculative_tokens": 3})
     engine.spec_policy = None
-    truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
+    truth = _truth(requests, want)
     engine.propose = lambda req: _wrong(truth, req, 3)
-    got = _generate(engine, requests[:1])
+    got = generate(engine, requests[:1])
     _same(got, want[:1])
     assert got[0].spec_decode.num_drafts == TOKENS - 2 and got[0].spec_decode.num_policy_plain_rows == 0
 
@@ -208,7 +203,7 @@ def test_policy_applies_to_mtp_drafts(model, plain):
     requests, want = plain
     engine = _engine(model, {"method": "mtp", "num_speculative_tokens": 2})
     engine.spec_policy = SpecPolicy(probe_every=PROBE)
-    got = _generate(engine, requests)
+    got = generate(engine, requests)
     _same(got, want)
     for g in got:
         s = g.spec_decode
@@ -222,7 +217,7 @@ def test_plain_steps_overlap_while_every_request_is_off(model, plain):
     collects the steps in flight first (the drafts follow the last token). Plain decoding's tokens;
     the verify steps only the first and the probes."""
     requests, want = plain
-    truth = {tuple(p): w.token_ids for (p, _), w in zip(requests, want)}
+    truth = _truth(requests, want)
     engine = _engine(model, {"method": "ngram", "num_speculative_tokens": 3})
     engine.overlap = True
     engine.spec_policy = SpecPolicy(probe_every=PROBE)
@@ -234,7 +229,7 @@ def test_plain_steps_overlap_while_every_request_is_off(model, plain):
         return launch(plan)
     engine._launch = spy
     engine.propose = lambda req: _wrong(truth, req, 3)
-    got = _generate(engine, requests)
+    got = generate(engine, requests)
     _same(got, want)
     assert sum(n > 0 for n in in_flight) > TOKENS // 2            # most steps launched with one in flight
     for g in got:

@@ -21,6 +21,7 @@ from dsv4.engine.runner import Runner
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.speculative import SpeculativeConfig, ngram_propose
 from dsv4.errors import UsageError
+from dsv4.testing import generate
 
 CONTEXT = 512
 
@@ -140,16 +141,6 @@ def _engine(model, spec, slots: int = 3, budget: int = 64):
     return Engine(runner, None, eos_id=1)
 
 
-def _generate(engine, requests):
-    ids = [engine.add_request(p, params) for p, params in requests]
-    done = {}
-    while engine.has_unfinished:
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.output
-    return [done[i] for i in ids]
-
-
 def _greedy_requests(seed: int, n: int = 3, max_tokens: int = 160):
     """Prompts with repeats (the n-gram drafter finds matches), greedy with logprobs; the third with
     repetition, frequency and presence penalties (each verify position sees the drafts before it)."""
@@ -166,7 +157,7 @@ def _greedy_requests(seed: int, n: int = 3, max_tokens: int = 160):
 
 @pytest.fixture(scope="module")
 def plain_outputs(model):
-    return _generate(_engine(model, None), _greedy_requests(1))
+    return generate(_engine(model, None), _greedy_requests(1))
 
 
 @pytest.mark.parametrize("method, k", [("ngram", 1), ("ngram", 2), ("ngram", 3), ("ngram", 4),
@@ -176,7 +167,7 @@ def test_greedy_speculation_equals_plain_decoding(model, plain_outputs, method, 
     steps), 160 tokens each (20 window wraps, 10 HCA windows): the same tokens and logprobs."""
     spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     engine = _engine(model, spec, budget=24)
-    got = _generate(engine, _greedy_requests(1))
+    got = generate(engine, _greedy_requests(1))
     for g, w in zip(got, plain_outputs):
         assert g.token_ids == w.token_ids
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
@@ -195,7 +186,7 @@ def test_speculation_with_prefix_caching(model, plain_outputs):
                     prefix_cache_bytes=8 << 20)
     engine = Engine(runner, None, eos_id=1)
     for _ in range(2):
-        got = _generate(engine, _greedy_requests(1))
+        got = generate(engine, _greedy_requests(1))
         for g, w in zip(got, plain_outputs):
             assert g.token_ids == w.token_ids
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
@@ -269,7 +260,7 @@ def test_speculative_sampling_matches_plain_sampling_distribution(model):
     engine = _engine(model, {"method": "mtp", "num_speculative_tokens": 3}, slots=64, budget=1024)
     reqs = [(prompt, SamplingParams(temperature=1.0, top_k=4, seed=i, max_tokens=3, ignore_eos=True))
             for i in range(1500)]
-    outs = _generate(engine, reqs)
+    outs = generate(engine, reqs)
     assert engine.spec_stats.num_drafts > 0
     # the exact conditional distribution of token 2 given token 1, from plain forwards
     firsts = sorted({o.token_ids[0] for o in outs})
@@ -338,7 +329,7 @@ def plain_500(model):
     rng = random.Random(10)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (13, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=500, logprobs=0, ignore_eos=True)
-    return [(p, params) for p in prompts], _generate(_inject_engine(model, None), [(p, params) for p in prompts])
+    return [(p, params) for p in prompts], generate(_inject_engine(model, None), [(p, params) for p in prompts])
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -358,7 +349,7 @@ def test_injected_drafts_500_tokens_equal_plain_decoding(model, plain_500, k):
         return [t if rng.random() < 0.6 else (t + 1 + rng.randrange(500)) % 512 for t in right]
     engine.propose = propose
     engine.spec_policy = None           # every step verifies: every rollback depth, whatever the acceptance
-    got = _generate(engine, requests)
+    got = generate(engine, requests)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
