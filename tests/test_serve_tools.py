@@ -14,6 +14,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import re
+import time
 
 import httpx
 import pytest
@@ -263,7 +264,6 @@ def test_a_slow_prompt_preparation_does_not_hold_up_the_event_loop(server, monke
 
     def slow_encode(text, *a, **kw):
         if "[[slow]]" in text:
-            import time
             time.sleep(1.5)
         return encode(text, *a, **kw)
 
@@ -272,7 +272,6 @@ def test_a_slow_prompt_preparation_does_not_hold_up_the_event_loop(server, monke
         slow = pool.submit(httpx.post, server.url + "/v1/chat/completions", timeout=60,
                            json={"model": "tiny", "messages": [{"role": "user", "content": "[[slow]] hi"}],
                                  "max_tokens": 2})
-        import time
         time.sleep(0.3)                                   # the slow request is being prepared now
         t0 = time.monotonic()
         assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 200
