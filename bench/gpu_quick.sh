@@ -12,6 +12,11 @@
 #   spec_zero (issue 25: engine tokens/s with always-wrong drafts vs plain, batch 1 and 32),
 #   tune (decode GEMV tiling search), perf (per-kernel table; perf_moe: its MoE rows), humming (the
 #   humming-kernels MoE peer vs our fused MoE: W4A16 MXFP4, Flash, 1/8/32 tokens; bench/humming_peer.py);
+#   mixed (bench/profile_mixed.py: decode rows + one prompt chunk in one step, host vs device time),
+#   struct (issue 26: the structured-outputs GPU tests, then decode tok/s 0/50/100% constrained),
+#   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
+#   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz; load from .whl/triton_cache.tgz:
+#   a later call of the same session skips the compiles);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
 set -uo pipefail
 steps=("${@:-tests}")
@@ -103,6 +108,14 @@ decode)
   t 170 decode_bench.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format fp8-mxfp4 \
     --ops kernels-graph --steps 10
   ;;
+mixed) t 150 profile_mixed.txt python3 bench/profile_mixed.py --layers 4 --format fp8-mxfp4 ;;
+struct)
+  pt 200 struct_tests.log tests/test_gpu_structured.py
+  t 160 structured_bench.txt python3 bench/structured_bench.py --layers 4 --batch 32 --tokens 128 --context 256
+  ;;
+spec_tests) pt 200 spec_tests.log tests/test_triton_rollback.py tests/test_gpu_speculative.py tests/test_gpu_batched_step.py ;;
+tcache_save) tar czf "$OUT/triton_cache.tgz" -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")"; ls -la "$OUT/triton_cache.tgz" ;;
+tcache_load) [ -f .whl/triton_cache.tgz ] && tar xzf .whl/triton_cache.tgz -C "$(dirname "$TRITON_CACHE_DIR")" && echo "triton cache loaded" ;;
 tune) t 420 tune_skinny.txt python3 bench/tune_skinny.py --geo flash --batch 1 ;;
 perf_moe) t 300 kernels_moe.txt python3 bench/kernels.py --families moe --out "$OUT/moe" ;;
 perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;
