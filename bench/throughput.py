@@ -5,7 +5,9 @@
 
 N requests with mixed prompt lengths and max_tokens (a fixed seed draws them) all arrive at once
 (latencies count from then).
-``continuous``: the scheduler admits a waiting request as soon as a slot frees. ``waves``: the
+``continuous``: the scheduler admits a waiting request as soon as a slot frees (``continuous-1``: the
+same with one decode step of the running requests in a step that runs a prompt chunk, as before
+``prefill_decode_steps``). ``waves``: the
 previous engine's behaviour, the next ``max_num_seqs`` requests start only when the whole wave is
 done. Prints output tok/s, requests/s, p50/p99 time to first token and inter-token latency per mode,
 the wall time of the steps that ran a prompt chunk against the decode-only steps (prefill is paid
@@ -63,8 +65,9 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
                 continue
             if o.request_id not in first:
                 first[o.request_id] = now - arrival[o.request_id]
-            else:
-                gaps.append(now - last[o.request_id])
+            else:      # a step that gave a request k tokens (several decode steps): k gaps of a k-th each
+                k = len(o.new_token_ids)
+                gaps.extend([(now - last[o.request_id]) / k] * k)
             last[o.request_id] = now
             if o.finished:
                 done[o.request_id] = len(o.output.token_ids)
@@ -74,10 +77,13 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
         admit(pending)
         pending = []
     # which steps ran a prompt chunk: their wall time is the prefill share of the run
-    runner, chunks = engine.runner, [0]
+    runner, chunks, substeps = engine.runner, [0], []
 
     def counted_run(batch):
-        chunks[0] += any(not row.is_decode for row in batch.rows)
+        chunk = any(not row.is_decode for row in batch.rows)
+        chunks[0] += chunk
+        if chunk and any(row.is_decode for row in batch.rows):
+            substeps.append(batch.decode_steps)
         return type(runner).run(runner, batch)
     runner.run = counted_run
     phase = {"prefill": [0, 0.0], "decode": [0, 0.0]}
@@ -105,7 +111,8 @@ def run(engine: Engine, reqs, mode: str, slots: int) -> dict:
                 ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99), itl_p50=pct(gaps, 0.5), itl_p99=pct(gaps, 0.99),
                 occupancy=occupancy, timeline=timeline, mean_batch=statistics.fmean(b for _, b in occupancy),
                 prefill_steps=phase["prefill"][0], prefill_s=phase["prefill"][1],
-                decode_steps=phase["decode"][0], decode_s=phase["decode"][1])
+                decode_steps=phase["decode"][0], decode_s=phase["decode"][1],
+                substeps=statistics.fmean(substeps) if substeps else 0.0)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -143,6 +150,8 @@ def main() -> None:
     ap.add_argument("--max-out", type=int, default=256)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--prefill-decode-steps", type=int, default=None,
+                    help="decode steps of the running requests in a step with a prompt chunk (default: auto)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     if args.model:
@@ -166,21 +175,26 @@ def main() -> None:
         runner.warm_up()
     compiled = compiled_variants()
     results = []
-    for mode in ("waves", "continuous"):
-        engine = Engine(runner, None, eos_id=1)
-        r = run(engine, reqs, mode, args.max_num_seqs)
+    # continuous-1: the running requests take one decode step in a step with a prompt chunk (the
+    # decode rows join the chunk's forward); continuous: as many as hide the chunk's launch time
+    for mode, steps in (("waves", None), ("continuous-1", 1), ("continuous", args.prefill_decode_steps)):
+        engine = Engine(runner, None, eos_id=1, prefill_decode_steps=steps)
+        r = run(engine, reqs, mode.split("-")[0], args.max_num_seqs)
+        r["mode"] = mode
         results.append(r)
-        print(f"{mode:<10} {r['tok_s']:9.1f} output tok/s {r['req_s']:7.2f} req/s | TTFT p50 {r['ttft_p50'] * 1e3:8.1f} "
+        print(f"{mode:<12} {r['tok_s']:9.1f} output tok/s {r['req_s']:7.2f} req/s | TTFT p50 {r['ttft_p50'] * 1e3:8.1f} "
               f"p99 {r['ttft_p99'] * 1e3:8.1f} ms | ITL p50 {r['itl_p50'] * 1e3:7.2f} p99 {r['itl_p99'] * 1e3:7.2f} ms | "
               f"mean batch {r['mean_batch']:.2f} | {r['seconds']:.1f} s | steps with a prompt chunk "
-              f"{r['prefill_steps']} ({r['prefill_s']:.1f} s), decode-only {r['decode_steps']} ({r['decode_s']:.1f} s)",
-              flush=True)
+              f"{r['prefill_steps']} ({r['prefill_s']:.1f} s; decode steps in them {r['substeps']:.1f}), "
+              f"decode-only {r['decode_steps']} ({r['decode_s']:.1f} s)", flush=True)
     late = compiled_variants() - compiled
     print(f"kernel variants compiled during the timed runs: {late}" + (" (compile stalls inflate the latencies)"
                                                                        if late else ""))
-    print(f"continuous / waves output throughput: {results[1]['tok_s'] / results[0]['tok_s']:.2f}x "
-          f"({args.requests} requests, max_num_seqs {args.max_num_seqs}); decode-only steps alone: "
-          f"{results[0]['decode_s'] / max(results[1]['decode_s'], 1e-9):.2f}x less time")
+    waves, one, cont = results
+    print(f"continuous / waves output throughput: {cont['tok_s'] / waves['tok_s']:.2f}x "
+          f"(with one decode step a prompt step: {one['tok_s'] / waves['tok_s']:.2f}x; {args.requests} requests, "
+          f"max_num_seqs {args.max_num_seqs}); decode-only steps alone: "
+          f"{waves['decode_s'] / max(cont['decode_s'], 1e-9):.2f}x less time")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "throughput.png")

@@ -1,7 +1,8 @@
 """Whole-step CUDA graphs in the engine (GPU only; run by bench/gpu_check.sh).
 
 For every tiny release (BF16, FP8+MXFP4, FP8+NVFP4) and QAT setting, graph replay gives the same
-tokens as eager steps (greedy and seeded sampling, every batch bucket as requests come and go),
+tokens as eager steps (greedy and seeded sampling, every batch bucket as requests come and go; also
+with 4 decode steps of the running requests in each step that admits a prompt),
 and a replayed step allocates nothing: the allocator's counters are flat over 100 steps.
 """
 
@@ -31,14 +32,22 @@ def _requests(vocab):
     return out
 
 
-def _generate(model, qat, graphs, requests):
+def _generate(model, qat, graphs, requests, steps=1):
     from dsv4.engine.core import Engine
     from dsv4.engine.runner import Runner
     runner = Runner(model, max_num_seqs=5, max_model_len=256, qat_sim=qat, max_num_batched_tokens=32)
     runner.full_bound = True
     if graphs:
         runner.capture(progress=False)
-    engine = Engine(runner, None, eos_id=1)
+    # the same decode steps in a step with a prompt chunk both ways (the default differs with graphs),
+    # so both run the same steps: a step's bf16 rounding depends on its rows
+    engine = Engine(runner, None, eos_id=1, prefill_decode_steps=steps)
+    run, runner.substeps = runner.run, 0
+
+    def counted(batch, before_sample=None):
+        runner.substeps += batch.decode_steps > 1
+        return run(batch, before_sample)
+    runner.run = counted
     ids = [engine.add_request(p, sp) for p, sp in requests]
     done = {}
     while engine.has_unfinished:
@@ -48,16 +57,19 @@ def _generate(model, qat, graphs, requests):
     return [done[i] for i in ids], runner
 
 
-@pytest.mark.parametrize("variant", ["bf16", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("variant,steps", [("bf16", 1), ("mxfp4", 1), ("nvfp4", 1), ("mxfp4", 4)])
 @pytest.mark.parametrize("qat", [False, True])
-def test_graph_replay_gives_the_eager_tokens(cache_dir, variant, qat):
+def test_graph_replay_gives_the_eager_tokens(cache_dir, variant, qat, steps):
+    """``steps`` 4: the running requests take 4 decode steps (graph replays) in each step that admits
+    a prompt, before the prompt's eager forward."""
     from dsv4.tiny import ensure_tiny
     from dsv4.weights.loader import load_model
     model, _ = load_model(ensure_tiny(cache_dir, variant), "cuda", torch.bfloat16, load_mtp=False, progress=False)
     reqs = _requests(model.config.vocab_size)
-    eager, _ = _generate(model, qat, False, reqs)
-    replay, runner = _generate(model, qat, True, reqs)
+    eager, _ = _generate(model, qat, False, reqs, steps)
+    replay, runner = _generate(model, qat, True, reqs, steps)
     assert runner.graphs, "no graph was captured"
+    assert (runner.substeps > 0) == (steps > 1)
     for (et, el), (gt, gl) in zip(eager, replay):
         assert et == gt
         if el is not None:

@@ -26,6 +26,7 @@ BAD = {
     "max_model_len": (-3, "-3"),
     "max_num_batched_tokens": (0, "0"),
     "long_prefill_token_threshold": (-1, "-1"),
+    "prefill_decode_steps": (0, "0"),
     "tensor_parallel_size": (0, "0"),
     "enforce_eager": ("yes", None),        # a boolean flag takes no value
     "warm_up": (1, None),
@@ -116,7 +117,8 @@ def test_a_cross_field_error_on_the_command_line_is_one_line_and_exit_status_2()
 
 
 ARGS = dict(device="cpu", dtype="fp32", qat_sim="off", max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
-            long_prefill_token_threshold=16, tensor_parallel_size=1, enforce_eager=True, warm_up=False,
+            long_prefill_token_threshold=16, tensor_parallel_size=1, prefill_decode_steps=3, enforce_eager=True,
+            warm_up=False,
             gpu_memory_utilization=0.5, threads=1, load_mtp=False, enable_prefix_caching=True, prefix_cache_gib=0.25,
             speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
 
@@ -143,6 +145,7 @@ def test_the_cli_and_the_python_api_build_the_same_config(command, tiny_checkpoi
             # ... and hands the resolved values down under the same names
             assert (llm.runner.max_num_seqs, llm.runner.max_model_len, llm.runner.max_num_batched_tokens) == (2, 256, 64)
             assert llm.engine.scheduler.long_prefill_token_threshold == 16
+            assert llm.engine.prefill_decode_steps == 3
         with LLM.from_config(from_cli, progress=False) as again:
             assert again.engine_config == from_cli
 

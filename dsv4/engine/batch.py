@@ -35,6 +35,9 @@ class Save:
     first_block: int
     blocks: tuple[int, ...]
     tail: tuple[int, ...]
+    #: in a step of several decode steps (:attr:`ScheduledBatch.decode_steps`): run after this one
+    #: (0-based) of them, where the slot's decode row reaches the block boundary; None: after the forward
+    decode_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,16 @@ class Row:
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """The rows of one step, each slot at most once; ``saves`` run after its forward."""
+    """The rows of one step, each slot at most once; ``saves`` run after its forward.
+
+    ``decode_steps`` > 1: every decode row (plain, sampled) takes that many decode steps, each a
+    replay of the captured decode step launched ahead of the other rows' forward, so the GPU decodes
+    while the host launches that eager forward (its launch time is the same tens of ms for a short
+    chunk as for a long one); each such row emits ``decode_steps`` tokens."""
 
     rows: tuple[Row, ...]
     saves: tuple[Save, ...] = ()
+    decode_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -111,7 +120,8 @@ class StepOutput:
 
     sampled: SampleOutput | None
     logits: dict[int, object]
-    #: a step with verify rows: how many tokens each sampled row emits (host ints, in row order);
-    #: ``sampled`` then holds ``[N, n]`` ids (logprobs ``[N, n]``, top ``[N, n, t]``), the first
-    #: ``emitted[i]`` of row ``i`` valid
+    #: a step whose rows emit several tokens (verify rows; decode rows of a step of several decode
+    #: steps): how many tokens each sampled row emits (host ints, in row order); ``sampled`` then
+    #: holds ``[N, n]`` ids (logprobs ``[N, n]``, top ``[N, n, t]``), the first ``emitted[i]`` of row
+    #: ``i`` valid
     emitted: list[int] | None = None

@@ -77,6 +77,12 @@ class EngineConfig:
     tensor_parallel_size: int | None = None
     """Split the model over N GPUs (cuda:0..N-1, or N CPU processes), one process each. Unset (None):
     torchrun's WORLD_SIZE, else 1."""
+    prefill_decode_steps: int | None = None
+    """Decode steps the running requests take in a step that also runs prompt chunks: each a replay
+    of the captured decode step, launched ahead of the chunks' eager forward, so the GPU decodes while
+    the host launches the chunks (tens of ms for a short chunk as for a long one). Unset (None): with
+    CUDA graphs 4 when the step's chunks hold at most 1024 tokens, else 1; 1: the decode rows run in
+    the chunks' forward, one token a step."""
     enforce_eager: bool = False
     """No CUDA graphs (on a GPU the decode step is otherwise captured at start-up, one graph per batch
     bucket, and replayed)."""
@@ -173,6 +179,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_num_batched_tokens": (lambda v: _is_int(v, 1), "an int >= 1"),
     "long_prefill_token_threshold": (lambda v: _is_int(v, 0), "an int >= 0 (0: no limit of its own)"),
     "tensor_parallel_size": (lambda v: v is None or _is_int(v, 1), "an int >= 1 or None"),
+    "prefill_decode_steps": (lambda v: v is None or (_is_int(v, 1) and v <= 64), "an int from 1 to 64 or None"),
     "enforce_eager": (lambda v: isinstance(v, bool), "a bool"),
     "warm_up": (lambda v: isinstance(v, bool), "a bool"),
     "gpu_memory_utilization": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)

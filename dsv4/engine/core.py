@@ -46,6 +46,18 @@ from .scheduler import Request, Scheduler, StepPlan
 from .speculative import Acceptance, SpecPolicy, SpecStats, ngram_propose, verify_cost_ratio
 
 
+#: ``prefill_decode_steps`` unset: with CUDA graphs, the decode rows of a step whose prompt chunks
+#: hold at most ``AUTO_DECODE_STEPS_MAX_CHUNK`` tokens take this many decode steps (graph replays
+#: launched before the chunks). Such a step's eager forward is launch-bound: on an H100 (Flash x4
+#: slice, bench/profile_mixed.py, 2026-11-27) launching it takes the host 28-32 ms at any chunk
+#: size, while the chunk's kernels take 13 ms (64 tokens) to 22 ms (512) and 37 ms (2048, where it
+#: turns GPU-bound) and a decode replay of 16 rows ~4.5 ms: four replays fill the GPU's idle time
+#: of a short chunk's step instead of giving each running request one token. A fixed count, not a
+#: live measurement, so that the same requests make the same steps (and tokens) run after run.
+AUTO_DECODE_STEPS = 4
+AUTO_DECODE_STEPS_MAX_CHUNK = 1024
+
+
 @dataclass
 class CompletionOutput:
     """One request's generation so far (cumulative). Times in seconds from its arrival."""
@@ -149,8 +161,13 @@ class Engine:
     """Continuous batching over one model: ``max_num_seqs`` slots of ``max_model_len`` positions."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer | None, eos_id: int, *,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, prefill_decode_steps: int | None = None):
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
+        if prefill_decode_steps is not None and prefill_decode_steps < 1:
+            raise ValueError(f"prefill_decode_steps must be >= 1 or None, got {prefill_decode_steps}")
+        #: decode steps the running requests take in a step with prompt chunks (None: what hides the
+        #: chunks' launch time, measured by the runner; see EngineConfig.prefill_decode_steps)
+        self.prefill_decode_steps = prefill_decode_steps
         # one step's tokens (decode rows + prompt chunks) run as one forward of at most the runner's
         # max_num_batched_tokens; one prompt's chunk may fill what decodes leave, or the threshold
         budget = runner.max_num_batched_tokens
@@ -343,9 +360,13 @@ class Engine:
             row = self._decode_row(req, None if track.constraint is not None else spec, off.get(req.request_id, False))
             rows.append(row)
             tracks.append(track)
+        steps = self._decode_steps(plan, rows, tracks)
+        for req, row in zip(plan.decode, rows):
             # a verify row's kept length is known after the step: decode-time saves are for plain rows
-            if cache is not None and not row.is_verify and (row.start + 1) % cache.block == 0:
-                saves += self._save_decoded(req, (row.start + 1) // cache.block)
+            for j in range(0 if cache is None or row.is_verify else steps):
+                if (row.start + j + 1) % cache.block == 0:
+                    found = self._save_decoded(req, (row.start + j + 1) // cache.block)
+                    saves += [dataclasses.replace(sv, decode_step=j) for sv in found] if steps > 1 else found
         mtp = self.speculative is not None and self.speculative.method == "mtp"
         restored = []
         for chunk in plan.prefill:
@@ -380,7 +401,7 @@ class Engine:
         if any(t.request.params.constrained for t in tracks):
             sampled_slots = [r.slot for r in rows if r.sample]
             before_sample = lambda: self._stage_masks(sampled_slots, tracks)   # noqa: E731
-        batch = ScheduledBatch(tuple(rows), tuple(saves))
+        batch = ScheduledBatch(tuple(rows), tuple(saves), steps)
         try:
             out = self.runner.run(batch) if before_sample is None else self.runner.run(batch, before_sample)
         except BaseException:
@@ -395,7 +416,7 @@ class Engine:
             cache.publish(*p)
         for i, logits in out.logits.items():
             _add_prompt_logprobs(self.tracks[chunks[i].request.request_id].out, chunks[i], logits)
-        self._verified = out.emitted is not None
+        self._verified = any(r.is_verify for r in rows)
         if out.sampled is None:
             return False
         if out.emitted is not None:
@@ -407,12 +428,33 @@ class Engine:
                     track.out.spec_decode.add(k, n - 1)
                     if self.spec_policy is not None:
                         self.spec_policy.verified(track.acceptance, n - 1)
-        if mtp and batch.decode_only:
+        if mtp and (batch.decode_only or steps > 1):
             # a plain decode step does not run the MTP block: these rows' drafts are now stale
-            for track in tracks:
-                track.acceptance.stale = True
+            for track, row in zip(tracks, [r for r in rows if r.sample]):
+                if row.is_decode:
+                    track.acceptance.stale = True
         self._queue(tracks, out.sampled, out.emitted)
         return True
+
+    def _decode_steps(self, plan: StepPlan, rows: list[Row], tracks: list[_Track]) -> int:
+        """How many decode steps the decode rows take in this step: 1, unless the step also runs
+        prompt chunks, every decode row is a plain row and no sampled row is constrained (a mask per
+        token needs the host between tokens); then ``prefill_decode_steps`` (None: see
+        :data:`AUTO_DECODE_STEPS`), no more than any decode row's context allows nor than the most
+        tokens a decode row still wants."""
+        if not plan.prefill or not rows or any(r.is_verify for r in rows):
+            return 1
+        if any(t.request.params.constrained for t in tracks) or \
+                any(c.last and c.request.params.constrained for c in plan.prefill):
+            return 1
+        n = self.prefill_decode_steps
+        if n is None:
+            short = sum(len(c.token_ids) for c in plan.prefill) <= AUTO_DECODE_STEPS_MAX_CHUNK
+            n = AUTO_DECODE_STEPS if self.runner.use_graphs and short else 1
+        room = min(self.runner.max_model_len - r.start for r in rows)
+        wanted = max(req.params.max_tokens - len(req.output_ids) - self.tracks[req.request_id].pending
+                     for req in plan.decode)
+        return max(1, min(n, room, wanted))
 
     def _stage_masks(self, slots: list[int], tracks: list[_Track]) -> None:
         """Between a step's forward and its sampler: collect the steps still in flight (a mask needs
@@ -511,8 +553,8 @@ class Engine:
     def _queue(self, tracks: list[_Track], sampled: SampleOutput, emitted: list[int] | None = None) -> None:
         """Start the device -> host copy of a step's sampled ids (into pinned buffers, so it runs
         asynchronously); remember whose they are."""
-        for t in tracks:
-            t.pending += 1
+        for i, t in enumerate(tracks):
+            t.pending += 1 if emitted is None else emitted[i]
         event = None
         if sampled.token_ids.is_cuda:
             top = sampled.top_logprobs
@@ -538,7 +580,7 @@ class Engine:
             self._pinned.release(sampled)
         outputs = []
         for row, track in enumerate(tracks):
-            track.pending -= 1
+            track.pending -= 1 if emitted is None else emitted[row]
             if emitted is None:
                 step = [(ids[row], lps[row] if lps else None, tops[row] if tops else None)]
             else:      # a verify step: [N, n] ids, the first emitted[row] of them this row's

@@ -175,7 +175,8 @@ class LLM:
     :class:`~dsv4.engine.config.EngineConfig` (each documented there, and checked when it is built):
     ``device``, ``dtype``, ``qat_sim``, ``max_num_seqs``, ``max_model_len``,
     ``max_num_batched_tokens``, ``long_prefill_token_threshold``, ``tensor_parallel_size``,
-    ``enforce_eager``, ``warm_up``, ``gpu_memory_utilization``, ``threads``, ``load_mtp``,
+    ``prefill_decode_steps``, ``enforce_eager``, ``warm_up``, ``gpu_memory_utilization``, ``threads``,
+    ``load_mtp``,
     ``enable_prefix_caching``, ``prefix_cache_gib``,
     ``speculative_config`` (see :mod:`dsv4.engine.speculative`: greedy requests give exactly the tokens
     of plain decoding, sampled ones the same distribution); the CLI's
@@ -260,7 +261,8 @@ class LLM:
         if dev.type == "cuda" and engine.warm_up:     # Triton compiles now, not in the middle of serving
             self.runner.warm_up(progress=progress)
         self.engine = Engine(self.runner, self.tokenizer, self.config.eos_token_id,
-                             long_prefill_token_threshold=engine.long_prefill_token_threshold)
+                             long_prefill_token_threshold=engine.long_prefill_token_threshold,
+                             prefill_decode_steps=engine.prefill_decode_steps)
 
     # ------------------------------------------------------------------ tensor parallel
     def _start_group(self, spec: RankSpec, world: int, progress: bool):

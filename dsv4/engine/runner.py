@@ -12,6 +12,10 @@ from there, so sampled ids never travel device -> host -> device), and the per-s
   batch of slots at their own positions. With CUDA graphs on (:meth:`capture`), it is one graph
   replay per batch bucket (1, 2, 4, ...): the batch is padded with the scratch slot, whose state
   nobody reads.
+- A step of several decode steps (``ScheduledBatch.decode_steps``, the engine's choice for a step
+  that also runs prompt chunks) replays the decode step that many times for its decode rows, then
+  runs the other rows' varlen forward: an eager forward costs the host tens of ms of launches at any
+  chunk size, and the GPU decodes meanwhile instead of idling.
 - A step with a constrained row (``SampleFlags.grammar``) runs its forward and its sampler apart
   (two graphs per bucket: the forward, shared by every flag set, and the sampler), and calls the
   caller's ``before_sample`` in between: the engine learns the previous step's tokens and stages
@@ -95,6 +99,7 @@ class Runner:
         self._uploads: dict[int, SlotUpload] = {}
         self.capture_seconds = 0.0
         self.graph_pool_bytes = 0
+
         #: the prefix cache's pages (``prefix_cache_bytes`` of them; None: caching off)
         self.prefix_store = (PrefixStore(self.state, block_size(model.config), prefix_cache_bytes)
                              if prefix_cache_bytes > 0 else None)
@@ -162,7 +167,12 @@ class Runner:
         slots = [r.slot for r in rows]
         if len(set(slots)) != len(slots):
             raise ValueError(f"a step got a slot twice: {slots}")
+        steps = batch.decode_steps
+        if steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {steps}")
         for r in rows:
+            if steps > 1 and r.is_decode and (r.is_verify or not r.sample or r.logits):
+                raise ValueError(f"slot {r.slot}: a step of {steps} decode steps takes plain sampled decode rows only")
             self._check_slot(r.slot)
             if r.new is not None and r.new.cached is not None and self.prefix_store is None:
                 raise ValueError(f"slot {r.slot}: a cached prefix to restore, but prefix caching is off")
@@ -171,14 +181,20 @@ class Runner:
                 raise ValueError(f"slot {r.slot}: row starts at {r.start}, the slot holds {have} tokens")
             if r.token_ids is not None and not r.token_ids:
                 raise ValueError(f"slot {r.slot}: a row needs at least one token")
-            if r.start + r.num_tokens > self.max_model_len:
-                raise ContextOverflowError(f"slot {r.slot}: {r.start} + {r.num_tokens} tokens exceed "
+            n = steps if r.is_decode else r.num_tokens
+            if r.start + n > self.max_model_len:
+                raise ContextOverflowError(f"slot {r.slot}: {r.start} + {n} tokens exceed "
                                            f"max_model_len={self.max_model_len}")
         ends = {r.slot: r.start + r.num_tokens for r in rows}
+        decoding = {r.slot: r.start for r in rows if r.is_decode}
         for sv in batch.saves:
             self._check_slot(sv.slot)
             end = (sv.first_block + len(sv.blocks)) * self.prefix_store.block if self.prefix_store else -1
-            if self.prefix_store is None or (sv.tail and ends.get(sv.slot, self.lengths[sv.slot]) != end):
+            at = ends.get(sv.slot, self.lengths[sv.slot])
+            if sv.decode_step is not None:       # after decode step j of a decode row: its length then
+                ok = steps > 1 and sv.slot in decoding and 0 <= sv.decode_step < steps
+                at = decoding[sv.slot] + sv.decode_step + 1 if ok else -1
+            if self.prefix_store is None or (sv.tail and at != end) or at < 0:
                 raise ValueError(f"slot {sv.slot}: cannot save {len(sv.blocks)} blocks from block {sv.first_block} "
                                  f"(prefix caching {'on' if self.prefix_store else 'off'})")
         for r in rows:
@@ -186,7 +202,9 @@ class Runner:
                 self.start(r.slot, r.new.params, r.new.prompt_ids)
                 if r.new.cached is not None:
                     self._restore(r.slot, r.new.cached)
-        if batch.decode_only:
+        if steps > 1:
+            out = self._run_decode_steps(rows, steps, batch.saves, before_sample)
+        elif batch.decode_only:
             out = StepOutput(self.decode_step(slots, before_sample), {})
         elif self.verify_graphs and self._verify_only(rows):
             if before_sample is not None:
@@ -195,8 +213,55 @@ class Runner:
         else:
             out = self._run_varlen(rows, before_sample)
         for sv in batch.saves:
-            self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
+            if sv.decode_step is None:
+                self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
         return out
+
+    def _run_decode_steps(self, rows: Sequence[Row], steps: int, saves: Sequence, before_sample) -> StepOutput:
+        """A step of ``steps`` decode steps: the decode rows' steps first (graph replays when
+        captured; each replay's outputs copied out before the next overwrites them; a save planned
+        after step j runs right after it), then one varlen forward of the other rows. The sampled
+        rows come back in row order as ``[N, steps]`` ids: a decode row's ``steps`` tokens, another
+        row's one token in column 0 (``emitted`` says how many)."""
+        dec = [r for r in rows if r.is_decode]
+        rest = [r for r in rows if not r.is_decode]
+        slots = [r.slot for r in dec]
+        after: dict[int, list] = {}
+        for sv in saves:
+            if sv.decode_step is not None:
+                after.setdefault(sv.decode_step, []).append(sv)
+        if before_sample is not None and not rest:
+            before_sample()
+            before_sample = None
+        outs = []
+        for j in range(steps if dec else 0):
+            o = self.decode_step(slots)
+            outs.append(SampleOutput(o.token_ids.clone(), None if o.logprobs is None else o.logprobs.clone(),
+                                     None if o.top_logprobs is None else tuple(t.clone() for t in o.top_logprobs)))
+            for sv in after.get(j, ()):
+                self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
+        other = self._run_varlen(rest, before_sample) if rest else StepOutput(None, {})
+        parts = []                              # (sampled rows in order, their [n, steps] outputs)
+        if outs:
+            tops = None if outs[0].top_logprobs is None else tuple(
+                torch.stack([o.top_logprobs[i] for o in outs], 1) for i in range(2))
+            parts.append((dec, SampleOutput(torch.stack([o.token_ids for o in outs], 1),
+                                            None if outs[0].logprobs is None else
+                                            torch.stack([o.logprobs for o in outs], 1), tops)))
+        if other.sampled is not None:
+            o = other.sampled
+            pad = lambda t, fill: torch.nn.functional.pad(t.unsqueeze(1), (0, steps - 1), value=fill)  # noqa: E731
+            parts.append(([r for r in rest if r.sample], SampleOutput(
+                pad(o.token_ids, -1), None if o.logprobs is None else pad(o.logprobs, 0.0),
+                None if o.top_logprobs is None else
+                tuple(torch.nn.functional.pad(t.unsqueeze(1), (0, 0, 0, steps - 1)) for t in o.top_logprobs))))
+        index = {i: j for j, i in enumerate(i for i, r in enumerate(rows) if not r.is_decode)}
+        logits = {i: other.logits[index[i]] for i in index if index[i] in other.logits}
+        sampled = [r for r in rows if r.sample]
+        if not parts:
+            return StepOutput(None, logits)
+        return StepOutput(_in_row_order(parts, sampled, self.device), logits,
+                          [steps if r.is_decode else 1 for r in sampled])
 
     def _restore(self, slot: int, cached) -> None:
         """Start ``slot`` from a cached prefix: its state copied in from the cache's pages (device
@@ -597,3 +662,33 @@ class Runner:
         graph, out = self._record(lambda: self._sample(fwd.slots, fwd.logits, flags))
         entry = self.sampler_graphs[(bucket, flags)] = StepGraph(graph, fwd.slots, out, scratch)
         return entry
+
+
+def _in_row_order(parts: list[tuple[list[Row], SampleOutput]], sampled: Sequence[Row], device) -> SampleOutput:
+    """Concatenate per-group sampled outputs ``[n_g, steps]`` (each group's rows in its own order)
+    and put them in ``sampled``'s order; logprobs zero and top logprobs zero-padded to the widest
+    where a group has none (the engine reads them only for the requests that asked)."""
+    where, at = {}, 0
+    for group, _ in parts:
+        where.update({r.slot: at + i for i, r in enumerate(group)})
+        at += len(group)
+    perm = upload_ints([where[r.slot] for r in sampled], device)
+    outs = [o for _, o in parts]
+    ids = torch.cat([o.token_ids for o in outs]).index_select(0, perm)
+    logprobs = None
+    if any(o.logprobs is not None for o in outs):
+        logprobs = torch.cat([o.token_ids.new_zeros(o.token_ids.shape, dtype=torch.float32) if o.logprobs is None
+                              else o.logprobs.float() for o in outs]).index_select(0, perm)
+    top = None
+    if any(o.top_logprobs is not None for o in outs):
+        w = max(o.top_logprobs[0].shape[-1] for o in outs if o.top_logprobs is not None)
+
+        def widen(o: SampleOutput, i: int) -> torch.Tensor:
+            if o.top_logprobs is None:
+                dtype = torch.int64 if i == 0 else torch.float32
+                return torch.zeros(*o.token_ids.shape, w, dtype=dtype, device=o.token_ids.device)
+            t = o.top_logprobs[i]
+            return torch.nn.functional.pad(t, (0, w - t.shape[-1]))
+        top = tuple(torch.cat([widen(o, i) for o in outs]).index_select(0, perm) for i in range(2))
+    return SampleOutput(ids, logprobs, top)
+
