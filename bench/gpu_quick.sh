@@ -14,6 +14,8 @@
 #   humming-kernels MoE peer vs our fused MoE: W4A16 MXFP4, Flash, 1/8/32 tokens; bench/humming_peer.py);
 #   mixed (bench/profile_mixed.py: decode rows + one prompt chunk in one step, host vs device time),
 #   struct (issue 26: the structured-outputs GPU tests, then decode tok/s 0/50/100% constrained),
+#   graphs_engine (graph replay = eager steps through the engine, also with decode steps in prompt steps),
+#   agent_users (64 users sharing a system prompt, then one conversation alone; caching off then on),
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz; load from .whl/triton_cache.tgz:
 #   a later call of the same session skips the compiles);
@@ -112,6 +114,16 @@ mixed) t 150 profile_mixed.txt python3 bench/profile_mixed.py --layers 4 --forma
 struct)
   pt 200 struct_tests.log tests/test_gpu_structured.py
   t 160 structured_bench.txt python3 bench/structured_bench.py --layers 4 --batch 32 --tokens 128 --context 256
+  ;;
+graphs_engine) pt 240 graphs_engine.log tests/test_cuda_graphs_engine.py ;;
+agent_users)   # issue 27's shared-system-prompt case alone, and one conversation alone (a turn's own TTFT)
+  start_random_server 16 200 36864
+  echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
+  t 90 bench_agent_users.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 64 --turns 1 \
+    --system-len 4096 --turn-len 256 --output-len 64 --plot "" --json "$OUT/bench_agent_users.json"
+  t 120 bench_agent_1.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 1 --turns 10 --system-len 4096 \
+    --turn-len 2560 --output-len 128 --plot "" --json "$OUT/bench_agent_1.json"
+  kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 spec_tests) pt 200 spec_tests.log tests/test_triton_rollback.py tests/test_gpu_speculative.py tests/test_gpu_batched_step.py ;;
 tcache_save) tar czf "$OUT/triton_cache.tgz" -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")"; ls -la "$OUT/triton_cache.tgz" ;;

@@ -131,8 +131,9 @@ def test_multi_turn_conversation_hits_the_last_turns_full_blocks(model):
 
 
 def test_same_new_prefix_twice_in_one_step_and_many_users(model):
-    """Requests admitted in the same step with the same new prefix both prefill it (nothing is
-    cached yet); later users with the same system prompt hit it."""
+    """Requests that arrive together with the same new prefix: the first one prefills it and saves
+    its state where the others part from it; they wait (holding no slot) and start from that state
+    instead of computing the prefix beside it; later users with the same system prompt hit it."""
     rng = random.Random(8)
     system = _tokens(rng, 3 * B + 2)
     prompts = [system + _tokens(rng, 9) for _ in range(3)]
@@ -141,9 +142,64 @@ def test_same_new_prefix_twice_in_one_step_and_many_users(model):
     on = _run(on_engine, prompts) + _run(on_engine, later)
     off = _run(_engine(model, None, slots=3, budget=512), prompts + later)
     _same(on, off)
-    assert [c for *_, c in on] == [0, 0, 0, 3 * B, 3 * B, 3 * B]
+    assert [c for *_, c in on] == [0, 3 * B, 3 * B, 3 * B, 3 * B, 3 * B]
     stats = on_engine.stats().prefix_cache
-    assert stats.hits == 9 * B and stats.queries == sum(len(p) for p in prompts + later)
+    assert stats.hits == 15 * B and stats.queries == sum(len(p) for p in prompts + later)
+
+
+def _arrive(engine: Engine, schedule: list[list[list[int]]], abort_first_at: int | None = None) -> list:
+    """Add ``schedule[k]`` before step k (then step until done); ``abort_first_at``: abort the first
+    request before that step. Each request's (tokens, logprobs, cached tokens, finish reason), in
+    arrival order."""
+    ids, done, k = [], {}, 0
+    while k < len(schedule) or engine.has_unfinished:
+        if k < len(schedule):
+            ids += [engine.add_request(p, _params()) for p in schedule[k]]
+        if k == abort_first_at:
+            engine.abort(ids[0])
+        k += 1
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.output
+    return [(done[i].token_ids, done[i].logprobs, done[i].num_cached_tokens, done[i].finish_reason) for i in ids]
+
+
+def test_a_request_arriving_mid_prefill_waits_for_the_prefix_it_shares(model):
+    """A request that shares 4 blocks with a prompt still being prefilled (a block a step) waits for
+    that prompt to reach them and save its state there (a save point added for it), then starts from
+    it; an unrelated request arriving after it is not held up. Everything equals caching off."""
+    rng = random.Random(29)
+    long = _tokens(rng, 6 * B + 3)
+    sharing = long[:4 * B] + _tokens(rng, 11)
+    other = _tokens(rng, 2 * B + 1)
+    schedule = [[long], [sharing], [other]]
+    engine = _engine(model, chunk=B, budget=B + 4)
+    admitted = []
+    schedule_fn = engine.scheduler.schedule
+
+    def spy():
+        plan = schedule_fn()
+        admitted.append({len(c.request.prompt_ids) for c in plan.prefill if c.first})
+        return plan
+    engine.scheduler.schedule = spy
+    on = _arrive(engine, schedule)
+    off = _arrive(_engine(model, None, chunk=B, budget=B + 4), schedule)
+    for a, b in zip(on, off, strict=True):
+        assert a[0] == b[0] and max(abs(x - y) for x, y in zip(a[1], b[1])) <= LOGPROB_TOL
+    assert [c for _, _, c, _ in on] == [0, 4 * B, 0]
+    first_step = {n: next(i for i, a in enumerate(admitted) if n in a) for n in map(len, (sharing, other))}
+    assert first_step[len(other)] < first_step[len(sharing)]       # the unrelated one went first
+
+
+def test_a_waiting_request_goes_ahead_when_the_prefix_it_waits_for_is_aborted(model):
+    rng = random.Random(31)
+    long = _tokens(rng, 6 * B + 3)
+    sharing = long[:4 * B] + _tokens(rng, 11)
+    engine = _engine(model, chunk=B, budget=B + 4)
+    on = _arrive(engine, [[long], [sharing]], abort_first_at=2)
+    off = _arrive(_engine(model, None, chunk=B, budget=B + 4), [[long], [sharing]], abort_first_at=2)
+    assert on[0][3] == off[0][3] == "abort"
+    assert on[1][0] == off[1][0] and on[1][2] == 0 and on[1][3] == "length"
 
 
 def test_eviction_keeps_results_and_cached_tokens_follow_what_is_left(model):

@@ -10,7 +10,10 @@ boundaries, where it parts from cached blocks other requests saved (so the secon
 system prompt saves a tail at its end, and the third one hits it), and where a request's decoding
 last crossed a boundary (kept when the request ends), so turn k+1 of a conversation hits
 everything up to turn k's last full block. Each save point in a prompt ends a prompt chunk there
-(one more step for the rest of that prompt).
+(one more step for the rest of that prompt). Requests that arrive together with a common prefix
+nobody has cached (many users of one system prompt at once) do not all compute it: the scheduler
+runs the first one, gives it a save point where the others part from it, and admits the others
+once that state is saved, from the cache (:meth:`Scheduler._waits_for_prefix`).
 
 A new request starts from its longest cached boundary at most ``len(prompt) - 1`` tokens in (at
 least one token is run, for the logits of the first output token); only the rest is prefilled.
@@ -162,6 +165,18 @@ class PrefixCache:
         self.stats.hits += hit * self.block
         return CachedPrefix(hit * self.block, tuple(nd.page for nd in chain), chain[-1].tail,
                             tuple(nd.key for nd in chain))
+
+    def tail_blocks(self, keys: Sequence[bytes]) -> int:
+        """Blocks of the longest cached chain prefix of ``keys`` that ends in a tail (what
+        :meth:`match` would restore), without referencing or counting anything."""
+        hit = 0
+        for i, key in enumerate(keys):
+            nd = self.nodes.get(key)
+            if nd is None:
+                break
+            if nd.tail:
+                hit = i + 1
+        return hit
 
     def shared_length(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Tokens of the longest chain of cached blocks ``tokens`` starts with (tails or not), up to

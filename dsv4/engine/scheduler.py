@@ -55,6 +55,7 @@ class Request:
     save_at: tuple[int, ...] = ()    # block boundaries in the prompt where its state is saved
     saved_blocks: int = 0            # blocks of this request known to be in the cache
     pending: Pending | None = None   # state saved while decoding, entered when the request ends
+    keys: list[bytes] | None = None  # the chained ids of the prompt's full blocks (prefix caching)
 
     @property
     def in_prefill(self) -> bool:
@@ -214,12 +215,17 @@ class Scheduler:
             if req is not None:
                 self.finish(req, "abort")
                 plan.finished.append(req)
+        deferred = []
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
+            if self.prefix_cache is not None and self._waits_for_prefix(req):
+                deferred.append(req)
+                continue
             req.slot, req.status = self.free_slots.pop(0), Status.RUNNING
             self.running.append(req)
             if self.prefix_cache is not None:
                 self._start_from_cache(req)
+        self.waiting.extendleft(reversed(deferred))      # still first in line, in arrival order
         budget = self.max_num_batched_tokens
         chunk = self.long_prefill_token_threshold or budget       # the most tokens of one prompt in a step
         plan.decode = [r for r in self.running if not r.in_prefill]
@@ -237,6 +243,39 @@ class Scheduler:
                 req.num_prefilled += n
                 budget -= n
         return plan
+
+    def _keys(self, req: Request) -> list[bytes]:
+        """The chained block ids of ``req``'s prompt (its full blocks), computed once."""
+        if req.keys is None:
+            b = self.prefix_cache.block
+            req.keys = block_keys(req.prompt_ids, b, len(req.prompt_ids) // b, root_key(req.cache_salt))
+        return req.keys
+
+    def _waits_for_prefix(self, req: Request) -> bool:
+        """Whether ``req`` waits (keeping its place in line, holding no slot) for a running request
+        to save a longer prefix of its prompt than the cache holds: one whose prompt shares more
+        blocks with ``req``'s than ``req`` would restore, and that has not computed them yet. That
+        request gets a save point where the two part (its chunk ends there, its state is saved), so
+        ``req`` is admitted a step or so later from the cache instead of computing the same prefix
+        beside it. It waits no longer than that request takes to reach the point: one that ends,
+        passes the point unsaved (no pages) or is aborted stops holding it."""
+        if req.params.prompt_logprobs is not None:
+            return False                     # such a request reuses nothing
+        b, keys = self.prefix_cache.block, self._keys(req)
+        usable = (len(req.prompt_ids) - 1) // b
+        have = self.prefix_cache.tail_blocks(keys[:usable])
+        for other in self.running:
+            if other.cache_salt != req.cache_salt or other.num_prefilled >= len(other.prompt_ids):
+                continue
+            theirs = self._keys(other)
+            n = 0
+            while n < min(usable, len(theirs)) and theirs[n] == keys[n]:
+                n += 1
+            if n > have and other.num_prefilled < n * b:
+                if n * b not in other.save_at:
+                    other.save_at = tuple(sorted(other.save_at + (n * b,)))
+                return True
+        return False
 
     def _start_from_cache(self, req: Request) -> None:
         cache = self.prefix_cache
