@@ -5,7 +5,8 @@ The oracle is plain decoding with the same constraint (fp32, the parity model wi
 tokenizer): greedy tokens and logprobs equal whatever the drafts (right, wrong, forbidden by the
 grammar at every depth), with thinking on and a thinking budget; :meth:`Constraint.draft_masks`
 equals the masks plain decoding computes token by token and leaves the constraint as it was; with
-sampling, the emitted distribution is the masked target's (chi-square).
+sampling, the emitted distribution is the masked target's (chi-square, of ``verify`` on fixed logits
+and through the engine).
 """
 
 from __future__ import annotations
@@ -311,3 +312,45 @@ def test_rejection_sampling_keeps_the_masked_target_distribution(knobs):
     second = tokens[kept >= 2, 1]
     assert second.numel() > 500
     assert _chi2_pvalue(torch.bincount(second, minlength=V), p1) > 1e-3
+
+
+def test_constrained_sampling_through_the_engine_keeps_the_masked_distribution(model, tok):
+    """Through the engine (n-gram verify rows, k = 2): 500 seeded requests constrained to a choice; the
+    second token, drawn by a verify step whose draft is the likeliest allowed token for half of them
+    and a forbidden one for the rest, follows the masked conditional distribution given the first
+    (chi-square against the exact probabilities: a plain forward and the grammar's mask)."""
+    prompt = tok.encode("Pick one.<｜Assistant｜></think>")
+    spec = StructuredOutputsParams(choice=CHOICE)
+    reqs = [(prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=4, structured_outputs=spec))
+            for i in range(500)]
+    engine = _engine(model, tok, {"method": "ngram", "num_speculative_tokens": 2}, slots=64)
+    engine.runner.max_num_batched_tokens = 1024
+    words = (engine.vocab_size + 31) // 32
+    plain = Runner(model, max_num_seqs=1, max_model_len=64)
+
+    def masked_next(after: list[int]) -> torch.Tensor:      # the masked distribution after prompt + after
+        c = engine.grammars.constraint(reqs[0][1], prompt, 4)
+        c.accept(after)
+        row = torch.empty(words, dtype=torch.int32)
+        c.mask_row(row)
+        ids = tuple(prompt + after)
+        logits = plain.run(ScheduledBatch((Row(0, 0, ids, sample=False, logits=True,
+                                               new=NewSequence(reqs[0][1], ids)),))).logits[0][-1]
+        ok = torch.tensor([(int(row[t // 32]) >> (t % 32)) & 1 for t in range(logits.numel())], dtype=torch.bool)
+        return torch.softmax(torch.where(ok, logits, -torch.inf), -1)
+
+    firsts = masked_next([]).nonzero().flatten().tolist()
+    cond = {t: masked_next([t]) for t in firsts}
+    forbidden = tok.special_id("<｜Assistant｜>")
+
+    def propose(req):
+        first = req.output_ids[0]
+        return [int(cond[first].argmax()) if req.params.seed % 2 else forbidden, forbidden]
+    engine.propose = propose
+    outs = generate(engine, reqs)
+    assert all(any(c.startswith(o.text) for c in CHOICE) for o in outs)    # cut at max_tokens, or whole
+    assert any(o.text in CHOICE for o in outs)
+    assert engine.spec_stats.num_drafts >= len(reqs) and 0 < engine.spec_stats.num_accepted_tokens
+    expected = sum(cond[o.token_ids[0]] for o in outs)
+    counts = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=expected.numel())
+    assert _chi2_pvalue(counts, expected / expected.sum()) > 1e-3
