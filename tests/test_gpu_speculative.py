@@ -102,3 +102,56 @@ def test_greedy_generation_with_speculation_in_graphs(model, method, policy):
             (_, first), (_, second) = w.top_logprobs[same][:2]
             assert first - second < 1e-3, f"diverged at {same} with a top-2 gap of {first - second}"
         torch.testing.assert_close(torch.tensor(o.logprobs[:same]), torch.tensor(w.logprobs[:same]), rtol=0, atol=2e-3)
+
+
+def test_verify_graph_applies_the_grammar_masks(model):
+    """A verify step with a constrained row (flag set ``grammar``) replays a verify graph that reads the
+    staged per-position masks (``TokenBitmask.draft_bits``, a static input): the same tokens and kept
+    counts as the eager varlen step with the same masks, each emitted token allowed at its position.
+    Each mask allows two tokens, one the row's draft there, so drafts are kept and rejected."""
+    from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
+    from dsv4.engine.grammar import StructuredOutputsParams
+    from dsv4.engine.runner import Runner
+    from dsv4.engine.sampling import SampleFlags, SamplingParams
+    k, V = 3, model.config.vocab_size
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    free = SamplingParams(temperature=0.0, logprobs=0, max_tokens=1000)
+    constrained = SamplingParams(temperature=0.0, logprobs=0, max_tokens=1000,
+                                 structured_outputs=StructuredOutputsParams(choice=["x"]))
+    g = torch.Generator().manual_seed(2)
+    ids = lambda n: tuple(torch.randint(2, V, (n,), generator=g).tolist())   # noqa: E731
+    prompts = {0: (ids(300), constrained), 1: (ids(200), free)}
+
+    def fresh() -> Runner:
+        r = Runner(model, max_num_seqs=2, max_model_len=1024, speculative=spec)
+        r.run(ScheduledBatch(tuple(Row(s, 0, p, new=NewSequence(q, p)) for s, (p, q) in prompts.items())))
+        return r
+
+    def pack(allowed: torch.Tensor) -> torch.Tensor:          # [..., V] bool -> [..., ceil(V/32)] int32
+        words = (V + 31) // 32
+        bits = torch.nn.functional.pad(allowed, (0, words * 32 - V)).view(*allowed.shape[:-1], words, 32)
+        w = (bits.long() << torch.arange(32)).sum(-1)
+        return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+    eager, graphed = fresh(), fresh()
+    graphed.capture_verify(flag_sets=[SampleFlags.of([constrained, free], V)], buckets=[2], progress=False)
+    for step in range(8):
+        drafts = ids(k)
+        allowed = torch.ones(2, k + 1, V, dtype=torch.bool)
+        allowed[0] = False
+        for i in range(k + 1):
+            allowed[0, i, torch.randint(2, V, (1,), generator=g)] = True
+            if i < k:
+                allowed[0, i, drafts[i]] = True
+        for r in (eager, graphed):
+            r.sampling.bitmask.draft_bits[:2] = pack(allowed).cuda()
+        rows = lambda r: (Row(0, r.lengths[0], draft=drafts), Row(1, r.lengths[1], draft=ids(k)))   # noqa: E731
+        g_state = g.get_state()
+        want = eager.run(ScheduledBatch(rows(eager)))
+        g.set_state(g_state)
+        got = graphed.run(ScheduledBatch(rows(graphed)))
+        assert got.emitted == want.emitted, f"step {step}"
+        assert torch.equal(got.sampled.token_ids.cpu(), want.sampled.token_ids.cpu()), f"step {step}"
+        emitted = got.sampled.token_ids[0, :got.emitted[0]].tolist()
+        assert all(allowed[0, i, t] for i, t in enumerate(emitted)), f"step {step}"
+    assert any(f.grammar for _, f, _ in graphed.verify_graphs)

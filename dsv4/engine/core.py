@@ -354,10 +354,8 @@ class Engine:
         spec = self.speculative
         off = self._policy_off(plan)
         for req in plan.decode:
-            # a constrained request decodes plainly: its mask for each draft position would need the
-            # drafts accepted first (Constraint.accept takes several tokens for when it does)
             track = self.tracks[req.request_id]
-            row = self._decode_row(req, None if track.constraint is not None else spec, off.get(req.request_id, False))
+            row = self._decode_row(req, spec if self._may_draft(track) else None, off.get(req.request_id, False))
             rows.append(row)
             tracks.append(track)
         steps = self._decode_steps(plan, rows, tracks)
@@ -399,8 +397,8 @@ class Engine:
         # the sampler applies masks when a row's params are constrained (SampleFlags.grammar), even
         # one without a Constraint (a thinking budget without thinking): every row gets a fresh one
         if any(t.request.params.constrained for t in tracks):
-            sampled_slots = [r.slot for r in rows if r.sample]
-            before_sample = lambda: self._stage_masks(sampled_slots, tracks)   # noqa: E731
+            sampled = [r for r in rows if r.sample]
+            before_sample = lambda: self._stage_masks(sampled, tracks)   # noqa: E731
         batch = ScheduledBatch(tuple(rows), tuple(saves), steps)
         try:
             out = self.runner.run(batch) if before_sample is None else self.runner.run(batch, before_sample)
@@ -456,16 +454,25 @@ class Engine:
                      for req in plan.decode)
         return max(1, min(n, room, wanted))
 
-    def _stage_masks(self, slots: list[int], tracks: list[_Track]) -> None:
+    def _stage_masks(self, rows: list[Row], tracks: list[_Track]) -> None:
         """Between a step's forward and its sampler: collect the steps still in flight (a mask needs
         its request's previous token; the device meanwhile runs this step's forward), then write
-        and upload each sampled row's mask. A request that ended on a collected token gets an
-        all-allowed row: its token in this step is dropped."""
+        and upload each sampled row's mask, a verify row's one per position (its drafts accepted
+        before each: :meth:`Constraint.draft_masks`; its request has no token in flight). A request
+        that ended on a collected token gets an all-allowed row: its token in this step is dropped."""
         for tracks_, sampled, event, emitted in self._inflight:
             self._collected += self._collect(tracks_, sampled, event, emitted)
         self._inflight = []
         self.runner.sampling.bitmask.stage(
-            [(s, None if t.request.finished else t.constraint) for s, t in zip(slots, tracks)])
+            [(r.slot, None if t.request.finished else t.constraint) for r, t in zip(rows, tracks)],
+            {r.slot: r.draft for r in rows if r.is_verify})
+
+    def _may_draft(self, track: _Track) -> bool:
+        """Whether a request may get verify rows: any with n-gram drafts (the host has them before it
+        stages the masks of every draft position); a constrained one with MTP drafts decodes plainly
+        (its drafts are on the device, and the masks would need them on the host first)."""
+        spec = self.speculative
+        return spec is not None and (track.constraint is None or spec.method != "mtp")
 
     def _policy_off(self, plan: StepPlan) -> dict[str, bool]:
         """Which decode rows the speculation policy keeps plain this step, by request id: all of
@@ -479,7 +486,7 @@ class Engine:
             return {}
         self._spec_step += 1
         rows = {r.request_id: self.tracks[r.request_id] for r in plan.decode
-                if self.tracks[r.request_id].constraint is None}
+                if self._may_draft(self.tracks[r.request_id])}
         if spec.disable_by_batch_size is not None and b > spec.disable_by_batch_size:
             return dict.fromkeys(rows, True)
         if policy is None:
@@ -503,7 +510,7 @@ class Engine:
             return True         # (the scheduler counts a verify row in flight as one token: collect it)
         running = [self.tracks[r.request_id] for r in self.scheduler.running if r.request_id in self.tracks]
         # the policy's ratio falls with the batch: at the running count it is at most the next step's
-        return any(t.constraint is None and (t.acceptance.follow or policy.pays(t.acceptance, len(running), spec.k))
+        return any(self._may_draft(t) and (t.acceptance.follow or policy.pays(t.acceptance, len(running), spec.k))
                    for t in running)
 
     def _decode_row(self, req: Request, spec, policy_off: bool) -> Row:

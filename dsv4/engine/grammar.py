@@ -14,9 +14,13 @@ collects the previous step, advances the grammars and stages the masks while the
 forward, and only then launches the sampler (:meth:`dsv4.engine.runner.Runner.run`'s ``before_sample``).
 
 Each accepted token advances the constraint (:meth:`Constraint.accept`, which takes several tokens
-so a speculative verify step can feed all the tokens it accepted). With thinking on (the prompt ends
-with ``<think>``) the reasoning is free text (no special token, no EOS) and the grammar starts after
-``</think>``; a ``thinking_token_budget`` forces ``</think>`` once the reasoning has used that many.
+so a speculative verify step can feed all the tokens it accepted). A speculative verify row with host
+(n-gram) drafts ``d1..dk`` gets ``1 + k`` masks, one per position: position ``i``'s is the mask after
+accepting ``d1..di`` (:meth:`Constraint.draft_masks`, on a copy of the matcher), written into
+:attr:`TokenBitmask.draft_bits`, which the verify step (and its graph) reads by slot like ``bits``.
+With thinking on (the prompt ends with ``<think>``) the reasoning is free text (no special token, no
+EOS) and the grammar starts after ``</think>``; a ``thinking_token_budget`` forces ``</think>`` once
+the reasoning has used that many.
 
 A grammar alone does not bound the output's length: a JSON string from a weak (or random) model may
 run on until ``max_tokens`` cuts it, and the answer does not parse. So a constraint knows its token
@@ -41,10 +45,11 @@ back, for speculative decoding.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -270,6 +275,45 @@ class Constraint:
             elif self.matcher is not None:
                 self.matcher.consume_token(int(t))
 
+    def mask_row(self, row: torch.Tensor) -> None:
+        """Write the bitmask of the tokens allowed next into ``row [ceil(V/32)]`` (int32, contiguous,
+        on the host): the one forced token, the text tokens during reasoning before a grammar,
+        everything while free, else the grammar's mask (narrowed to the closing tokens in the reserve)."""
+        only = self.only()
+        if only is not None:
+            _only_row(row, only)
+        elif self.free and self.reasoning and self.classes is not None:
+            row.copy_(self.classes.text)           # reasoning before a grammar: text and </think>
+        elif self.free:
+            row.fill_(ALL_ALLOWED)
+        else:
+            # ~7 us a row at a 129K vocabulary
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            if self.closing:        # keep the best closing tokens the grammar allows, if it allows any
+                kept = row & self.classes.tiers                                 # every tier at once
+                some = kept.any(1).nonzero()
+                if len(some):
+                    row.copy_(kept[some[0, 0]])
+
+    def draft_masks(self, drafts: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+        """The masks of a speculative verify row, without changing this constraint: ``out [n + 1,
+        ceil(V/32)]`` (host int32) gets, for the ``n`` drafts, row ``i`` = the mask plain decoding
+        applies after accepting ``drafts[:i]`` (reasoning, thinking budget, reserve and grammar
+        included), computed on a copy (the matcher's ``deep_copy``: well under a microsecond).
+        Rows after a draft its own row forbids hold an EOS-only mask: rejection sampling rejects
+        that draft (its masked probability is 0), so nothing after it is kept and any mask does."""
+        fork = copy.copy(self)
+        fork.matcher = None if self.matcher is None else self.matcher.deep_copy()
+        for i, d in enumerate(drafts):
+            fork.mask_row(out[i])
+            if not _allows(out[i], int(d)):
+                for j in range(i + 1, len(drafts) + 1):
+                    _only_row(out[j], self.eos_id)
+                return out
+            fork.accept([int(d)])
+        fork.mask_row(out[len(drafts)])
+        return out
+
     @property
     def free(self) -> bool:
         """True when the next token is unconstrained (reasoning within its budget, or no grammar)."""
@@ -302,52 +346,80 @@ class Constraint:
         return self.matcher.get_error() if self.matcher is not None and self.matcher.is_error() else None
 
 
+def _only_row(row: torch.Tensor, token: int) -> None:
+    """``row`` allows ``token`` alone."""
+    row.zero_()
+    row[token // 32] = 1 << (token % 32) if token % 32 != 31 else -(1 << 31)
+
+
+def _allows(row: torch.Tensor, token: int) -> bool:
+    """Whether bitmask ``row`` allows ``token``."""
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
 class TokenBitmask:
     """The allowed-token bitmask of every slot: ``bits [slots, ceil(V / 32)]`` int32 on the device
     (bit ``t % 32`` of word ``t // 32`` allows token t; llguidance's layout), filled from a
-    host copy before the step that reads it."""
+    host copy before the step that reads it. With speculative decoding (:meth:`enable_drafts`) also
+    ``draft_bits [slots, 1 + k, ceil(V / 32)]``: a verify row's mask at each of its positions."""
 
     def __init__(self, slots: int, vocab_size: int, device: torch.device | str):
         self.vocab_size, self.device = vocab_size, torch.device(device)
         words = (vocab_size + 31) // 32
         self.bits = torch.full((slots, words), ALL_ALLOWED, dtype=torch.int32, device=self.device)
         self.host = torch.full((slots, words), ALL_ALLOWED, dtype=torch.int32)
+        self.draft_bits: torch.Tensor | None = None
+        self.draft_host: torch.Tensor | None = None
 
-    def stage(self, rows: Sequence[tuple[int, Constraint | None]]) -> None:
+    def enable_drafts(self, k: int) -> None:
+        """Room for verify rows of up to ``k`` drafts (a static input of the verify graphs, like
+        ``bits`` of the decode graphs)."""
+        slots, words = self.bits.shape
+        self.draft_bits = torch.full((slots, k + 1, words), ALL_ALLOWED, dtype=torch.int32, device=self.device)
+        self.draft_host = torch.full((slots, k + 1, words), ALL_ALLOWED, dtype=torch.int32)
+
+    def stage(self, rows: Sequence[tuple[int, Constraint | None]],
+              drafts: Mapping[int, Sequence[int]] | None = None) -> None:
         """Write the masks of one step's sampled rows ``(slot, constraint or None)`` and start their
         copy to the device (ordered before the step on the stream). Rows without a constraint, or
-        in free reasoning, allow everything."""
-        host = self.host
-        grammar = []
+        in free reasoning, allow everything. A slot in ``drafts`` is a verify row with those host
+        drafts: its masks go to ``draft_bits``, one per position (:meth:`Constraint.draft_masks`;
+        a row without a constraint allows everything at every position, whatever its drafts)."""
+        drafts = drafts or {}
+        plain, verify = [], []
         for slot, c in rows:
-            only = None if c is None else c.only()
-            if only is not None:
-                host[slot].zero_()
-                host[slot, only // 32] = 1 << (only % 32) if only % 32 != 31 else -(1 << 31)
-            elif c is not None and c.free and c.reasoning and c.classes is not None:
-                host[slot] = c.classes.text          # reasoning before a grammar: text and </think>
-            elif c is None or c.free:
-                host[slot].fill_(ALL_ALLOWED)
+            if slot not in drafts:
+                plain.append(slot)
+                if c is None:
+                    self.host[slot].fill_(ALL_ALLOWED)
+                else:
+                    # one row at a time (llguidance's thread-pool executor measured 10x slower for
+                    # 32 rows: its hand-off costs more than the masks)
+                    c.mask_row(self.host[slot])
+                continue
+            verify.append(slot)
+            if c is None:
+                self.draft_host[slot].fill_(ALL_ALLOWED)
+            elif not drafts[slot]:
+                raise ValueError(f"slot {slot}: a constrained verify row needs its drafts on the host")
             else:
-                grammar.append((slot, c))
-        row_bytes = host.shape[1] * 4
-        for slot, c in grammar:
-            # one row at a time: ~7 us a row at a 129K vocabulary (llguidance's thread-pool executor
-            # measured 10x slower for 32 rows: its hand-off costs more than the masks)
-            c.matcher.unsafe_compute_mask_ptr(host[slot].data_ptr(), row_bytes)
-            if c.closing:           # keep the best closing tokens the grammar allows, if it allows any
-                kept = host[slot] & c.classes.tiers                             # every tier at once
-                some = kept.any(1).nonzero()
-                if len(some):
-                    host[slot] = kept[some[0, 0]]
-        slots = [s for s, _ in rows]
+                c.draft_masks(drafts[slot], self.draft_host[slot, :len(drafts[slot]) + 1])
         # the sampled slots' rows, staged through page-locked memory: the host never waits
-        self.bits.index_copy_(0, upload_ints(slots, self.device),
-                              upload(host.index_select(0, torch.tensor(slots)), self.device))
+        if plain:
+            self.bits.index_copy_(0, upload_ints(plain, self.device),
+                                  upload(self.host.index_select(0, torch.tensor(plain)), self.device))
+        if verify:
+            self.draft_bits.index_copy_(0, upload_ints(verify, self.device),
+                                        upload(self.draft_host.index_select(0, torch.tensor(verify)), self.device))
 
     def gather(self, slot_idx: torch.Tensor) -> torch.Tensor:
         """The rows of ``slot_idx`` (device ops only: capturable)."""
         return self.bits.index_select(0, slot_idx)
+
+    def gather_drafts(self, slot_idx: torch.Tensor, S: int) -> torch.Tensor:
+        """The masks of verify rows of ``S`` positions at ``slot_idx [b]``: ``[b * S, ceil(V/32)]``,
+        row-major by (row, position) (device ops only: capturable)."""
+        return self.draft_bits.index_select(0, slot_idx)[:, :S].flatten(0, 1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,9 @@ from there, so sampled ids never travel device -> host -> device), and the per-s
   of one length form one group of the varlen forward, then acceptance and the rollback of every
   layer to the kept length. A step of verify rows only replays a verify graph per batch bucket
   (:meth:`capture_verify`). The host learns each row's kept count at the end of the step (one sync).
+  A constrained verify row's masks, one per position, are staged by ``before_sample`` (before the
+  replay, or between the varlen forward and the acceptance) into the sampler's ``draft_bits``, a
+  static input of the verify graphs (flag set ``grammar``), like the decode graphs' bitmask.
 
 The host keeps its own count of each slot's length (it issued every token), which it uses to refuse
 a context overflow before touching any state.
@@ -85,6 +88,8 @@ class Runner:
         self.lengths = [0] * max_num_seqs             # host mirror of state.positions
         self.tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.sampling = SlotSampling(max_num_seqs + 1, model.config.vocab_size, self.device)
+        if spec is not None:
+            self.sampling.bitmask.enable_drafts(spec.k)     # a constrained verify row's mask per position
         self.graphs: dict[tuple[int, SampleFlags], StepGraph] = {}
         #: steps with a constrained row: the forward by bucket, the sampler by (bucket, flags)
         self.forward_graphs: dict[int, StepGraph] = {}

@@ -50,7 +50,18 @@ A step with both verify and plain rows is exact but runs the eager varlen step (
 of one kind, and an eager step costs several graph steps on a GPU), so with verify graphs a step of
 decode rows only is of one kind: all verify rows when the rows' expected extra tokens (the sum of
 ``average - 1``) pay for the verify step of the whole batch (``(ratio - 1) x rows``), else all
-plain (n-gram misses and constrained rows still mix).
+plain (n-gram misses and constrained rows with MTP drafts still mix).
+
+Constrained requests (structured outputs, :mod:`dsv4.engine.grammar`) verify n-gram drafts: before
+the step's acceptance the engine stages, for each constrained verify row, ``1 + k`` token bitmasks
+(:meth:`~dsv4.engine.grammar.Constraint.draft_masks`: position ``i``'s is what plain decoding would
+apply after accepting drafts ``1..i``, reasoning phase and thinking budget included) into
+``TokenBitmask.draft_bits``, a static input of the verify graphs; :func:`verify` masks each position's
+logits with it before the accept test and the draw. A draft its position forbids has masked
+probability 0, so it is rejected and the emitted tokens follow the masked target, exactly plain
+constrained decoding's for greedy rows. The constraint then accepts the emitted tokens. MTP drafts
+are on the device when the host would stage those masks, so a constrained request with MTP decodes
+plainly (it would need the drafts copied to the host, which costs the overlap of host and device).
 
 MTP: a plain decode step does not run the MTP block, so its drafts go stale; the probe's first
 verify step refreshes them and does not count, its second does (the block's window misses the
@@ -69,6 +80,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
+from .grammar import apply_token_bitmask
 from .sampling import SampleOutput, SamplingBatch, apply_penalties, apply_top_k_top_p_min_p, gumbel_noise, uniform_noise
 
 METHODS = ("ngram", "mtp")
@@ -281,8 +293,13 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
     """Accept drafts by rejection sampling (module docstring). ``logits [b, S, V]`` fp32 at the verify
     positions of ``slot_idx [b]``, ``drafts [b, S - 1]``; ``sampling`` the runner's
     :class:`~dsv4.engine.sampling.SlotSampling`, whose rows (draw counters, penalty counts)
-    advance by the emitted tokens. Returns the emitted ids ``[b, S]`` (the first ``kept`` valid, the
-    rest -1) with their logprobs, and ``kept [b]`` (1..S). Device ops only (capturable)."""
+    advance by the emitted tokens. With ``flags.grammar`` each position's logits are masked by that
+    slot's staged mask for the position (``sampling.bitmask.draft_bits``: what plain decoding would
+    apply after accepting the drafts before it) before the acceptance test and the draw of the
+    correction or bonus token, so the emitted tokens follow the masked target; logprobs stay the
+    model's, as in :func:`~dsv4.engine.sampling.sample`. Returns the emitted ids ``[b, S]`` (the first
+    ``kept`` valid, the rest -1) with their logprobs, and ``kept [b]`` (1..S). Device ops only
+    (capturable)."""
     b, S, V = logits.shape
     k = S - 1
     rows = sampling.rows
@@ -308,12 +325,14 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
     batch.max_top_k = flags.max_top_k or V
 
     pen = apply_penalties(logits.flatten(0, 1).float(), batch)                    # [b*S, V]
-    target = pen.argmax(-1)
+    # a grammar truncates like top-k (logprobs stay the model's): each position's own mask
+    allowed = apply_token_bitmask(pen, sampling.bitmask.gather_drafts(slot_idx, S)) if flags.grammar else pen
+    target = allowed.argmax(-1)
     padded = torch.cat([drafts, drafts.new_zeros(b, 1)], 1)                       # [b, S]: no draft after d_k
     if flags.all_greedy:
         accept, alt = drafts == target.view(b, S)[:, :k], target
     else:
-        scaled = apply_top_k_top_p_min_p(pen / batch.temperature[:, None], batch)
+        scaled = apply_top_k_top_p_min_p(allowed / batch.temperature[:, None], batch)
         d = padded.flatten().unsqueeze(1)
         p_d = torch.softmax(scaled, -1).gather(1, d).squeeze(1)
         u = uniform_noise(batch.seed_lo ^ _ACCEPT_SALT, batch.seed_hi, batch.step, 1).squeeze(1)
