@@ -15,7 +15,8 @@
 #   mixed (bench/profile_mixed.py: decode rows + one prompt chunk in one step, host vs device time),
 #   struct (issue 26: the structured-outputs GPU tests, then decode tok/s 0/50/100% constrained),
 #   graphs_engine (graph replay = eager steps through the engine, also with decode steps in prompt steps),
-#   agent_users (64 users sharing a system prompt, then one conversation alone; caching off then on),
+#   agent_users (64 users sharing a system prompt, then one conversation alone; caching off then on;
+#   users: the first alone), spec_struct (the speculative and structured-outputs GPU tests),
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz; load from .whl/triton_cache.tgz:
 #   a later call of the same session skips the compiles);
@@ -116,6 +117,14 @@ struct)
   t 160 structured_bench.txt python3 bench/structured_bench.py --layers 4 --batch 32 --tokens 128 --context 256
   ;;
 graphs_engine) pt 240 graphs_engine.log tests/test_cuda_graphs_engine.py ;;
+users)   # issue 27's shared-system-prompt case alone (64 users, caching off then on)
+  start_random_server 16 200 8192
+  echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
+  t 90 bench_agent_users.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 64 --turns 1 \
+    --system-len 4096 --turn-len 256 --output-len 64 --plot "" --json "$OUT/bench_agent_users.json"
+  kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
+  ;;
+spec_struct) pt 300 spec_struct_tests.log tests/test_gpu_speculative.py tests/test_gpu_structured.py ;;
 agent_users)   # issue 27's shared-system-prompt case alone, and one conversation alone (a turn's own TTFT)
   start_random_server 16 200 36864
   echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
