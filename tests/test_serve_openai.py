@@ -276,3 +276,22 @@ def test_every_role_response_format_and_penalties(client, served):
     want = encode_messages(plain, response_format=fmt)
     ids = httpx.post(served.url + "/tokenize", json={"prompt": want, "add_special_tokens": False}).json()["tokens"]
     assert r.usage.prompt_tokens == len(ids)
+
+
+def test_events_survive_clients_that_split_lines_on_unicode_line_breaks():
+    """Model text may hold U+2028, U+2029 or U+0085, which JSON may carry raw but ``str.splitlines``
+    (httpx's ``iter_lines``, which many streaming clients read events with) breaks lines at: every
+    event escapes them, so each event stays one line and decodes to the same text."""
+    import json
+
+    from httpx._decoders import LineDecoder
+
+    from dsv4.serve.serving_common import sse
+    from dsv4.serve.serving_messages import _event
+    text = "a\u2028b\u2029c\x85d \\u2028 \u00e9\u4e2d"
+    for event in (sse({"choices": [{"delta": {"content": text}}]}), _event("content_block_delta", {"text": text})):
+        lines = [line for line in LineDecoder().decode(event) if line.startswith("data: ")]
+        assert len(lines) == 1, lines
+        data = json.loads(lines[0][6:])
+        assert (data.get("text") or data["choices"][0]["delta"]["content"]) == text
+        assert "\u00e9\u4e2d" in lines[0]                 # other text stays UTF-8

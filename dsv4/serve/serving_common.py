@@ -178,9 +178,20 @@ def check_request(ctx: ServingContext, prompt_ids: list[int], params: SamplingPa
 
 
 # ------------------------------------------------------------------ responses
+#: characters that JSON may carry raw but Python's ``str.splitlines`` (and so httpx's ``iter_lines``,
+#: which many streaming clients read events with) takes for line ends: escaped in every event
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def event_json(data: dict) -> str:
+    """``data`` as one line of JSON for an event stream: UTF-8 text kept as it is, except the
+    characters a line-splitting client would break the event at (model output can hold any)."""
+    return json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else event_json(data)}\n\n"
 
 
 async def until_done_or_disconnect(request: Request, work: Awaitable, on_disconnect: Callable[[], None]):

@@ -33,7 +33,8 @@ from .async_engine import EngineRequest, Submission
 from .errors import APIError, bad_request
 from .protocol import ChatMessage, FunctionCall, NamedFunction, NamedToolChoice, ToolCallIn
 from .serving_chat import ChatServing, _Choice
-from .serving_common import ServingContext, aclosing_iter, check_request, log_request, until_done_or_disconnect
+from .serving_common import (ServingContext, aclosing_iter, check_request, event_json, log_request,
+                             until_done_or_disconnect)
 
 
 class _Request(BaseModel):
@@ -337,7 +338,7 @@ class _Blocks:
 
 
 def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"event: {name}\ndata: {event_json(data)}\n\n"
 
 
 def _text_block(b: Block, where: str) -> str:
