@@ -143,7 +143,9 @@ async def _one(http: httpx.AsyncClient, path: str, body: dict, t0: float) -> Res
                 res.token_times.append(now - t0)
         res.e2e = time.perf_counter() - start
         res.ok = True
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except json.JSONDecodeError as e:    # say what the server sent there (a server bug to report)
+        res.error = f"{type(e).__name__}: {e}; near {e.doc[max(0, e.pos - 60):e.pos + 20]!r}"
+    except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
 

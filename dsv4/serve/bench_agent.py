@@ -103,7 +103,9 @@ async def _ask(http: httpx.AsyncClient, body: dict, rec: Turn) -> str:
                     for c in chunk["choices"]:
                         text.append((c.get("delta") or {}).get("content") or "")
         rec.e2e, rec.ok = time.perf_counter() - start, True
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except json.JSONDecodeError as e:    # say what the server sent there (a server bug to report)
+        rec.error = f"{type(e).__name__}: {e}; near {e.doc[max(0, e.pos - 60):e.pos + 20]!r}"
+    except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"
     return "".join(text)
 
