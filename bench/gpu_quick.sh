@@ -124,6 +124,15 @@ users)   # issue 27's shared-system-prompt case alone (64 users, caching off the
     --system-len 4096 --turn-len 256 --output-len 64 --plot "" --json "$OUT/bench_agent_users.json"
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
+users8k)   # the users step and serve8k's TTFT on one server (12288 positions: both fit)
+  start_random_server 16 200 12288
+  echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
+  t 90 bench_agent_users.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 64 --turns 1 \
+    --system-len 4096 --turn-len 256 --output-len 64 --plot "" --json "$OUT/bench_agent_users.json"
+  t 100 bench_serve_8k.txt python3 -m dsv4.cli bench serve -n 32 --concurrency 16 --input-len 8000 --output-len 128 \
+    --json "$OUT/bench_serve_8k.json"
+  kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
+  ;;
 spec_struct) pt 300 spec_struct_tests.log tests/test_gpu_speculative.py tests/test_gpu_structured.py ;;
 agent_users)   # issue 27's shared-system-prompt case alone, and one conversation alone (a turn's own TTFT)
   start_random_server 16 200 36864
