@@ -224,3 +224,75 @@ def test_detokenizer_gives_up_on_invalid_bytes(tok):
     deltas = [det.push(i) for i in [stray] * 40 + tok.encode("ok")] + [det.flush()]
     assert "".join(deltas) == "\ufffd" * 40 + "ok"
     assert len(det._ids) <= IncrementalDetokenizer.MAX_HELD_IDS + 1
+
+
+# ---------------------------------------------------------------- encode cache (dsv4/text/encode_cache.py)
+
+
+def _plain(tok: Tokenizer, text: str) -> list[int]:
+    return list(tok.hf.encode(text, add_special_tokens=False).ids)
+
+
+def test_encode_cache_reuses_conversation_turns_and_gives_the_same_ids(tok):
+    """Each turn of a conversation (rendered by the DSV4 chat encoding, thinking kept or dropped,
+    tool results, special-token strings and near-misses inside messages) encodes to exactly the ids
+    of a plain encode, while reusing most of the previous turn's."""
+    import random
+
+    from dsv4.text.chat import encode_messages
+    rng = random.Random(0)
+    pieces = ["hello ", "東京 ", "🌧️", " <｜User｜>", "<｜Us", "er｜>", "<think>", "</think>", "\n\n", "  ",
+              "<｜end▁of▁sentence｜>x", "｜DSML｜", "naïve ", "a" * 40, "\u2028", "def f(x):\n    return x\n"]
+    cache = tok.cache
+    reused = cache.reused_chars
+    for thinking in (True, False):
+        messages = [{"role": "system", "content": "You are terse. " * 200}]
+        for turn in range(6):
+            messages.append({"role": "user", "content": "".join(rng.choice(pieces) for _ in range(60))})
+            text = encode_messages(messages, thinking=thinking)
+            assert tok.encode(text) == _plain(tok, text), (thinking, turn)
+            answer = "".join(rng.choice(pieces) for _ in range(40))
+            messages.append({"role": "assistant", "content": answer,
+                             **({"reasoning_content": "hmm " * 10} if thinking else {})})
+    assert cache.reused_chars - reused > 20000          # later turns reused the earlier ones
+
+
+def test_encode_cache_on_texts_that_extend_each_other_anywhere(tok):
+    """Texts built from a pool of pieces (special-token strings, parts of them, spaces, newlines,
+    multi-byte characters), each a random earlier text cut anywhere plus more: ids always equal a
+    plain encode, also from several threads at once."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+    rng = random.Random(1)
+    specials = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>", "｜DSML｜"]
+    pool = specials + ["<｜", "｜>", "<｜Ass", " ", "\n", "é", "字", "ab", "  x", "\t"] + [s[:-1] for s in specials]
+    texts = ["".join(rng.choice(pool) for _ in range(900))]
+    for _ in range(60):
+        base = rng.choice(texts)
+        cut = rng.randrange(len(base) + 1)
+        texts.append(base[:cut] + "".join(rng.choice(pool) for _ in range(rng.randrange(1, 300))))
+    for t in texts:
+        assert tok.encode(t) == _plain(tok, t)
+    with ThreadPoolExecutor(4) as pool_:
+        for t, ids in zip(texts, pool_.map(tok.encode, texts * 3)):
+            assert ids == _plain(tok, t)
+
+
+def test_encode_cache_cuts_only_after_tokens_that_isolate_the_same_way():
+    """No cut after an added token that strips whitespace, is normalized, or lies inside a longer
+    added token; a tokenizer with a normalizer gets no cuts at all."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    from dsv4.text.encode_cache import _cut_ids
+    t = build_tiny_tokenizer(512)
+    t.add_special_tokens([AddedToken("<strip>", rstrip=True), AddedToken("<a>"), AddedToken("<a>b"),
+                          AddedToken("<norm>", normalized=True)])
+    cut = set(_cut_ids(t).values())
+    assert "<｜User｜>" in cut and not cut & {"<strip>", "<a>", "<norm>"} and "<a>b" in cut
+    t.normalizer = normalizers.NFKC()
+    assert _cut_ids(t) == {}
+    t = build_tiny_tokenizer(512)
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert _cut_ids(t) == {}
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert _cut_ids(t) == {}

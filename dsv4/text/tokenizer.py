@@ -18,6 +18,7 @@ from typing import Iterable
 import tokenizers
 
 from ..errors import Dsv4Error
+from .encode_cache import EncodeCache
 
 DEFAULT_BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 DEFAULT_EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -61,6 +62,9 @@ class Tokenizer:
         self.eos_token = eos_token
         self._bos_id = self.special_id(bos_token)
         self._eos_id = self.special_id(eos_token)
+        #: the last long texts encoded, so a text that starts with one (the next turn of a
+        #: conversation) tokenizes only what follows (:mod:`dsv4.text.encode_cache`)
+        self.cache = EncodeCache(tokenizer)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -127,9 +131,10 @@ class Tokenizer:
         return token_id
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Encode text to ids; special-token strings in `text` become their single ids."""
-        ids = self.hf.encode(text, add_special_tokens=False).ids
-        return [self._bos_id, *ids] if add_bos else list(ids)
+        """Encode text to ids; special-token strings in `text` become their single ids. A long text
+        that starts with a recently encoded one (up to a special token) reuses its ids."""
+        ids = self.cache.encode(text)
+        return [self._bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Decode ids to text (special tokens written out unless `skip_special_tokens`)."""
