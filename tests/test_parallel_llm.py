@@ -45,7 +45,10 @@ def _runs(llm: LLM) -> dict:
 
 @pytest.fixture(scope="module")
 def both():
-    kw = dict(device="cpu", max_num_seqs=2, max_model_len=1024, progress=False, max_num_batched_tokens=256)
+    # 3 decode steps of the running requests in each step that admits a prompt (both ways): the
+    # steps' decode_steps and the saves inside them reach every rank in the step's batch
+    kw = dict(device="cpu", max_num_seqs=2, max_model_len=1024, progress=False, max_num_batched_tokens=256,
+              prefill_decode_steps=3)
     one = _runs(LLM("tiny:bf16", **kw))
     with LLM("tiny:bf16", tensor_parallel_size=2, **kw) as llm:
         assert llm.tensor_parallel_size == 2 and llm.runner.tp.world_size == 2
