@@ -104,7 +104,6 @@ class Runner:
         self._uploads: dict[int, SlotUpload] = {}
         self.capture_seconds = 0.0
         self.graph_pool_bytes = 0
-
         #: the prefix cache's pages (``prefix_cache_bytes`` of them; None: caching off)
         self.prefix_store = (PrefixStore(self.state, block_size(model.config), prefix_cache_bytes)
                              if prefix_cache_bytes > 0 else None)
