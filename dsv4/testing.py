@@ -9,6 +9,7 @@ module (``tests/test_testing_helpers.py`` checks).
     prefill(runner, 0, [5, 6, 7])                 # -> logits of the last token [vocab]
     decode(runner, [0], torch.tensor([9]))        # -> logits [1, vocab]
     generate(engine, [(ids, params), ...])        # -> each request's final output, in order
+    generate_arriving(engine, [[req, ...], [], [req], ...])   # -> outputs by index; arrivals over steps
 
 ``runner`` may be a :class:`~dsv4.engine.runner.Runner` or a tensor-parallel
 :class:`~dsv4.engine.distributed.ParallelRunner` (whose ``run`` reaches every rank).
@@ -65,6 +66,22 @@ def decode(runner, slots: Sequence[int], token_ids: Sequence[int] | torch.Tensor
     rows = tuple(Row(s, _length(runner, s), (t,), sample=False, logits=True) for s, t in zip(slots, ids))
     out = runner.run(ScheduledBatch(rows))
     return torch.stack([out.logits[i][0] for i in range(len(rows))])
+
+
+def generate_arriving(engine, arrivals: Sequence[Sequence[tuple[Sequence[int], SamplingParams]]]) -> dict:
+    """Add the requests ``arrivals[k]`` before the engine's step k, then step until nothing is left;
+    each request's final :class:`~dsv4.engine.core.CompletionOutput` by its index in the flattened
+    arrivals (staggered arrivals: requests admitted while others decode)."""
+    ids, done, k = {}, {}, 0
+    while k < len(arrivals) or engine.has_unfinished:
+        if k < len(arrivals):
+            for prompt, params in arrivals[k]:
+                ids[engine.add_request(prompt, params)] = len(ids)
+            k += 1
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.output
+    return done
 
 
 def generate(engine, requests: Sequence[tuple[Sequence[int], SamplingParams]], **add_kwargs) -> list:

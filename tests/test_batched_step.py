@@ -20,6 +20,7 @@ from dsv4.engine.core import Engine
 from dsv4.engine.runner import Runner
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.state import GenerationState
+from dsv4.testing import generate_arriving
 
 CONTEXT = 3100
 
@@ -88,20 +89,11 @@ def _requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def _drain(engine: Engine, arrivals: list[list[tuple[list[int], SamplingParams]]], forwards: list[int] | None = None
+def _drain(engine: Engine, arrivals: list[list[tuple[list[int], SamplingParams]]]
            ) -> dict[int, tuple[list[int], list[float]]]:
     """Add ``arrivals[k]`` before step k (then step until done); each request's tokens and logprobs
     by its index in the flattened arrivals."""
-    ids, done, k = {}, {}, 0
-    while k < len(arrivals) or engine.has_unfinished:
-        if k < len(arrivals):
-            for prompt, params in arrivals[k]:
-                ids[engine.add_request(prompt, params)] = len(ids)
-            k += 1
-        for out in engine.step():
-            if out.finished:
-                done[ids[out.request_id]] = (out.output.token_ids, out.output.logprobs)
-    return done
+    return {i: (o.token_ids, o.logprobs) for i, o in generate_arriving(engine, arrivals).items()}
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from dsv4.engine.batch import NewSequence, Row, Save, ScheduledBatch
 from dsv4.engine.core import Engine
 from dsv4.engine.runner import Runner
 from dsv4.engine.sampling import SamplingParams
+from dsv4.testing import generate_arriving
 
 CONTEXT = 320
 
@@ -51,19 +52,10 @@ def _spy(engine: Engine, saves: list | None = None) -> list[tuple[int, bool]]:
 
 
 def _drain(engine: Engine, arrivals: list[list[tuple[list[int], SamplingParams]]]) -> dict[int, tuple]:
-    """Add ``arrivals[k]`` before step k, then step until done; each request's (tokens, logprobs,
-    finish reason, cached tokens) by its index in the flattened arrivals."""
-    ids, done, k = {}, {}, 0
-    while k < len(arrivals) or engine.has_unfinished:
-        if k < len(arrivals):
-            for prompt, params in arrivals[k]:
-                ids[engine.add_request(prompt, params)] = len(ids)
-            k += 1
-        for out in engine.step():
-            if out.finished:
-                o = out.output
-                done[ids[out.request_id]] = (o.token_ids, o.logprobs, o.finish_reason, o.num_cached_tokens)
-    return done
+    """Each request's (tokens, logprobs, finish reason, cached tokens) by its index in the
+    flattened arrivals (``arrivals[k]`` added before step k)."""
+    return {i: (o.token_ids, o.logprobs, o.finish_reason, o.num_cached_tokens)
+            for i, o in generate_arriving(engine, arrivals).items()}
 
 
 def _same(got: dict, want: dict) -> None:
