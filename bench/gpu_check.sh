@@ -70,6 +70,8 @@ if want engine; then
     python3 bench/throughput.py --layers 4 --format fp8-mxfp4 --requests 256 --max-num-seqs 32 --out "$OUT/256x32"
   step "prefill: host vs device time per prompt length" tee_to profile_prefill.txt \
     python3 bench/profile_prefill.py --layers 4 --format fp8-mxfp4
+  step "a mixed step (decode rows + one prompt chunk): host vs device time" tee_to profile_mixed.txt \
+    python3 bench/profile_mixed.py --layers 4 --format fp8-mxfp4
   step "prefill through the engine vs the FLOP floor and transformers (one forward per step)" tee_to prefill_bench.txt \
     python3 bench/prefill_bench.py --layers 4 --format fp8-mxfp4 --budget 8192
 fi
