@@ -18,8 +18,8 @@
 #   agent_users (64 users sharing a system prompt, then one conversation alone; caching off then on;
 #   users: the first alone), spec_struct (the speculative and structured-outputs GPU tests),
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
-#   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz; load from .whl/triton_cache.tgz:
-#   a later call of the same session skips the compiles);
+#   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
+#   load: a later call, on a fresh machine, skips the compiles);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
 set -uo pipefail
 steps=("${@:-tests}")
@@ -144,8 +144,11 @@ agent_users)   # issue 27's shared-system-prompt case alone, and one conversatio
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 spec_tests) pt 200 spec_tests.log tests/test_triton_rollback.py tests/test_gpu_speculative.py tests/test_gpu_batched_step.py ;;
-tcache_save) tar czf "$OUT/triton_cache.tgz" -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")"; ls -la "$OUT/triton_cache.tgz" ;;
-tcache_load) [ -f .whl/triton_cache.tgz ] && tar xzf .whl/triton_cache.tgz -C "$(dirname "$TRITON_CACHE_DIR")" && echo "triton cache loaded" ;;
+tcache_save)   # in parts of 15 MB (a file that comes back from the device is at most 16 MB; ~20 MB in all, 2026-11-27)
+  tar czf - -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" | split -b 15M - "$OUT/triton_cache.tgz.part"
+  ls -la "$OUT"/triton_cache.tgz.part* ;;
+tcache_load) ls .whl/triton_cache.tgz.part* >/dev/null 2>&1 && cat .whl/triton_cache.tgz.part* | tar xzf - -C "$(dirname "$TRITON_CACHE_DIR")" \
+  && echo "triton cache loaded" ;;
 tune) t 420 tune_skinny.txt python3 bench/tune_skinny.py --geo flash --batch 1 ;;
 perf_moe) t 300 kernels_moe.txt python3 bench/kernels.py --families moe --out "$OUT/moe" ;;
 perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;
