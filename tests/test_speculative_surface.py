@@ -114,8 +114,10 @@ def test_spec_bench_runs_on_the_cpu():
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_tensor_parallel_two_ranks_speculate_like_one(method):
     """Two ranks over gloo with speculation: greedy gives plain decoding's tokens, and a seeded
-    sampled request the same tokens as speculation on one process (rank 0's draws and acceptance)."""
+    sampled request the same tokens as speculation on one process (rank 0's draws and acceptance);
+    so do constrained requests (rank 0 stages their masks, its emitted tokens reach every rank)."""
     from dsv4 import LLM
+    from dsv4.engine.grammar import StructuredOutputsParams
     from dsv4.engine.sampling import SamplingParams
     spec = json.loads(NGRAM) if method == "ngram" else MTP
     kw = dict(device="cpu", max_num_seqs=2, max_model_len=256, progress=False, max_num_batched_tokens=64)
@@ -124,8 +126,16 @@ def test_tensor_parallel_two_ranks_speculate_like_one(method):
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
     with LLM("tiny:bf16", **kw) as llm:
         plain = [o.token_ids for o in llm.generate(prompts, greedy)]
+    # a grammar whose answers repeat themselves, so n-gram drafts find matches (and some break it)
+    repeat = StructuredOutputsParams(regex="((ab|cd) ){12}")
+    constrained = [SamplingParams(temperature=t, seed=3, max_tokens=40, structured_outputs=repeat)
+                   for t in (0.0, 0.9)]
     with LLM("tiny:bf16", speculative_config=spec, **kw) as llm:
         one = [o.token_ids for o in llm.generate(prompts, sampled)]
+        outs = llm.generate(prompts, constrained)
+        one_constrained = [o.token_ids for o in outs]
+        assert method == "mtp" or all(o.spec_decode.num_drafts > 0 for o in outs)
     with LLM("tiny:bf16", tensor_parallel_size=2, speculative_config=spec, **kw) as llm:
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain
         assert [o.token_ids for o in llm.generate(prompts, sampled)] == one
+        assert [o.token_ids for o in llm.generate(prompts, constrained)] == one_constrained
