@@ -280,7 +280,8 @@ class Scheduler:
     def _start_from_cache(self, req: Request) -> None:
         cache = self.prefix_cache
         # prompt logprobs need every prompt position's logits: such a request reuses nothing
-        hit = cache.match(req.prompt_ids, req.cache_salt) if req.params.prompt_logprobs is None else None
+        keys = self._keys(req)
+        hit = cache.match(req.prompt_ids, req.cache_salt, keys) if req.params.prompt_logprobs is None else None
         if hit is not None:
             req.cached = hit
             req.num_prefilled = req.num_cached_tokens = hit.length
@@ -289,5 +290,5 @@ class Scheduler:
         # one before its final token (all that the same prompt sent again can reuse: one token runs)
         # and where it parts from the blocks other requests saved (a shared system prompt)
         L, b = len(req.prompt_ids), cache.block
-        points = {(L - 1) // b * b, L // b * b, cache.shared_length(req.prompt_ids, req.cache_salt)}
+        points = {(L - 1) // b * b, L // b * b, cache.shared_length(req.prompt_ids, req.cache_salt, keys)}
         req.save_at = tuple(sorted(q for q in points if q > req.num_cached_tokens))
