@@ -165,8 +165,8 @@ class Engine:
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
         if prefill_decode_steps is not None and prefill_decode_steps < 1:
             raise ValueError(f"prefill_decode_steps must be >= 1 or None, got {prefill_decode_steps}")
-        #: decode steps the running requests take in a step with prompt chunks (None: what hides the
-        #: chunks' launch time, measured by the runner; see EngineConfig.prefill_decode_steps)
+        #: decode steps the running requests take in a step with prompt chunks (None: AUTO_DECODE_STEPS
+        #: with CUDA graphs when the chunks are short, else 1; see EngineConfig.prefill_decode_steps)
         self.prefill_decode_steps = prefill_decode_steps
         # one step's tokens (decode rows + prompt chunks) run as one forward of at most the runner's
         # max_num_batched_tokens; one prompt's chunk may fill what decodes leave, or the threshold

@@ -12,7 +12,8 @@ The cut is exact only after a token the tokenizer always isolates the same way: 
 matched on the raw text (not normalized), that strips no whitespace around it, need not stand alone,
 and lies inside no other added token (so no longer match can span the cut). Other added tokens are
 never cut after; a tokenizer with a normalizer, or a pre-tokenizer that adds something to the
-start of a text (a prefix space, Metaspace), gets no cuts at all. ``tests/test_text_tokenizer.py`` checks the ids equal a plain encode on random texts.
+start of a text (a prefix space, Metaspace), gets no cuts at all. ``tests/test_text_tokenizer.py``
+checks the ids equal a plain encode on random texts.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class EncodeCache:
         start = entry.cuts[k - 1] if entry else 0
         head = entry.ids[:entry.at[k - 1]] if entry else []
         enc = self.hf.encode(text[start:], add_special_tokens=False)
-        ids = head + list(enc.ids)
-        cuts, at = self._cuts(text, start, len(head), enc)
+        new = enc.ids                               # (a new list at every access: read once)
+        ids = head + new
+        cuts, at = self._cuts(text, start, len(head), enc, new)
         if entry:
             cuts, at = entry.cuts[:k] + cuts, entry.at[:k] + at
         with self._lock:
@@ -86,11 +88,11 @@ class EncodeCache:
             self._entries.move_to_end(best.key)
         return best, best_k
 
-    def _cuts(self, text: str, start: int, first: int, enc: tokenizers.Encoding) -> tuple[list[int], list[int]]:
-        """Cut points of the part of ``text`` from ``start`` that ``enc`` encodes (its ids begin at
-        id offset ``first``): after each cut token, where the text really holds that token there."""
+    def _cuts(self, text: str, start: int, first: int, enc: tokenizers.Encoding, ids: list[int]
+              ) -> tuple[list[int], list[int]]:
+        """Cut points of the part of ``text`` from ``start`` that ``enc`` encodes (its ``ids`` begin
+        at id offset ``first``): after each cut token, where the text really holds that token there."""
         cuts, at, table = [], [], self.cut_ids
-        ids = enc.ids                               # (a new list at every access)
         for i in [i for i, token in enumerate(ids) if token in table]:
             end = start + enc.token_to_chars(i)[1]
             if text.endswith(table[ids[i]], 0, end):
