@@ -178,7 +178,7 @@ class Engine:
         self.prefix_cache = (PrefixCache(store.block, store.num_pages, store.tail_pages, store.page_bytes)
                              if store is not None else None)
         self.scheduler = Scheduler(runner.max_num_seqs, runner.max_model_len, budget, long_prefill_token_threshold,
-                                   prefix_cache=self.prefix_cache)
+                                   prefix_cache=self.prefix_cache, snapshots=store.snapshots if store else 0)
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self._inflight: list[tuple[list[_Track], SampleOutput, torch.cuda.Event | None, list[int] | None]] = []
@@ -375,14 +375,15 @@ class Engine:
                 restored.append(req)
                 self.tracks[req.request_id].out.num_cached_tokens = req.num_cached_tokens
             end = chunk.start + len(chunk.token_ids)
-            if cache is not None and end in req.save_at:
-                planned = cache.plan_save(req.slot, req.prompt_ids, end // cache.block, req.cache_salt)
+            # the save boundaries this chunk reaches: its end, or inside it (the forward snapshots those)
+            for q in [q for q in req.save_at if chunk.start < q <= end] if cache is not None else ():
+                planned = cache.plan_save(req.slot, req.prompt_ids, q // cache.block, req.cache_salt)
                 if planned is not None:
                     saves.append(planned[0])
                     published.append(planned[1])
-                    req.saved_blocks = end // cache.block
-                elif cache.has_tail(req.prompt_ids, end // cache.block, req.cache_salt):
-                    req.saved_blocks = end // cache.block
+                    req.saved_blocks = q // cache.block
+                elif cache.has_tail(req.prompt_ids, q // cache.block, req.cache_salt):
+                    req.saved_blocks = q // cache.block
             want_logits = req.params.prompt_logprobs is not None
             if want_logits:
                 chunks[len(rows)] = chunk

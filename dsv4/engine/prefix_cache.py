@@ -9,8 +9,9 @@ is what lets a request start there. Tails are saved where a request's prompt rea
 boundaries, where it parts from cached blocks other requests saved (so the second user of a shared
 system prompt saves a tail at its end, and the third one hits it), and where a request's decoding
 last crossed a boundary (kept when the request ends), so turn k+1 of a conversation hits
-everything up to turn k's last full block. Each save point in a prompt ends a prompt chunk there
-(one more step for the rest of that prompt). Requests that arrive together with a common prefix
+everything up to turn k's last full block. A save point inside a prompt chunk does not end the
+chunk: the forward snapshots the state there (up to ``SNAPSHOTS`` a step, see
+:mod:`~dsv4.engine.prefix_store`; a chunk ends at any further one), so caching adds no step. Requests that arrive together with a common prefix
 nobody has cached (many users of one system prompt at once) do not all compute it: the scheduler
 runs the first one, gives it a save point where the others part from it, and admits the others
 once that state is saved, from the cache (:meth:`Scheduler._waits_for_prefix`).

@@ -8,6 +8,11 @@ the ``open`` pieces hold nothing then). So the cache keeps two things, in pages 
   (append-only state, shared by every prefix that contains the block);
 - a **tail**: the ``window`` pieces of one slot at one boundary, over as many pages as it needs.
 
+A boundary inside a prompt chunk is saved without ending the chunk there: the forward leaves the
+``window`` pieces as they are at the boundary in a small *stage* state (``snapshots`` slots of the
+same layout, :attr:`dsv4.model.cache.LayerCache.stage`), and the tail is copied from there; the
+entries before the boundary are final in the slot after the forward.
+
 Saving and restoring are device copies only, one indexed copy per state buffer whatever the number
 of blocks (page numbers go host -> device; nothing comes back). The runner owns this pool and
 executes what the host-side index (:mod:`dsv4.engine.prefix_cache`) plans, so under tensor
@@ -26,6 +31,9 @@ from .state import GenerationState
 
 
 ALIGN = 16   # every piece starts 16-byte aligned in a page (any dtype can be viewed there, kernels like it)
+#: boundaries inside prompt chunks one step can save (stage slots: ~4 MiB each on Flash); the
+#: scheduler ends a chunk at any further one
+SNAPSHOTS = 8
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -38,11 +46,26 @@ def _align(n: int) -> int:
 
 
 class PrefixStore:
-    """``num_pages`` pages of ``page_bytes`` each, for ``state``'s slots (``block`` positions a block)."""
+    """``num_pages`` pages of ``page_bytes`` each, for ``state``'s slots (``block`` positions a block),
+    and ``snapshots`` stage slots for boundaries inside prompt chunks, all within ``budget_bytes``."""
 
-    def __init__(self, state: GenerationState, block: int, budget_bytes: int):
+    def __init__(self, state: GenerationState, block: int, budget_bytes: int, snapshots: int = SNAPSHOTS):
         self.state, self.block = state, block
         pieces = state.pieces()
+        # the stage: the same layers (MTP included) for ``snapshots`` slots of one block's positions
+        # (its entries are never used), at most 1/16 of the budget; each layer's state points at its stage
+        mtp = len(state.layers) > state.config.num_hidden_layers
+        stage = lambda n, dev: GenerationState(state.config, n, block, state.dtype, dev,  # noqa: E731
+                                               include_mtp=mtp, qat_sim=state.qat_sim)
+        self.snapshots = min(snapshots, int(budget_bytes // 16 // stage(1, "meta").nbytes()))
+        self.stage = stage(max(self.snapshots, 1), state.device)
+        for layer, st in zip(state.layers, self.stage.layers):
+            layer.stage = st
+            for comp, sc in ((layer.compressor, st.compressor), (layer.indexer, st.indexer)):
+                if comp is not None:
+                    comp.stage = sc
+        self.stage_window = [p for p in self.stage.pieces() if p.kind == "window"]
+        budget_bytes -= self.stage.nbytes() if self.snapshots else 0
         self.entries = [p for p in pieces if p.kind == "entries"]
         self.window = [p for p in pieces if p.kind == "window"]
         for p in self.entries:
@@ -88,9 +111,11 @@ class PrefixStore:
             raise ValueError(f"prefix-cache pages out of range [0, {self.num_pages}): {bad[:5]}")
 
     # ------------------------------------------------------------------ slot -> pages
-    def save(self, slot: int, first_block: int, blocks: Sequence[int], tail: Sequence[int]) -> None:
+    def save(self, slot: int, first_block: int, blocks: Sequence[int], tail: Sequence[int],
+             stage: int | None = None) -> None:
         """Copy ``slot``'s entry rows of blocks ``first_block ..`` into pages ``blocks`` (one page a
-        block, in order) and, with ``tail``, its window pieces into those pages."""
+        block, in order) and, with ``tail``, its window pieces into those pages: the slot's own, or
+        those the forward left in stage slot ``stage`` (a boundary inside a prompt chunk)."""
         self._check(blocks, tail, allow_no_tail=True)
         dev = self.state.device
         if blocks:
@@ -100,8 +125,9 @@ class PrefixStore:
                 self.pool[:, off:off + n].index_copy_(0, pages, src)
         if tail:
             flat = self.pool.new_zeros(len(tail) * self.page_bytes)
-            for p, (off, n) in zip(self.window, self._tail_spans):
-                flat[off:off + n] = _bytes(p.tensor[slot]).reshape(-1)
+            src, i = (self.window, slot) if stage is None else (self.stage_window, stage)
+            for p, (off, n) in zip(src, self._tail_spans):
+                flat[off:off + n] = _bytes(p.tensor[i]).reshape(-1)
             self.pool.index_copy_(0, upload_ints(list(tail), dev), flat.view(len(tail), self.page_bytes))
 
     # ------------------------------------------------------------------ pages -> slot

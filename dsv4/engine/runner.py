@@ -191,23 +191,32 @@ class Runner:
                                            f"max_model_len={self.max_model_len}")
         ends = {r.slot: r.start + r.num_tokens for r in rows}
         decoding = {r.slot: r.start for r in rows if r.is_decode}
-        for sv in batch.saves:
+        prompts = {r.slot: r for r in rows if r.token_ids is not None and not r.is_verify}
+        snaps: dict[int, list[tuple[int, int, int]]] = {}      # slot -> (start, boundary, stage slot)
+        staged: dict[int, int] = {}                            # save index -> its stage slot
+        for i, sv in enumerate(batch.saves):
             self._check_slot(sv.slot)
             end = (sv.first_block + len(sv.blocks)) * self.prefix_store.block if self.prefix_store else -1
             at = ends.get(sv.slot, self.lengths[sv.slot])
             if sv.decode_step is not None:       # after decode step j of a decode row: its length then
                 ok = steps > 1 and sv.slot in decoding and 0 <= sv.decode_step < steps
                 at = decoding[sv.slot] + sv.decode_step + 1 if ok else -1
-            if self.prefix_store is None or (sv.tail and at != end) or at < 0:
+            r = prompts.get(sv.slot)
+            inside = (sv.tail and sv.decode_step is None and r is not None and r.start < end < at
+                      and len(staged) < self.prefix_store.snapshots)
+            if self.prefix_store is None or (sv.tail and at != end and not inside) or at < 0:
                 raise ValueError(f"slot {sv.slot}: cannot save {len(sv.blocks)} blocks from block {sv.first_block} "
                                  f"(prefix caching {'on' if self.prefix_store else 'off'})")
+            if inside:                           # a boundary inside the prompt chunk: its snapshot
+                staged[i] = len(staged)
+                snaps.setdefault(sv.slot, []).append((r.start, end, staged[i]))
         for r in rows:
             if r.new is not None:
                 self.start(r.slot, r.new.params, r.new.prompt_ids)
                 if r.new.cached is not None:
                     self._restore(r.slot, r.new.cached)
         if steps > 1:
-            out = self._run_decode_steps(rows, steps, batch.saves, before_sample)
+            out = self._run_decode_steps(rows, steps, batch.saves, before_sample, snaps)
         elif batch.decode_only:
             out = StepOutput(self.decode_step(slots, before_sample), {})
         elif self.verify_graphs and self._verify_only(rows):
@@ -215,13 +224,14 @@ class Runner:
                 before_sample()
             out = self._verify_replay(rows)
         else:
-            out = self._run_varlen(rows, before_sample)
-        for sv in batch.saves:
+            out = self._run_varlen(rows, before_sample, snaps)
+        for i, sv in enumerate(batch.saves):
             if sv.decode_step is None:
-                self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
+                self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail, staged.get(i))
         return out
 
-    def _run_decode_steps(self, rows: Sequence[Row], steps: int, saves: Sequence, before_sample) -> StepOutput:
+    def _run_decode_steps(self, rows: Sequence[Row], steps: int, saves: Sequence, before_sample,
+                          snaps: dict | None = None) -> StepOutput:
         """A step of ``steps`` decode steps: the decode rows' steps first (graph replays when
         captured; each replay's outputs copied out before the next overwrites them; a save planned
         after step j runs right after it), then one varlen forward of the other rows. The sampled
@@ -244,7 +254,7 @@ class Runner:
                                      None if o.top_logprobs is None else tuple(t.clone() for t in o.top_logprobs)))
             for sv in after.get(j, ()):
                 self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail)
-        other = self._run_varlen(rest, before_sample) if rest else StepOutput(None, {})
+        other = self._run_varlen(rest, before_sample, snaps) if rest else StepOutput(None, {})
         parts = []                              # (sampled rows in order, their [n, steps] outputs)
         if outs:
             tops = None if outs[0].top_logprobs is None else tuple(
@@ -274,7 +284,10 @@ class Runner:
         self.lengths[slot] = cached.length
         self.state.positions[slot].fill_(cached.length)
 
-    def _run_varlen(self, rows: Sequence[Row], before_sample: Callable[[], None] | None = None) -> StepOutput:
+    def _run_varlen(self, rows: Sequence[Row], before_sample: Callable[[], None] | None = None,
+                    snaps: dict[int, list[tuple[int, int, int]]] | None = None) -> StepOutput:
+        """One varlen forward of ``rows`` (see :meth:`run`); ``snaps``: by slot, the block boundaries
+        inside its prompt row whose ``window`` pieces the forward leaves in the prefix store's stage."""
         singles = [r for r in rows if r.num_tokens == 1]
         verify: dict[int, list[Row]] = {}                                  # verify rows by length
         for r in rows:
@@ -330,7 +343,11 @@ class Runner:
         vgroups = [(groups[int(bool(k)) + j], verify[S]) for j, S in enumerate(sorted(verify))]
         saved = [self._save(g[0], g[1], g[2]) for g, _ in vgroups]
         mtp = self.speculative is not None and self.speculative.method == "mtp"
-        res = self.model.forward_varlen(ids, groups, self.state.layers, rows_t, self.qat_sim, streams=mtp)
+        first = int(bool(k)) + len(vgroups)                # the prompt rows' groups: one row each, in order
+        by_group = {first + j: tuple(snaps[r.slot]) for j, r in enumerate(order[k + len(vrows):])
+                    if snaps and r.slot in snaps}
+        res = self.model.forward_varlen(ids, groups, self.state.layers, rows_t, self.qat_sim, streams=mtp,
+                                        snaps=by_group)
         logits, h, ctx = res if mtp else (res, None, None)
         self.state.positions.index_copy_(0, slot_t, end_t)
         if before_sample is not None:

@@ -108,13 +108,14 @@ class Scheduler:
 
     ``max_num_batched_tokens`` bounds the tokens of one step (decodes + prompt chunks);
     ``long_prefill_token_threshold`` (when > 0) bounds one prompt's chunk. With ``prefix_cache``, an
-    admitted request starts from its longest cached prefix, and a prompt chunk that would cross one
-    of the prompt's save boundaries (``Request.save_at``) ends there instead (the slot's state is
-    saved there).
+    admitted request starts from its longest cached prefix, and the slot's state is saved at the
+    prompt's save boundaries (``Request.save_at``): a chunk may cross up to ``snapshots`` of them in
+    one step (all chunks together; the forward snapshots the state there), and ends at the next one.
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 512,
-                 long_prefill_token_threshold: int = 0, prefix_cache: PrefixCache | None = None):
+                 long_prefill_token_threshold: int = 0, prefix_cache: PrefixCache | None = None,
+                 snapshots: int = 0):
         if min(max_num_seqs, max_model_len, max_num_batched_tokens) <= 0 or long_prefill_token_threshold < 0:
             raise ValueError("scheduler sizes must be positive")
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -129,6 +130,8 @@ class Scheduler:
         #: tokens a decode row takes of the budget (1 + k with speculative decoding)
         self.decode_tokens = 1
         self.prefix_cache = prefix_cache
+        #: save boundaries inside prompt chunks one step may have (the runner's stage slots)
+        self.snapshots = snapshots
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -230,6 +233,7 @@ class Scheduler:
         chunk = self.long_prefill_token_threshold or budget       # the most tokens of one prompt in a step
         plan.decode = [r for r in self.running if not r.in_prefill]
         budget -= len(plan.decode) * self.decode_tokens
+        inside = 0                                     # save boundaries inside this step's chunks
         for req in self.running:
             if budget <= 0:
                 break
@@ -238,7 +242,11 @@ class Scheduler:
                 start = req.num_prefilled
                 for q in req.save_at:
                     if start < q < start + n:
-                        n = q - start                # end at the boundary, whose state is saved
+                        if inside < self.snapshots:
+                            inside += 1              # the forward snapshots the state there
+                        else:
+                            n = q - start            # end at the boundary, whose state is saved
+                            break
                 plan.prefill.append(PrefillChunk(req, start, req.prompt_ids[start:start + n]))
                 req.num_prefilled += n
                 budget -= n

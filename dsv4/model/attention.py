@@ -141,9 +141,21 @@ class Attention(nn.Module):
         # A chunk of S > W tokens writes only its last W rows: the earlier ones would be overwritten
         # within the same store (and the chunk's queries read them from `kv` directly).
         S = kv.shape[1]
+        if ctx.snaps and cache.stage is not None:
+            self._snapshot_window(kv, ctx, cache)
         keep = min(S, self.window)
         rows = ctx.ring_rows(self.window)[:, S - keep:]                              # [B, keep]
         fused.store_rows(cache.ring, ctx.slots.unsqueeze(1), rows, kv[:, S - keep:])
+
+    def _snapshot_window(self, kv: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
+        """Prefix caching: for each block boundary ``b`` inside this one-row chunk (``ctx.snaps``),
+        leave the ring as it is at ``b`` in the stage's slot: the slot's ring before this chunk's
+        store (positions before the chunk), then the chunk's rows of the last ``W`` positions before
+        ``b``, stored exactly as the slot's own store would (the same rounding)."""
+        for (start, b, _), (stage_slot, rows, lo) in zip(ctx.snaps, ctx.snapshot_rows(self.window)):
+            for dst, src in zip(cache.stage.ring.tensors(), cache.ring.tensors()):   # as bytes (FP8 has no index_copy)
+                dst.view(torch.uint8).index_copy_(0, stage_slot, src.view(torch.uint8).index_select(0, ctx.slots))
+            fused.store_rows(cache.stage.ring, stage_slot.view(1, 1), rows, kv[:, lo - start:b - start])
 
     def _compressed(self, x: torch.Tensor, iq: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
         """Run the compressor (and indexer) on the new tokens; return the compressed-entry arguments

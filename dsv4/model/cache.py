@@ -197,6 +197,9 @@ class CompressorState:
     #: S_max, width]`` fp32 (``C`` and ``Z + ape``), row ``i`` = the step's position ``start + i``
     log_kv: torch.Tensor | None = None
     log_gate: torch.Tensor | None = None
+    #: prefix caching: where a prompt chunk leaves this state as it was at a block boundary inside
+    #: the chunk (the same layout, one slot per snapshot; see :attr:`LayerCache.stage`)
+    stage: "CompressorState | None" = None
 
     @property
     def max_entries(self) -> int:
@@ -274,6 +277,12 @@ class LayerCache:
     ring: RowStore
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    #: prefix caching: a small state of the same layout whose slots take snapshots of the
+    #: ``window`` pieces at a block boundary *inside* a prompt chunk (the ring as it was there, the
+    #: overlapping compressors' last closed window), so the cache can save that boundary without the
+    #: chunk ending there (``ForwardContext.snaps``; the ``entries`` before a boundary never change,
+    #: they are saved from the slot after the forward). Not part of :meth:`tensors` / :meth:`pieces`.
+    stage: "LayerCache | None" = None
 
     def tensors(self) -> list[torch.Tensor]:
         out = self.ring.tensors()

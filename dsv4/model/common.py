@@ -224,6 +224,10 @@ class ForwardContext:
     groups: tuple["ForwardContext", ...] | None = None
     #: within a varlen forward: this group's first token in the flattened order
     offset: int = 0
+    #: prefix caching, a group of one prompt row: ``(start, boundary, stage)`` per block boundary
+    #: strictly inside the row, host ints; each layer leaves its ``window`` pieces as they are at
+    #: ``boundary`` in slot ``stage`` of its :attr:`~dsv4.model.cache.LayerCache.stage` state
+    snaps: tuple[tuple[int, int, int], ...] = ()
 
     # A varlen forward, rows of lengths 3, 3 and 1 (a prefill chunk of two rows and one decode):
     #
@@ -234,11 +238,13 @@ class ForwardContext:
     # compressor and the indexer run once per group on its [b, s] view (per_group).
     @classmethod
     def varlen(cls, config: ModelConfig, token_ids: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, int, int]],
-               inv_freq: dict[str, torch.Tensor], qat_sim: bool) -> "ForwardContext":
+               inv_freq: dict[str, torch.Tensor], qat_sim: bool,
+               snaps: dict[int, tuple[tuple[int, int, int], ...]] | None = None) -> "ForwardContext":
         """One forward over rows of different lengths (DESIGN decision 6): ``token_ids [T]`` are the
         rows' tokens back to back, in ``groups`` of rows of equal length ``s``: ``(slots [b],
         start [b], s, context_bound)`` each, ``b * s`` tokens. Token-wise layers see ``[1, T]``;
-        attention, the compressor and the indexer run once per group (:meth:`per_group`)."""
+        attention, the compressor and the indexer run once per group (:meth:`per_group`).
+        ``snaps``: by group index (groups of one row), the boundaries to snapshot (:attr:`snaps`)."""
         parts, lo = [], 0
         for slots, start, s, bound in groups:
             b = slots.shape[0]
@@ -251,11 +257,14 @@ class ForwardContext:
         rope = {k: RopeTables(*ops.rope_cos_sin(positions, f)) for k, f in inv_freq.items()}
         flat = token_ids.view(1, -1)
         subs = []
-        for lo, b, s, slots, start, bound in parts:
+        snaps = snaps or {}
+        for i, (lo, b, s, slots, start, bound) in enumerate(parts):
+            if snaps.get(i) and b != 1:
+                raise ValueError(f"varlen group {i}: snapshots need a group of one row, it has {b}")
             cut = lambda t: t.flatten(0, 1)[lo:lo + b * s].unflatten(0, (b, s))   # noqa: E731
             subs.append(cls(config, cut(flat), slots, start, cut(positions),
                             {k: RopeTables(cut(r.cos), cut(r.sin)) for k, r in rope.items()}, inv_freq, qat_sim,
-                            bound, offset=lo))
+                            bound, offset=lo, snaps=tuple(snaps.get(i, ()))))
         return cls(config, flat, torch.cat([g.slots for g in subs]), torch.cat([g.start for g in subs]), positions,
                    rope, inv_freq, qat_sim, max(g.context_bound for g in subs), groups=tuple(subs))
 
@@ -301,6 +310,17 @@ class ForwardContext:
         cache = self.__dict__.setdefault("_ring_rows", {})
         if window not in cache:
             cache[window] = torch.remainder(self.positions, window)
+        return cache[window]
+
+    def snapshot_rows(self, window: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Per :attr:`snaps` entry ``(start, b, stage)``: the stage slot ``[1]``, the ring rows
+        ``[1, n]`` of positions ``lo .. b - 1`` (``lo = max(start, b - window)``: the chunk's rows the
+        ring holds at ``b``) and ``lo``; once per forward and window."""
+        cache = self.__dict__.setdefault("_snapshot_rows", {})
+        if window not in cache:
+            dev = self.positions.device
+            cache[window] = [(torch.tensor([k], device=dev), torch.arange(lo, b, device=dev).remainder(window)[None], lo)
+                             for start, b, k in self.snaps for lo in [max(start, b - window)]]
         return cache[window]
 
     @property

@@ -103,6 +103,13 @@ class Compressor(nn.Module):
             d = self.dim
             prev_kv = torch.cat([state.prev_kv[slots].unsqueeze(1), win_kv[:, :-1, :, :d]], dim=1)
             prev_gate = torch.cat([state.prev_gate[slots].unsqueeze(1), win_gate[:, :-1, :, :d]], dim=1)
+        if self.overlap and ctx.snaps and state.stage is not None:
+            # prefix caching: the last closed window at each boundary b inside this one-row chunk
+            # (the predecessor of the buffer's window that starts at b) into the stage's slot
+            for start, b, k in ctx.snaps:
+                j = b // m - start // m
+                state.stage.prev_kv[k] = prev_kv[0, j]
+                state.stage.prev_gate[k] = prev_gate[0, j]
         entry = ops.compress_windows(win_kv, win_gate, prev_kv, prev_gate)   # [B, n_win, dim] fp32
         entry = self.norm(entry)
 

@@ -132,16 +132,17 @@ class Transformer(nn.Module):
 
     def forward_varlen(self, token_ids: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, int, int]],
                        caches: list[LayerCache], logit_rows: torch.Tensor, qat_sim: bool = False,
-                       streams: bool = False):
+                       streams: bool = False, snaps: dict[int, tuple[tuple[int, int, int], ...]] | None = None):
         """One forward over rows of different lengths (DESIGN decision 6): ``token_ids [T]`` back to
         back in ``groups`` of equal-length rows ``(slots [b], start [b], s, context_bound)`` (see
         :meth:`ForwardContext.varlen`). Token-wise layers (linears, MoE, mHC, norms) run once over
         all ``T`` tokens; attention, compressor and indexer once per group. Returns fp32 logits
         ``[R, vocab]`` of the flattened token indices ``logit_rows [R]`` only (with ``streams``,
-        also the final streams ``[1, T, nc, D]`` and the context: the MTP block's input)."""
+        also the final streams ``[1, T, nc, D]`` and the context: the MTP block's input).
+        ``snaps``: block-boundary snapshots inside prompt rows, by group (:attr:`ForwardContext.snaps`)."""
         self.set_qat_sim(qat_sim)
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
-        ctx = ForwardContext.varlen(self.config, token_ids, groups, inv, qat_sim)
+        ctx = ForwardContext.varlen(self.config, token_ids, groups, inv, qat_sim, snaps)
         h = self.hidden_streams(ctx, caches)                                      # [1, T, nc, D]
         logits = self.logits(h[0].index_select(0, logit_rows))
         return (logits, h, ctx) if streams else logits
