@@ -18,6 +18,7 @@
 #   agent_users (64 users sharing a system prompt, then one conversation alone; caching off then on;
 #   users: the first alone), spec_struct (the speculative and structured-outputs GPU tests),
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
+#   prefix (issue 27: prefix-caching GPU tests + bench/prefix_cost.py: no-hit cost, one conversation's TTFT off/on),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
 #   load: a later call, on a fresh machine, skips the compiles);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
@@ -142,6 +143,10 @@ agent_users)   # issue 27's shared-system-prompt case alone, and one conversatio
   t 120 bench_agent_1.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 1 --turns 10 --system-len 4096 \
     --turn-len 2560 --output-len 128 --plot "" --json "$OUT/bench_agent_1.json"
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
+  ;;
+prefix)   # issue 27: the prefix-caching GPU tests, then bench/prefix_cost.py (no-hit cost, a conversation's TTFT)
+  pt 150 prefix_tests.log tests/test_gpu_prefix_cache.py
+  t 400 prefix_cost.txt python3 bench/prefix_cost.py --layers 4 --format fp8-mxfp4
   ;;
 spec_tests) pt 200 spec_tests.log tests/test_triton_rollback.py tests/test_gpu_speculative.py tests/test_gpu_batched_step.py ;;
 tcache_save)   # in parts of 15 MB (a file that comes back from the device is at most 16 MB; ~20 MB in all, 2026-11-27)

@@ -75,6 +75,7 @@ def test_restore_and_save_never_wait_for_the_device():
     torch.cuda.set_sync_debug_mode("error")
     try:
         store.save(0, 0, [0, 1, 2], tail)
+        store.save(0, 0, [0, 1, 2], tail, stage=0)      # a tail a forward left in the stage
         store.restore(1, [0, 1, 2], tail)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -82,3 +83,32 @@ def test_restore_and_save_never_wait_for_the_device():
     for p in state.pieces():
         if p.kind == "window":
             assert torch.equal(p.tensor[1].view(torch.uint8), p.tensor[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("cuts", [[300], [200, 300]])
+def test_a_boundary_inside_a_chunk_saves_the_tail_a_chunk_ending_there_leaves(cuts):
+    """The forward's snapshot at block 2 (position 256) inside a prompt chunk, through the kernels
+    (fp32, FP8 + MXFP4 weights, QAT storage): restored, it equals the state of chunks cut at 256."""
+    import random
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_prefix_snapshot import _prefill, _restored
+    from dsv4.config import preset
+    from dsv4.engine.runner import Runner
+    from dsv4.random_weights import build_random_model
+
+    config = preset("flash", num_layers=2)
+    model = build_random_model(config, "fp8-mxfp4", "cuda", dtype=torch.float32)
+    rng = random.Random(0)
+    prompt = [rng.randrange(2, config.vocab_size) for _ in range(cuts[-1])]
+    runner = lambda: Runner(model, max_num_seqs=2, max_model_len=1024, qat_sim=True,  # noqa: E731
+                            prefix_cache_bytes=256 << 20)
+    ran, ref = runner(), runner()
+    _prefill(ran, prompt, cuts, {256: 0})
+    _prefill(ref, prompt, sorted({256, *cuts}), {256: 0})
+    for got, want in zip(_restored(ran, 256, 0), _restored(ref, 256, 0), strict=True):
+        if got.dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        else:                        # FP8 / e8m0 codes of (nearly) equal values
+            assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.02

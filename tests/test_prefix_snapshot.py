@@ -45,7 +45,7 @@ def _prefill(runner: Runner, prompt: list[int], cuts: list[int], saves: dict[int
         planned = []
         for b, page in saves.items():
             if start < b <= end:
-                n = b // B
+                n = b // store.block
                 planned.append(Save(0, 0, tuple(range(100 + 10 * page, 100 + 10 * page + n)),
                                     tuple(range(page, page + store.tail_pages))))
         new = NewSequence(params, tuple(prompt)) if start == 0 else None
@@ -58,7 +58,7 @@ def _prefill(runner: Runner, prompt: list[int], cuts: list[int], saves: dict[int
 def _restored(runner: Runner, boundary: int, page: int) -> list[torch.Tensor]:
     """Slot 1 restored from the save of ``boundary``: its window pieces and entries before it."""
     store = runner.prefix_store
-    n = boundary // B
+    n = boundary // store.block
     store.restore(1, list(range(100 + 10 * page, 100 + 10 * page + n)), list(range(page, page + store.tail_pages)))
     out = []
     for p in runner.state.pieces():

@@ -319,7 +319,8 @@ class ForwardContext:
         cache = self.__dict__.setdefault("_snapshot_rows", {})
         if window not in cache:
             dev = self.positions.device
-            cache[window] = [(torch.tensor([k], device=dev), torch.arange(lo, b, device=dev).remainder(window)[None], lo)
+            # made on the device (fills, no host -> device copy that could wait for the stream)
+            cache[window] = [(torch.full((1,), k, device=dev), torch.arange(lo, b, device=dev).remainder(window)[None], lo)
                              for start, b, k in self.snaps for lo in [max(start, b - window)]]
         return cache[window]
 
