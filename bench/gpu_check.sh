@@ -102,5 +102,7 @@ if want agent; then
       --output-len 64 --plot "" --json "$OUT/bench_agent_users.json"
   kill -TERM $server; wait $server
   tail -5 "$OUT/server.log"
+  step "prefix caching in one process: no-hit cost (prefill, decode), one conversation's TTFT off vs on" \
+    tee_to prefix_cost.txt python3 bench/prefix_cost.py --layers 4 --format fp8-mxfp4
 fi
 exit $status

@@ -145,8 +145,15 @@ agent_users)   # issue 27's shared-system-prompt case alone, and one conversatio
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 prefix)   # issue 27: the prefix-caching GPU tests, then bench/prefix_cost.py (no-hit cost, a conversation's TTFT)
-  pt 150 prefix_tests.log tests/test_gpu_prefix_cache.py
+  pt 300 prefix_tests.log tests/test_gpu_prefix_cache.py
   t 400 prefix_cost.txt python3 bench/prefix_cost.py --layers 4 --format fp8-mxfp4
+  ;;
+prefix_short)   # prefix_cost's decode (no-hit cost) and a conversation of shorter turns (768 tokens)
+  t 200 prefix_cost_short.txt python3 bench/prefix_cost.py --layers 4 --format fp8-mxfp4 --lengths --burst 0 \
+    --turns 12 --turn-len 768
+  ;;
+spec_cost_zero)   # issue 25: a verify step's cost against a decode step, then the zero-acceptance table
+  t 400 spec_cost_zero.txt python3 bench/spec_bench.py --layers 4 --batch 1 32 --k 3 --tables cost zero --tokens 512
   ;;
 spec_tests) pt 200 spec_tests.log tests/test_triton_rollback.py tests/test_gpu_speculative.py tests/test_gpu_batched_step.py ;;
 tcache_save)   # in parts of 15 MB (a file that comes back from the device is at most 16 MB; ~20 MB in all, 2026-11-27)

@@ -7,7 +7,9 @@
 1. **No hits** (issue 27: "no cost with no hits"): unique random prompts, caching truly off (no
    prefix cache at all) against on (every prompt saves its last boundaries, nothing ever hits).
    Each length alone (time to first token, median of ``--repeats``), then ``--burst`` prompts at once
-   (wall time until all are done: prefill throughput).
+   (wall time until all are done: prefill throughput), then ``--decode`` requests of 64-token prompts
+   decoding ``--decode-len`` tokens together (output tok/s: the saves where decoding crosses a block
+   boundary are the cost there).
 2. **One conversation alone** (issue 27's TTFT target, a turn's own time to first token): ``--turns``
    turns; turn k's prompt is turn k-1's prompt, its greedy answer and a new message of
    ``--turn-len`` tokens after a ``--system-len`` system prompt. Off and on each build the
@@ -72,6 +74,16 @@ def burst(engine: Engine, prompts: list[list[int]]) -> float:
     return time.perf_counter() - t0
 
 
+def decode_rate(engine: Engine, prompts: list[list[int]], n: int) -> float:
+    """Output tokens a second of ``prompts`` decoding ``n`` tokens each, all at once."""
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), detokenize=False)
+    t0 = time.perf_counter()
+    while engine.has_unfinished:
+        engine.step()
+    return len(prompts) * n / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="flash")
@@ -82,6 +94,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--burst-len", type=int, default=2000)
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--decode-len", type=int, default=512)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--system-len", type=int, default=4096)
     ap.add_argument("--turn-len", type=int, default=2560)
@@ -127,6 +141,12 @@ def main() -> None:
         print(f"burst of {args.burst} x {args.burst_len} tokens: off {res[False]:.3f} s ({tok / res[False]:.0f} tok/s), "
               f"on {res[True]:.3f} s ({tok / res[True]:.0f} tok/s), on/off time {res[True] / res[False]:.3f}",
               flush=True)
+
+    if args.decode:
+        prompts = [ids(64) for _ in range(args.decode)]
+        res = {c: decode_rate(engine_for(runner, c), prompts, args.decode_len) for c in (False, True)}
+        print(f"decode, {args.decode} requests x {args.decode_len} tokens: off {res[False]:.0f} tok/s, "
+              f"on {res[True]:.0f} tok/s, on/off {res[True] / res[False]:.3f}", flush=True)
 
     if args.turns:
         print(f"\n2. one conversation alone: system {args.system_len}, +{args.turn_len} a turn, "
