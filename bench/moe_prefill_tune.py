@@ -33,6 +33,10 @@ CASES = [
     ("dequantized, BK 64", True, (64, 64, 8, 4, 4), (128, 64, 8, 4, 4)),
     ("dequantized, w13 BN 32", True, (32, 128, 4, 3, 3), (128, 128, 8, 3, 3)),
     ("dequantized, w2 BN 64", True, (64, 128, 8, 3, 3), (64, 128, 4, 3, 3)),
+    # few pairs an expert (short prompts, mixed steps): smaller tiles (--bm) and wider N
+    ("deq, BN 128 w4", True, (128, 128, 4, 3, 3), (128, 128, 4, 3, 3)),
+    ("deq, BN 64 w4 s4", True, (64, 128, 4, 4, 3), (128, 128, 4, 4, 3)),
+    ("deq, BN 32 w2", True, (32, 128, 2, 3, 3), (64, 128, 2, 3, 3)),
 ]
 
 
@@ -49,6 +53,8 @@ def main() -> None:
     ap.add_argument("--geo", choices=GEOS, default="flash")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--cases", type=int, nargs="*", help="indices into CASES (default all)")
+    ap.add_argument("--bm", type=int, nargs="*", default=[0],
+                    help="pairs a tile (0: moe.tiles' choice); each case runs with each")
     a = ap.parse_args()
     g = GEOS[a.geo]
     E, D, I, k, T = g["E"], g["D"], g["I"], g["k"], a.tokens
@@ -59,19 +65,21 @@ def main() -> None:
     P = T * k
     flops = {"_w13_grouped_kernel": 4 * P * D * I, "_w2_grouped_kernel": 2 * P * D * I}
     print(f"{a.geo}: T={T} pairs={P} E={E} D={D} I={I}; {torch.cuda.get_device_name()}")
-    print(f"{'case':26s} {'w13 ms':>8s} {'TF/s':>6s} {'w2 ms':>8s} {'TF/s':>6s} {'MoE ms':>8s} {'vs first':>9s}")
-    exact = M._exact_dequantized
+    print(f"{'case':32s} {'w13 ms':>8s} {'TF/s':>6s} {'w2 ms':>8s} {'TF/s':>6s} {'MoE ms':>8s} {'vs first':>9s}")
+    exact, tiles = M._exact_dequantized, M.tiles
     first = None
-    for i, (label, plain, c13, c2) in enumerate(CASES):
-        if a.cases and i not in a.cases:
-            continue
+    runs = [(i, c, bm) for i, c in enumerate(CASES) if not a.cases or i in a.cases for bm in a.bm]
+    for i, (label, plain, c13, c2), bm in runs:
+        label = label if not bm else f"{label}, BM {bm}"
+        M.tiles = (lambda P, E, dec, mx, _bm=bm: (_bm, tiles(P, E, dec, mx)[1]) if _bm and not dec
+                   else tiles(P, E, dec, mx))
         M._exact_dequantized = (lambda *args, _p=plain: _p and exact(*args))
         M.CONFIGS["grouped_mxfp4" if plain else "grouped"] = dict(w13=c13, w2=c2)
         try:
             out = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)   # compile
             torch.cuda.synchronize()
         except Exception as e:                                              # noqa: BLE001
-            print(f"{label:26s} failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
+            print(f"{label:32s} failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
             continue
         times: dict[str, float] = defaultdict(float)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -88,9 +96,9 @@ def main() -> None:
         diff = 0.0 if first is None else float((out.float() - first).norm() / first.norm())
         first = out.float() if first is None else first
         r = [(times[n] / 1e3, flops[n] / max(times[n], 1e-9) / 1e6) for n in flops]
-        print(f"{label:26s} {r[0][0]:8.2f} {r[0][1]:6.0f} {r[1][0]:8.2f} {r[1][1]:6.0f} "
+        print(f"{label:32s} {r[0][0]:8.2f} {r[0][1]:6.0f} {r[1][0]:8.2f} {r[1][1]:6.0f} "
               f"{total / 1e3:8.2f} {diff:9.2e}", flush=True)
-    M._exact_dequantized = exact
+    M._exact_dequantized, M.tiles = exact, tiles
 
 
 if __name__ == "__main__":

@@ -82,6 +82,19 @@ def _exact_dequantized(fmt: FormatCode, pow2: bool, dtype: torch.dtype) -> bool:
     return fmt == FormatCode.MXFP4 and pow2 and dtype in (torch.bfloat16, torch.float32)
 
 
+def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
+    """``(BM, CONFIGS key)`` for ``P`` pairs over ``E`` experts: the decode GEMV (one pair a
+    program), else grouped tiles of BM pairs of one expert (``mx_plain``: MXFP4 on dequantized
+    operands, larger tiles once experts average a full one). bench/moe_prefill_tune.py tries others."""
+    if decode:
+        return 1, "gemv"
+    if P < 2048:
+        return 16, "grouped"
+    if mx_plain:
+        return (128 if P >= 128 * E else 64), "grouped_mxfp4"
+    return 64, "grouped"
+
+
 class MoeKernelError(KernelUnsupported):
     """The inputs do not fit the Triton MoE kernel (the message names the argument); raised before
     any launch, so the dispatch runs the reference for that call."""
@@ -249,14 +262,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     qdot = bool(act_quant) and not decode and not _exact_dequantized(fmt, pow2, x.dtype)
     # the MXFP4 grouped GEMM on dequantized operands: larger tiles once experts average a full one
     mx_plain = not decode and not qdot and fmt == FormatCode.MXFP4
-    if decode:
-        BM, path = 1, "gemv"
-    elif P < 2048:
-        BM, path = 16, "grouped"
-    elif mx_plain:
-        BM, path = (128 if P >= 128 * E else 64), "grouped_mxfp4"
-    else:
-        BM, path = 64, "grouped"
+    BM, path = tiles(P, E, decode, mx_plain)
     fp8 = fmt < FormatCode.MXFP4
     q_dtype = torch.float8_e4m3fn if fp8 else torch.float16
     cfg = CONFIGS[path]
