@@ -24,7 +24,7 @@ from dsv4.weights.formats import Mxfp4Weight
 GEOS = {"flash": dict(E=256, D=4096, I=2048, k=6), "pro": dict(E=384, D=7168, I=3072, k=6)}
 
 #: (label, MXFP4 on dequantized operands?, configs of that path: M.CONFIGS["grouped"] (the QDOT
-#: path, BM 64) or M.CONFIGS["grouped_mxfp4"] (BM 128 from 128 pairs an expert on, else 64))
+#: path, BM 64) or M.CONFIGS["grouped_mxfp4"] and ["grouped_mxfp4_few"] (BM by moe.tiles))
 #: as (BN, BK, num_warps, num_stages, K-loop pipelining)
 CASES = [
     ("qdot (before)", False, (64, 128, 8, 3, 1), (128, 128, 8, 3, 1)),
@@ -35,6 +35,7 @@ CASES = [
     ("dequantized, w2 BN 64", True, (64, 128, 8, 3, 3), (64, 128, 4, 3, 3)),
     # few pairs an expert (short prompts, mixed steps): smaller tiles (--bm) and wider N
     ("deq, BN 128 w4", True, (128, 128, 4, 3, 3), (128, 128, 4, 3, 3)),
+    # (index 7: the grouped_mxfp4_few config)
     ("deq, BN 64 w4 s4", True, (64, 128, 4, 4, 3), (128, 128, 4, 4, 3)),
     ("deq, BN 32 w2", True, (32, 128, 2, 3, 3), (64, 128, 2, 3, 3)),
 ]
@@ -74,7 +75,8 @@ def main() -> None:
         M.tiles = (lambda P, E, dec, mx, _bm=bm: (_bm, tiles(P, E, dec, mx)[1]) if _bm and not dec
                    else tiles(P, E, dec, mx))
         M._exact_dequantized = (lambda *args, _p=plain: _p and exact(*args))
-        M.CONFIGS["grouped_mxfp4" if plain else "grouped"] = dict(w13=c13, w2=c2)
+        for key in (("grouped_mxfp4", "grouped_mxfp4_few") if plain else ("grouped",)):
+            M.CONFIGS[key] = dict(w13=c13, w2=c2)
         try:
             out = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)   # compile
             torch.cuda.synchronize()

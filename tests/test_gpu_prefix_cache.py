@@ -88,7 +88,10 @@ def test_restore_and_save_never_wait_for_the_device():
 @pytest.mark.parametrize("cuts", [[300], [200, 300]])
 def test_a_boundary_inside_a_chunk_saves_the_tail_a_chunk_ending_there_leaves(cuts):
     """The forward's snapshot at block 2 (position 256) inside a prompt chunk, through the kernels
-    (fp32, FP8 + MXFP4 weights, QAT storage): restored, it equals the state of chunks cut at 256."""
+    (fp32 activations and state, FP8 + MXFP4 weights): restored, it equals the state of chunks cut
+    at 256 to kernel precision. (With the QAT simulation the two chunkings' GEMMs of different M
+    round an activation differently now and then, and the FP8 act-quant turns that into flips that
+    grow layer by layer: no oracle there; the CPU tests check the QAT storage exactly.)"""
     import random
     import sys
     from pathlib import Path
@@ -102,13 +105,11 @@ def test_a_boundary_inside_a_chunk_saves_the_tail_a_chunk_ending_there_leaves(cu
     model = build_random_model(config, "fp8-mxfp4", "cuda", dtype=torch.float32)
     rng = random.Random(0)
     prompt = [rng.randrange(2, config.vocab_size) for _ in range(cuts[-1])]
-    runner = lambda: Runner(model, max_num_seqs=2, max_model_len=1024, qat_sim=True,  # noqa: E731
+    runner = lambda: Runner(model, max_num_seqs=2, max_model_len=1024,  # noqa: E731
                             prefix_cache_bytes=256 << 20)
     ran, ref = runner(), runner()
     _prefill(ran, prompt, cuts, {256: 0})
     _prefill(ref, prompt, sorted({256, *cuts}), {256: 0})
     for got, want in zip(_restored(ran, 256, 0), _restored(ref, 256, 0), strict=True):
-        if got.dtype == torch.float32:
-            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-        else:                        # FP8 / e8m0 codes of (nearly) equal values
-            assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.02
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

@@ -49,7 +49,8 @@ from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noq
 #: small tile configs for the interpreter: few programs, still several N tiles and K steps
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
-         "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 128, 4, 1, 2))}
+         "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 128, 4, 1, 2)),
+         "grouped_mxfp4_few": dict(w13=(32, 128, 4, 1, 3), w2=(64, 128, 4, 1, 3))}
 
 
 @pytest.fixture(autouse=True)
@@ -274,6 +275,22 @@ def test_grouped_mxfp4_act_quant_on_dequantized_operands(monkeypatch, pow2):
     assert not M._exact_dequantized(M.FormatCode.NVFP4, True, torch.bfloat16)
     got, exp = _run("mxfp4", 37, 2, 4, 256, 128, True, pow2=pow2, dtype=torch.float32)
     _check(got, exp, 1e-5)
+
+
+def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
+    """The dequantized MXFP4 grouped GEMMs take 16-pair tiles below 32 pairs an expert on
+    average, else 64 (128 from 128 on). Each tile size against the reference (fp32), and the
+    three against each other to summation order."""
+    monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
+    assert M.tiles(2 * 37, 4, False, True) == (16, "grouped_mxfp4_few")
+    assert M.tiles(2 * 70, 4, False, True) == (64, "grouped_mxfp4_few")
+    assert M.tiles(2 * 256, 4, False, True) == (128, "grouped_mxfp4")
+    tiles, outs = M.tiles, []
+    for bm in (16, 64, 128):
+        monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _b=bm: (_b, tiles(P, E, dec, mx)[1]))
+        outs.append(_run("mxfp4", 70, 2, 4, 256, 128, True, dtype=torch.float32)[0])
+    for o in outs[1:]:
+        _check(o, outs[0], 1e-6)
 
 
 def test_fp32_scale_rounding_and_no_limit():

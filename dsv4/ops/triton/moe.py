@@ -64,10 +64,17 @@ CONFIGS = {
     # (bench/results/2026-11-25c/moe_decode_tune.txt), though the GEMV reads a shared expert per pair
     "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 256, 4, 3, 1)),
     "grouped": dict(w13=(64, 128, 8, 3, 1), w2=(128, 128, 8, 3, 1)),  # prefill, BM = 64 (16 < 2048 pairs)
-    # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 128 pairs an expert on, else 64:
+    # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 128 pairs an expert on:
     # bench/moe_prefill_tune.py, H100, Flash, 8192 tokens: 35.1 ms (QDOT, BM 64) -> 13.9 ms a layer
     "grouped_mxfp4": dict(w13=(64, 128, 8, 3, 3), w2=(128, 128, 8, 3, 3)),
+    # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 32 an expert, else 64, four
+    # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_small.txt), the MoE's
+    # two GEMMs: 512 tokens (12 pairs an expert) 4.64 ms (BM 64, 8 warps) -> 2.58 ms; 2048 tokens
+    # (48 an expert) 4.96 -> 4.60 ms (BM 32: 6.59)
+    "grouped_mxfp4_few": dict(w13=(64, 128, 4, 4, 3), w2=(128, 128, 4, 4, 3)),
 }
+#: below this many pairs an expert on average the dequantized MXFP4 grouped GEMM takes 16-pair tiles
+MXFP4_SMALL_TILE_PAIRS = 32
 _FORMATS = (FormatCode.FP8_F32, FormatCode.FP8_UE8M0, FormatCode.MXFP4, FormatCode.NVFP4)
 
 
@@ -88,10 +95,12 @@ def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
     operands, larger tiles once experts average a full one). bench/moe_prefill_tune.py tries others."""
     if decode:
         return 1, "gemv"
+    if mx_plain:
+        if P >= 128 * E:
+            return 128, "grouped_mxfp4"
+        return (16 if P < MXFP4_SMALL_TILE_PAIRS * E else 64), "grouped_mxfp4_few"
     if P < 2048:
         return 16, "grouped"
-    if mx_plain:
-        return (128 if P >= 128 * E else 64), "grouped_mxfp4"
     return 64, "grouped"
 
 
