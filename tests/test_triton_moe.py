@@ -278,7 +278,7 @@ def test_grouped_mxfp4_act_quant_on_dequantized_operands(monkeypatch, pow2):
 
 
 def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
-    """The dequantized MXFP4 grouped GEMMs take 16-pair tiles below 32 pairs an expert on
+    """The dequantized MXFP4 grouped GEMMs take 16-pair tiles below 24 pairs an expert on
     average, else 64 (128 from 128 on). Each tile size against the reference (fp32), and the
     three against each other to summation order."""
     monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)

@@ -67,14 +67,14 @@ CONFIGS = {
     # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 128 pairs an expert on:
     # bench/moe_prefill_tune.py, H100, Flash, 8192 tokens: 35.1 ms (QDOT, BM 64) -> 13.9 ms a layer
     "grouped_mxfp4": dict(w13=(64, 128, 8, 3, 3), w2=(128, 128, 8, 3, 3)),
-    # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 32 an expert, else 64, four
-    # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_small.txt), the MoE's
-    # two GEMMs: 512 tokens (12 pairs an expert) 4.64 ms (BM 64, 8 warps) -> 2.58 ms; 2048 tokens
-    # (48 an expert) 4.96 -> 4.60 ms (BM 32: 6.59)
+    # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 24 an expert, else 64, four
+    # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_*.txt), the MoE's two
+    # GEMMs, before -> after: 512 tokens (12 pairs an expert) 4.64 -> 2.58 ms; 1024 (24) 4.70 ->
+    # 4.50 ms (BM 16: 4.56); 2048 (48) 4.96 -> 4.60 ms (BM 32: 6.59); 4096 (96) 9.39 -> 8.77 ms
     "grouped_mxfp4_few": dict(w13=(64, 128, 4, 4, 3), w2=(128, 128, 4, 4, 3)),
 }
 #: below this many pairs an expert on average the dequantized MXFP4 grouped GEMM takes 16-pair tiles
-MXFP4_SMALL_TILE_PAIRS = 32
+MXFP4_SMALL_TILE_PAIRS = 24
 _FORMATS = (FormatCode.FP8_F32, FormatCode.FP8_UE8M0, FormatCode.MXFP4, FormatCode.NVFP4)
 
 
