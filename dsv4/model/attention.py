@@ -149,12 +149,14 @@ class Attention(nn.Module):
 
     def _snapshot_window(self, kv: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
         """Prefix caching: for each block boundary ``b`` inside this one-row chunk (``ctx.snaps``),
-        leave the ring as it is at ``b`` in the stage's slot: the slot's ring before this chunk's
-        store (positions before the chunk), then the chunk's rows of the last ``W`` positions before
-        ``b``, stored exactly as the slot's own store would (the same rounding)."""
+        leave the ring as it is at ``b`` in the stage's slot: the chunk's rows of the last ``W``
+        positions before ``b``, stored exactly as the slot's own store would (the same rounding),
+        over the slot's ring before this chunk's store when the chunk starts less than ``W`` before
+        ``b`` (its older rows are from before the chunk)."""
         for (start, b, _), (stage_slot, rows, lo) in zip(ctx.snaps, ctx.snapshot_rows(self.window)):
-            for dst, src in zip(cache.stage.ring.tensors(), cache.ring.tensors()):   # as bytes (FP8 has no index_copy)
-                dst.view(torch.uint8).index_copy_(0, stage_slot, src.view(torch.uint8).index_select(0, ctx.slots))
+            if lo > b - self.window:         # rows from before the chunk (else the chunk fills the ring)
+                for dst, src in zip(cache.stage.ring.tensors(), cache.ring.tensors()):  # bytes: FP8 has no index_copy
+                    dst.view(torch.uint8).index_copy_(0, stage_slot, src.view(torch.uint8).index_select(0, ctx.slots))
             fused.store_rows(cache.stage.ring, stage_slot.view(1, 1), rows, kv[:, lo - start:b - start])
 
     def _compressed(self, x: torch.Tensor, iq: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> dict:
