@@ -94,6 +94,8 @@ class PrefixStore:
         # never read before written (a page is entered only after its save ran): no need to clear it, and on
         # the CPU untouched pages cost no RAM
         self.pool = torch.empty(self.num_pages, self.page_bytes, dtype=torch.uint8, device=state.device)
+        #: saves queued by :meth:`defer`, run by :meth:`flush`
+        self._deferred: list[tuple] = []
 
     @property
     def nbytes(self) -> int:
@@ -130,10 +132,26 @@ class PrefixStore:
                 flat[off:off + n] = _bytes(p.tensor[i]).reshape(-1)
             self.pool.index_copy_(0, upload_ints(list(tail), dev), flat.view(len(tail), self.page_bytes))
 
+    def defer(self, slot: int, first_block: int, blocks: Sequence[int], tail: Sequence[int],
+              stage: int | None = None) -> None:
+        """:meth:`save` later, at the next :meth:`flush` (checked now). The runner defers a step's
+        saves so the step's sampled ids start to the host before the copies are queued (a prompt's
+        first token does not wait for them), and flushes before anything that changes a slot's
+        state or reads pages (its next step, a reset, :meth:`restore`)."""
+        self._check(blocks, tail, allow_no_tail=True)
+        self._deferred.append((slot, first_block, tuple(blocks), tuple(tail), stage))
+
+    def flush(self) -> None:
+        """Run the deferred saves, in order."""
+        saves, self._deferred = self._deferred, []
+        for args in saves:
+            self.save(*args)
+
     # ------------------------------------------------------------------ pages -> slot
     def restore(self, slot: int, blocks: Sequence[int], tail: Sequence[int]) -> None:
         """Make ``slot`` hold the prefix of ``len(blocks)`` blocks: entry rows from ``blocks`` (block
         0 first) and the window pieces from ``tail``. The caller sets the slot's length."""
+        self.flush()
         self._check(blocks, tail, allow_no_tail=False)
         dev = self.state.device
         pages = upload_ints(list(blocks) + list(tail), dev)

@@ -129,8 +129,14 @@ class Runner:
                    and bool(r.draft) == bool(r0.draft) for r in rows)
 
     # ------------------------------------------------------------------ slots
+    def _flush_saves(self) -> None:
+        """Run the prefix-cache saves the last step deferred (before anything changes a slot)."""
+        if self.prefix_store is not None:
+            self.prefix_store.flush()
+
     def reset(self, slots: Sequence[int]) -> None:
         """Free ``slots`` for new sequences."""
+        self._flush_saves()
         for s in slots:
             self._check_slot(s)
             self.lengths[s] = 0
@@ -164,7 +170,10 @@ class Runner:
         A step of sampled decode rows only is :meth:`decode_step` (one graph replay when graphs are
         captured). Any other step is one varlen forward (:meth:`Transformer.forward_varlen`): the
         rows of one token (decode rows and 1-token chunks) form one group, each longer row its own.
-        Every check (slots, lengths, context) runs before any state changes."""
+        Every check (slots, lengths, context) runs before any state changes. The step's prefix-cache
+        saves (``batch.saves``) are deferred to the start of the next call that touches the state
+        (:meth:`PrefixStore.defer`), so the caller's copy of the sampled ids is queued first."""
+        self._flush_saves()
         rows = batch.rows
         if not rows:
             raise ValueError("run needs at least one row")
@@ -225,9 +234,9 @@ class Runner:
             out = self._verify_replay(rows)
         else:
             out = self._run_varlen(rows, before_sample, snaps)
-        for i, sv in enumerate(batch.saves):
+        for i, sv in enumerate(batch.saves):      # after the caller queued the sampled ids' copy
             if sv.decode_step is None:
-                self.prefix_store.save(sv.slot, sv.first_block, sv.blocks, sv.tail, staged.get(i))
+                self.prefix_store.defer(sv.slot, sv.first_block, sv.blocks, sv.tail, staged.get(i))
         return out
 
     def _run_decode_steps(self, rows: Sequence[Row], steps: int, saves: Sequence, before_sample,
@@ -469,6 +478,7 @@ class Runner:
         With a constrained row the forward and the sampler are launched apart and ``before_sample``
         runs in between (it may stage grammar masks: the sampler reads them); otherwise the whole
         step is one launch (one graph) and ``before_sample`` runs first."""
+        self._flush_saves()
         self._check_batch(slots)
         flags = self.sampling.flags(slots)
         n = len(slots)
