@@ -16,7 +16,7 @@
 #   struct (issue 26: the structured-outputs GPU tests, then decode tok/s 0/50/100% constrained),
 #   graphs_engine (graph replay = eager steps through the engine, also with decode steps in prompt steps),
 #   agent_users (64 users sharing a system prompt, then one conversation alone; caching off then on;
-#   users: the first alone), spec_struct (the speculative and structured-outputs GPU tests),
+#   users: the first alone; agent_convs: 16 conversations x 10 turns, then one alone), spec_struct (the speculative and structured-outputs GPU tests),
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
 #   prefix (issue 27: prefix-caching GPU tests + bench/prefix_cost.py: no-hit cost, one conversation's TTFT off/on),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
@@ -135,6 +135,15 @@ users8k)   # the users step and serve8k's TTFT on one server (12288 positions: b
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 spec_struct) pt 300 spec_struct_tests.log tests/test_gpu_speculative.py tests/test_gpu_structured.py ;;
+agent_convs)   # issue 27's agent workload through the server: 16 conversations x 10 turns, then one alone
+  start_random_server 16 200 36864
+  echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
+  t 260 bench_agent.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 16 --turns 10 --system-len 4096 \
+    --turn-len 2560 --output-len 128 --plot "" --json "$OUT/bench_agent.json"
+  t 150 bench_agent_1.txt python3 -m dsv4.cli bench serve --dataset agent --conversations 1 --turns 10 --system-len 4096 \
+    --turn-len 2560 --output-len 128 --plot "" --json "$OUT/bench_agent_1.json"
+  kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
+  ;;
 agent_users)   # issue 27's shared-system-prompt case alone, and one conversation alone (a turn's own TTFT)
   start_random_server 16 200 36864
   echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
