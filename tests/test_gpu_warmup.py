@@ -48,3 +48,34 @@ def test_flash_slice_compiles_nothing_after_warm_up():
         decode(runner, slots, torch.randint(0, vocab, (len(slots),)))
     grew = grown()
     assert not grew, f"eager decode steps compiled new kernel variants: {grew}"
+
+
+def test_parallel_precompile_leaves_nothing_to_compile_and_nothing_changed():
+    """The parallel compile pass (start-up, before the capture) compiles what the capture and the
+    warm-up launch: after it neither compiles anything, and the state it ran on (scratch slot,
+    zeroed buffers, no launches) leaves the engine's results what they are without it."""
+    from dsv4.config import preset
+    from dsv4.engine.batch import NewSequence, Row, ScheduledBatch
+    from dsv4.engine.runner import Runner
+    from dsv4.engine.sampling import SamplingParams
+    from dsv4.random_weights import build_random_model
+    from dsv4.ops.triton import variants
+
+    model = build_random_model(preset("flash", num_layers=2), "fp8-mxfp4", "cuda")
+
+    def runner():
+        return Runner(model, max_num_seqs=4, max_model_len=3000, qat_sim=True, max_num_batched_tokens=512)
+    r = runner()
+    seconds = r.precompile(progress=True)
+    assert seconds > 0
+    before = variants.total()
+    r.capture(progress=False)
+    r.warm_up(progress=False)
+    assert variants.total() == before, "the capture or the warm-up compiled after the parallel pass"
+    ids = tuple(torch.randint(2, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist())
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    outs = []
+    for run in (r, runner()):
+        o = run.run(ScheduledBatch((Row(0, 0, ids, sample=True, new=NewSequence(params, ids)),)))
+        outs.append((o.sampled.token_ids.cpu(), o.sampled.logprobs.cpu()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

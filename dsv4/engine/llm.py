@@ -254,6 +254,10 @@ class LLM:
         self.model: torch.nn.Module = runner.model
         self.config: ModelConfig = runner.model.config
         self.runner = runner
+        if dev.type == "cuda" and engine.warm_up and plan.world_size == 1:
+            # the kernels of the capture and the warm-up, compiled side by side first (one process:
+            # a tensor-parallel group's ranks run their forwards' collectives in lockstep)
+            self.runner.precompile(graphs=not engine.enforce_eager, progress=progress)
         if dev.type == "cuda" and not engine.enforce_eager:
             self.runner.capture(progress=progress)
             if self.speculative is not None and plan.world_size == 1:

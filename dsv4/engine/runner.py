@@ -543,6 +543,14 @@ class Runner:
         self.tokens[idx] = out.token_ids
         return out
 
+    def precompile(self, graphs: bool = True, progress: bool = True) -> float:
+        """Compile, on a thread pool, the kernels :meth:`warm_up` and (``graphs``) :meth:`capture`
+        will launch, before they run (:func:`dsv4.engine.warmup.precompile`); returns the seconds."""
+        from .warmup import precompile
+        flags = (SampleFlags(), SampleFlags(all_greedy=False))
+        captured = tuple((b, f) for b in batch_buckets(self.max_num_seqs) for f in flags) if graphs else ()
+        return precompile(self, captured, progress=progress)
+
     def warm_up(self, progress: bool = True) -> float:
         """Compile every kernel variant prefill and eager decode can reach, on the scratch slot
         (:mod:`dsv4.engine.warmup`); returns the seconds taken."""

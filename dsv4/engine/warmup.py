@@ -20,12 +20,22 @@ run of mixed prompts took 120 s instead of 4 s, time-to-first-token p90 13 s).
 
 Tests (interpreter, CPU) check that prefills of random lengths at random positions after it add no
 specialization. The time and the number of compiled variants are printed.
+
+:func:`precompile` (before the CUDA-graph capture, one process) compiles the same kernels and the
+captured decode steps' on a thread pool first: the same forwards run with every Triton launch
+turned into a compile request (Triton's ``AsyncCompileMode``; nothing is launched, buffers start
+zeroed so the torch ops between read valid indices), the compiles run side by side, and the capture
+and :func:`warm_up` then find every kernel compiled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -49,13 +59,11 @@ def length_classes(limit: int) -> list[int]:
     return sorted(out)
 
 
-@torch.inference_mode()
-def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
-    """Run the warm-up on ``runner`` (its live slots untouched); returns the seconds taken."""
-    t0 = time.perf_counter()
-    before = compiled_variants()
-    scratch, model = runner.scratch, runner.model
-    config = model.config
+def _items(runner, decode: bool, captured: tuple = ()) -> tuple[list[Callable[[], None]], str]:
+    """The warm-up's forwards as callables, in order (they share the scratch slot's position), and
+    their description; ``captured``: also the decode step of each ``(bucket, flags)`` the capture
+    records (its kernels, at the state's full length)."""
+    scratch, config = runner.scratch, runner.model.config
     lengths = length_classes(runner.max_num_batched_tokens)
     # eager decode batches: without graphs every decode step, with graphs the one-token rows of a
     # step that also runs prompt chunks
@@ -63,46 +71,106 @@ def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
     ratios = sorted({r for r in (config.compress_ratios or []) if r})
     k = getattr(config, "index_topk", 0) or 0
     counts = length_classes(max(1, runner.max_model_len // min(ratios))) if k and ratios else []
-    steps = len(lengths) + len(batches) + len(counts)
-    bar = tqdm(total=steps, desc="compiling kernels (warm-up)", disable=not progress, file=sys.stderr)
     gen = torch.Generator().manual_seed(0)
-    vocab = config.vocab_size
+    items: list[Callable[[], None]] = [lambda: runner.state.reset([scratch])]
     pos = 0
-    runner.state.reset([scratch])
     for i, n in enumerate(lengths):
         if pos + n > runner.max_model_len:
-            runner.state.reset([scratch])
+            items.append(lambda: runner.state.reset([scratch]))
             pos = 0
-        ids = torch.randint(0, vocab, (n,), generator=gen).to(runner.device)
+        ids = torch.randint(0, config.vocab_size, (n,), generator=gen)
         if n > runner.max_model_len:     # a step of several prompts' chunks: rows on the scratch slot in turn
-            _several_rows(runner, ids)
+            items.append(lambda ids=ids: _several_rows(runner, ids.to(runner.device)))
             pos = runner.max_model_len
         else:
-            _one_row(runner, ids, pos, all_logits=(i % 3 == 2))
+            items.append(lambda ids=ids, pos=pos, i=i: _one_row(runner, ids.to(runner.device), pos,
+                                                                 all_logits=(i % 3 == 2)))
             pos += n
-        bar.update()
-    idx_all = torch.full((max(batches, default=1),), scratch, dtype=torch.int64, device=runner.device)
+
+    def step(b: int, flags: SampleFlags, bound: int) -> None:
+        runner.state.reset([scratch])
+        runner._step(torch.full((b,), scratch, dtype=torch.int64, device=runner.device), flags, bound)
     for b in batches:
         # near the start and as deep as the state goes: the attention splits its keys more with more
         # compressed entries
         for bound in sorted({min(runner.max_model_len, b + 1), runner.max_model_len}):
-            runner.state.reset([scratch])
-            runner._step(idx_all[:b], SampleFlags(), bound)
-        bar.update()
-    for n in counts:
+            items.append(lambda b=b, bound=bound: step(b, SampleFlags(), bound))
+    for b, flags in captured:
+        items.append(lambda b=b, flags=flags: step(b, flags, runner.max_model_len))
+
+    def topk(n: int) -> None:
         scores = torch.zeros(1, 2, n, dtype=torch.float32, device=runner.device)
         ops.topk_indices(scores, min(k, n), torch.zeros(1, 2, dtype=torch.int64, device=runner.device))
-        bar.update()
-    runner.state.reset([scratch])
+    items += [lambda n=n: topk(n) for n in counts]
+    items.append(lambda: runner.state.reset([scratch]))
+    what = f"{len(lengths)} prompt lengths, {len(batches)} eager batch sizes, {len(counts)} top-k sizes"
+    return items, what
+
+
+@torch.inference_mode()
+def warm_up(runner, *, decode: bool = True, progress: bool = True) -> float:
+    """Run the warm-up on ``runner`` (its live slots untouched); returns the seconds taken."""
+    t0 = time.perf_counter()
+    before = compiled_variants()
+    items, what = _items(runner, decode)
+    for item in tqdm(items, desc="compiling kernels (warm-up)", disable=not progress, file=sys.stderr):
+        item()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    bar.close()
     seconds = time.perf_counter() - t0
     if progress:
         added = compiled_variants() - before
-        print(f"warm-up: {len(lengths)} prompt lengths, {len(batches)} eager batch sizes, {len(counts)} top-k "
-              f"sizes in {seconds:.1f} s" + (f"; {added} kernel variants compiled" if added >= 0 else ""),
+        print(f"warm-up: {what} in {seconds:.1f} s" + (f"; {added} kernel variants compiled" if added >= 0 else ""),
               file=sys.stderr)
+    return seconds
+
+
+@contextlib.contextmanager
+def _compile_only() -> Iterator[None]:
+    """Every Triton launch in the block becomes a compile request (``warmup=True``: nothing runs)."""
+    from triton.runtime.jit import JITFunction
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+    JITFunction.run = compile_only
+    try:
+        yield
+    finally:
+        JITFunction.run = launch
+
+
+@torch.inference_mode()
+def precompile(runner, captured: tuple = (), *, decode: bool = True, workers: int | None = None,
+               progress: bool = True) -> float:
+    """Compile what :func:`warm_up` and the capture of ``captured`` ``(bucket, flags)`` decode steps
+    will launch, on ``workers`` threads (default: the CPU count), before either runs (CUDA only; a
+    no-op where Triton has no ``AsyncCompileMode``). Returns the seconds taken. A kernel whose
+    compile fails here is compiled again, and its error raised, where it is first launched."""
+    if runner.device.type != "cuda":
+        return 0.0
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return 0.0
+    from ..ops.triton import runtime
+    t0 = time.perf_counter()
+    before = compiled_variants()
+    items, what = _items(runner, decode, captured)
+    workers = workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(workers) as pool:
+        with _compile_only(), runtime.zeroed(), AsyncCompileMode(pool, ignore_errors=True):
+            for item in tqdm(items, desc=f"compiling kernels ({workers} threads)", disable=not progress,
+                             file=sys.stderr):
+                item()
+            # (leaving AsyncCompileMode waits for every compile and enters it in the kernel caches)
+    torch.cuda.synchronize(runner.device)
+    runner.state.reset([runner.scratch])
+    seconds = time.perf_counter() - t0
+    if progress:
+        added = compiled_variants() - before
+        print(f"compiled in parallel: {what}, {len(captured)} graph steps in {seconds:.1f} s"
+              + (f"; {added} kernel variants" if added >= 0 else ""), file=sys.stderr)
     return seconds
 
 

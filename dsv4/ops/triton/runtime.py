@@ -19,6 +19,7 @@ INTERPRETER_SMS = 8
 _SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
 _POISON = False
+_ZEROED = False
 
 
 def interpreting() -> bool:
@@ -71,6 +72,8 @@ def sm_count(device: torch.device) -> int:
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An output or workspace buffer. Under :func:`poisoned` it is filled with values a kernel
     never writes (NaN floats, 0xFF bytes: an e4m3 NaN, -1 integers), so an unwritten element shows."""
+    if _ZEROED:
+        return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype, device=device)
     if _POISON:
         if t.element_size() == 1:
@@ -91,6 +94,19 @@ def poisoned() -> Iterator[None]:
         yield
     finally:
         _POISON = old
+
+
+@contextlib.contextmanager
+def zeroed() -> Iterator[None]:
+    """Within the block every :func:`empty` buffer starts zeroed: the parallel compile pass
+    (:func:`dsv4.engine.warmup.precompile`) launches no kernel, and indices a kernel would have
+    written must still be valid for the torch ops that read them."""
+    global _ZEROED
+    old, _ZEROED = _ZEROED, True
+    try:
+        yield
+    finally:
+        _ZEROED = old
 
 
 class CounterError(RuntimeError):
