@@ -141,7 +141,7 @@ class Attention(nn.Module):
         # A chunk of S > W tokens writes only its last W rows: the earlier ones would be overwritten
         # within the same store (and the chunk's queries read them from `kv` directly).
         S = kv.shape[1]
-        if ctx.snaps and cache.stage is not None:
+        if cache.stage is not None and ctx.snaps:
             self._snapshot_window(kv, ctx, cache)
         keep = min(S, self.window)
         rows = ctx.ring_rows(self.window)[:, S - keep:]                              # [B, keep]

@@ -103,7 +103,7 @@ class Compressor(nn.Module):
             d = self.dim
             prev_kv = torch.cat([state.prev_kv[slots].unsqueeze(1), win_kv[:, :-1, :, :d]], dim=1)
             prev_gate = torch.cat([state.prev_gate[slots].unsqueeze(1), win_gate[:, :-1, :, :d]], dim=1)
-        if self.overlap and ctx.snaps and state.stage is not None:
+        if self.overlap and state.stage is not None and ctx.snaps:
             # prefix caching: the last closed window at each boundary b inside this one-row chunk
             # (the predecessor of the buffer's window that starts at b) into the stage's slot
             for start, b, k in ctx.snaps:
