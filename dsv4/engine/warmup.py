@@ -166,6 +166,7 @@ def precompile(runner, captured: tuple = (), *, decode: bool = True, workers: in
             # (leaving AsyncCompileMode waits for every compile and enters it in the kernel caches)
     torch.cuda.synchronize(runner.device)
     runner.state.reset([runner.scratch])
+    torch.cuda.empty_cache()        # the pass's zeroed buffers: back to the device before the capture sizes its pool
     seconds = time.perf_counter() - t0
     if progress:
         added = compiled_variants() - before
