@@ -49,6 +49,8 @@ def load(args) -> SimpleNamespace:
     runner = Runner(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, qat_sim=qat,
                     max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache_bytes=cache)
     print(f"prefix cache: {cache / 2**30:.2f} GiB" if cache else "prefix caching off", file=sys.stderr)
+    if runner.device.type == "cuda":
+        runner.precompile(graphs=not args.enforce_eager)    # as LLM does: the start-up's kernels side by side
     if runner.device.type == "cuda" and not args.enforce_eager:
         runner.capture()
     if runner.device.type == "cuda":
