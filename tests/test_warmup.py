@@ -103,3 +103,22 @@ def test_no_new_variant_in_engine_steps_after_warm_up(record_keys):
         steps += 1
         new = variants.new_since(before)
         assert not new, f"engine step {steps} added kernel variants: {new}"
+
+
+def test_one_block_of_each_kind_reaches_every_variant(record_keys):
+    """The parallel compile pass runs one block of each kind (:func:`_one_layer_of_each_kind`): the
+    full-depth forwards after it reach no kernel specialization it did not."""
+    from dsv4.engine import warmup
+    net, _ = load_model(resolve_model("tiny"), torch.device("cpu"), torch.float16, progress=False)
+    runner = Runner(net, max_num_seqs=2, max_model_len=300, qat_sim=True, max_num_batched_tokens=100)
+    with torch.inference_mode(), warmup._one_layer_of_each_kind(runner):
+        assert len(runner.model.layers) < net.config.num_hidden_layers
+        for item in warmup._items(runner, True)[0]:
+            item()
+    assert len(runner.model.layers) == net.config.num_hidden_layers == len(runner.state.layers)
+    few = variants.snapshot()
+    assert sum(map(len, few.values())) > 20
+    with torch.inference_mode():
+        for item in warmup._items(runner, True)[0]:
+            item()
+    assert not variants.new_since(few)

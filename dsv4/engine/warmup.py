@@ -22,10 +22,10 @@ Tests (interpreter, CPU) check that prefills of random lengths at random positio
 specialization. The time and the number of compiled variants are printed.
 
 :func:`precompile` (before the CUDA-graph capture, one process) compiles the same kernels and the
-captured decode steps' on a thread pool first: the same forwards run with every Triton launch
-turned into a compile request (Triton's ``AsyncCompileMode``; nothing is launched, buffers start
-zeroed so the torch ops between read valid indices), the compiles run side by side, and the capture
-and :func:`warm_up` then find every kernel compiled.
+captured decode steps' on a thread pool first: the same forwards, through one block of each kind,
+run with every Triton launch turned into a compile request (Triton's ``AsyncCompileMode``; nothing
+is launched, buffers start zeroed so the torch ops between read valid indices), the compiles run
+side by side, and the capture and :func:`warm_up` then find every kernel compiled.
 """
 
 from __future__ import annotations
@@ -140,6 +140,32 @@ def _compile_only() -> Iterator[None]:
         JITFunction.run = launch
 
 
+@contextlib.contextmanager
+def _one_layer_of_each_kind(runner) -> Iterator[None]:
+    """Within the block the model runs one block of each kind only (attention kind and ratio, hash
+    or top-k routing, the same parameter dtypes and shapes), with those blocks' state: the same
+    kernels and specializations as all of them, for a fraction of the host time. The MTP block's
+    state stays last."""
+    model, state, config = runner.model, runner.state, runner.model.config
+    # every block's multiplication mode first: the forwards below set it only when it changes,
+    # and would set it on the kept blocks alone (the others would keep the old one for good)
+    model.set_qat_sim(runner.qat_sim)
+    layers, caches = model.layers, state.layers
+    seen, keep = set(), []
+    for i, block in enumerate(layers):
+        tensors = sorted((n, t.dtype, tuple(t.shape)) for n, t in [*block.named_parameters(), *block.named_buffers()])
+        key = (config.layer_kind(i), config.layer_ratio(i), bool(config.hash_layers[i]), tuple(tensors))
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    model.layers = torch.nn.ModuleList([layers[i] for i in keep])
+    state.layers = [caches[i] for i in keep] + list(caches[len(layers):])
+    try:
+        yield
+    finally:
+        model.layers, state.layers = layers, caches
+
+
 @torch.inference_mode()
 def precompile(runner, captured: tuple = (), *, decode: bool = True, workers: int | None = None,
                progress: bool = True) -> float:
@@ -159,7 +185,8 @@ def precompile(runner, captured: tuple = (), *, decode: bool = True, workers: in
     items, what = _items(runner, decode, captured)
     workers = workers or os.cpu_count() or 1
     with ThreadPoolExecutor(workers) as pool:
-        with _compile_only(), runtime.zeroed(), AsyncCompileMode(pool, ignore_errors=True):
+        with _compile_only(), runtime.zeroed(), _one_layer_of_each_kind(runner), \
+                AsyncCompileMode(pool, ignore_errors=True):
             for item in tqdm(items, desc=f"compiling kernels ({workers} threads)", disable=not progress,
                              file=sys.stderr):
                 item()
