@@ -560,3 +560,19 @@ def test_gpu_cuda_graph_replay_equals_eager(fmt, T, with_shared):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True, shared))
+
+
+@pytest.mark.parametrize("P, E, BM, drop", [(1, 4, 16, 0.0), (37, 4, 16, 0.2), (300, 8, 64, 0.0), (1500, 256, 16, 0.1),
+                                            (700, 384, 128, 0.0)])
+def test_expert_tiles_kernels_equal_the_torch_composition(P, E, BM, drop):
+    """The two sorting kernels give the stable order by expert (``-1`` ids first) and the tiles of
+    the torch composition they replaced, the unused tail included, whatever the buffers held."""
+    g = torch.Generator().manual_seed(P + E)
+    ids = torch.randint(0, E, (P,), generator=g)
+    ids[torch.rand(P, generator=g) < drop] = -1
+    ids = ids.to(DEV)
+    with runtime.poisoned():
+        got = moe_grouped._expert_tiles(ids, E, BM)
+    want = moe_grouped.expert_tiles_reference(ids, E, BM)
+    for name, a, b in zip(("order", "tile_e", "tile_r0", "tile_r1"), got, want, strict=True):
+        assert torch.equal(a.long().cpu(), b.long().cpu()), name
