@@ -114,7 +114,9 @@ def run(L: Launch) -> None:
 SORT_BLOCK = 1024
 
 
-@triton.jit
+# P and NT follow the pair count, whose integer class (1, multiple of 16, other) is not the token
+# count's that the warm-up covers: not specialized on, so no prompt length compiles a new variant
+@triton.jit(do_not_specialize=["P"])
 def _expert_count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
     """``counts[b]`` = pairs with ``ids == b - 1`` (bin 0: the ``-1`` ids); one program a bin,
     each reading every id (no atomics: the same counts every run)."""
@@ -129,7 +131,7 @@ def _expert_count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
     tl.store(counts_ptr + b, tl.sum(n, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NT"])
 def _expert_order_kernel(ids_ptr, counts_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, P, NT,
                          E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``b`` (bin ``b``: expert ``b - 1``, bin 0 the ``-1`` ids) writes its pairs' indices
