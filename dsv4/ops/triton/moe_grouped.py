@@ -1,7 +1,8 @@
 """MoE prefill kernels (:mod:`dsv4.ops.triton.moe`): many (token, expert) pairs, sorted by expert.
 
-Prefill: pairs are sorted by expert on the device (``argsort``, ``index_add_`` counts, tiles of
-``BM`` rows per expert with a host-known upper bound on the tile count, so still no host read);
+Prefill: pairs are sorted by expert on the device (two kernels: counts per expert, then a stable
+counting sort and tiles of ``BM`` rows per expert with a host-known upper bound on the tile count,
+so still no host read);
 ``_w13_grouped_kernel`` / ``_w2_grouped_kernel`` run one ``(tile, N tile)`` per program with
 ``tl.dot``: FP8-block experts with ``act_quant`` on FP8 tensor cores (e4m3 x e4m3 per 128 block,
 fp32 promotion with both scales, DeepSeek's W8A8); FP4 experts on BF16 tensor cores with exactly
