@@ -34,7 +34,7 @@ import torch
 
 from ..parallel import ParallelError, ParallelGroup, init_parallel
 from .batch import NewSequence, Row, ScheduledBatch, StepOutput
-from .runner import Runner
+from .runner import CAPTURED_FLAGS, Runner
 from .sampling import SamplingParams
 from .sampling import SampleFlags
 
@@ -117,7 +117,7 @@ class ParallelRunner:
         sampled ids are the ones every rank feeds next."""
         return self._call(("run", batch), lambda: self.runner.run(batch, before_sample))
 
-    def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
+    def capture(self, flag_sets: Sequence[SampleFlags] = CAPTURED_FLAGS,
                 max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:
         """Every rank captures the same graphs in the same order (their collectives meet inside)."""
         kw = dict(flag_sets=tuple(flag_sets), max_batch=max_batch, buckets=tuple(buckets) if buckets else None)

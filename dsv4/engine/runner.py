@@ -58,6 +58,10 @@ from .speculative import verify as verify_tokens
 from .state import GenerationState
 
 
+#: the sampler modes a decode (or verify) graph is captured for at start-up: greedy, and sampling
+CAPTURED_FLAGS = (SampleFlags(), SampleFlags(all_greedy=False))
+
+
 class Runner:
     """One model + its fixed-shape state for ``max_num_seqs`` sequences of ``max_model_len`` positions,
     run in steps of at most ``max_num_batched_tokens`` tokens (the names of
@@ -547,8 +551,8 @@ class Runner:
         """Compile, on a thread pool, the kernels :meth:`warm_up` and (``graphs``) :meth:`capture`
         will launch, before they run (:func:`dsv4.engine.warmup.precompile`); returns the seconds."""
         from .warmup import precompile
-        flags = (SampleFlags(), SampleFlags(all_greedy=False))
-        captured = tuple((b, f) for b in batch_buckets(self.max_num_seqs) for f in flags) if graphs else ()
+        captured = tuple((b, f) for b in batch_buckets(self.max_num_seqs) for f in CAPTURED_FLAGS) \
+            if graphs else ()
         return precompile(self, captured, progress=progress)
 
     def warm_up(self, progress: bool = True) -> float:
@@ -625,7 +629,7 @@ class Runner:
                            None if o.top_logprobs is None else tuple(t[:n] for t in o.top_logprobs))
         return StepOutput(out, {}, kept)
 
-    def capture_verify(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
+    def capture_verify(self, flag_sets: Sequence[SampleFlags] = CAPTURED_FLAGS,
                        buckets: Sequence[int] | None = None, progress: bool = True) -> None:
         """Capture the speculative verify step per batch bucket and flag set (as :meth:`capture`
         does the decode step): host drafts (n-gram) or the draft buffer (MTP)."""
@@ -647,7 +651,7 @@ class Runner:
         self.verify_graphs[(bucket, flags, host)] = entry
         return entry
 
-    def capture(self, flag_sets: Sequence[SampleFlags] = (SampleFlags(), SampleFlags(all_greedy=False)),
+    def capture(self, flag_sets: Sequence[SampleFlags] = CAPTURED_FLAGS,
                 max_batch: int | None = None, progress: bool = True, buckets: Sequence[int] | None = None) -> None:
         """Capture one decode-step graph per batch bucket (up to ``max_batch``, default all slots;
         or exactly ``buckets``) and flag set, largest first (smaller ones reuse its memory pool); a
