@@ -58,14 +58,14 @@ class PrefixStore:
         stage = lambda n, dev: GenerationState(state.config, n, block, state.dtype, dev,  # noqa: E731
                                                include_mtp=mtp, qat_sim=state.qat_sim)
         self.snapshots = min(snapshots, int(budget_bytes // 16 // stage(1, "meta").nbytes()))
-        self.stage = stage(max(self.snapshots, 1), state.device)
-        for layer, st in zip(state.layers, self.stage.layers):
+        self.stage = stage(self.snapshots, state.device) if self.snapshots else None
+        for layer, st in zip(state.layers, self.stage.layers if self.stage else ()):
             layer.stage = st
             for comp, sc in ((layer.compressor, st.compressor), (layer.indexer, st.indexer)):
                 if comp is not None:
                     comp.stage = sc
-        self.stage_window = [p for p in self.stage.pieces() if p.kind == "window"]
-        budget_bytes -= self.stage.nbytes() if self.snapshots else 0
+        self.stage_window = [p for p in self.stage.pieces() if p.kind == "window"] if self.stage else []
+        budget_bytes -= self.stage.nbytes() if self.stage else 0
         self.entries = [p for p in pieces if p.kind == "entries"]
         self.window = [p for p in pieces if p.kind == "window"]
         for p in self.entries:
