@@ -17,6 +17,7 @@
 #   graphs_engine (graph replay = eager steps through the engine, also with decode steps in prompt steps),
 #   agent_users (64 users sharing a system prompt, then one conversation alone; caching off then on;
 #   users: the first alone; agent_convs: 16 conversations x 10 turns, then one alone), spec_struct (the speculative and structured-outputs GPU tests),
+#   moe_wt (issue 22: the MXFP4 grouped GEMMs of moe_grouped._gemm_wt against the others, tests and tile search),
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
 #   prefix (issue 27: prefix-caching GPU tests + bench/prefix_cost.py: no-hit cost, one conversation's TTFT off/on),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
@@ -170,6 +171,11 @@ tcache_save)   # in parts of 15 MB (a file that comes back from the device is at
   ls -la "$OUT"/triton_cache.tgz.part* ;;
 tcache_load) ls .whl/triton_cache.tgz.part* >/dev/null 2>&1 && cat .whl/triton_cache.tgz.part* | tar xzf - -C "$(dirname "$TRITON_CACHE_DIR")" \
   && echo "triton cache loaded" ;;
+moe_wt)   # issue 22: the MXFP4 grouped GEMMs transposed (moe_grouped._gemm_wt) against untransposed, then their tests
+  t 150 moe_wt_3000.txt python3 bench/moe_prefill_tune.py --tokens 3000 --cases 7 11 --bm 64 128
+  t 150 moe_wt_8192.txt python3 bench/moe_prefill_tune.py --tokens 8192 --cases 2 11
+  pt 240 moe_wt_tests.log tests/test_triton_moe.py -k "weight_rows or (real_shapes and mxfp4)"
+  ;;
 tune) t 420 tune_skinny.txt python3 bench/tune_skinny.py --geo flash --batch 1 ;;
 perf_moe) t 300 kernels_moe.txt python3 bench/kernels.py --families moe --out "$OUT/moe" ;;
 perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;

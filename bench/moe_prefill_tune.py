@@ -23,23 +23,34 @@ from dsv4.weights.formats import Mxfp4Weight
 
 GEOS = {"flash": dict(E=256, D=4096, I=2048, k=6), "pro": dict(E=384, D=7168, I=3072, k=6)}
 
-#: (label, MXFP4 on dequantized operands?, configs of that path: M.CONFIGS["grouped"] (the QDOT
-#: path, BM 64) or M.CONFIGS["grouped_mxfp4"] and ["grouped_mxfp4_few"] (BM by moe.tiles))
-#: as (BN, BK, num_warps, num_stages, K-loop pipelining)
+#: (label, CONFIGS key, config) with the key "grouped" (the QDOT path: e4m3 values on fp16 tensor
+#: cores per 32-group, BM 64), or an MXFP4 one on dequantized operands ("grouped_mxfp4_few" and
+#: "grouped_mxfp4": the GEMMs transposed or not as the config's ``wt`` says; BM from --bm or
+#: moe.tiles); configs as moe.CONFIGS: (BN, BK, num_warps, num_stages, K-loop pipelining) per GEMM,
+#: ``wt`` (gate/up, down transposed: moe_grouped._gemm_wt)
+def _c(w13: tuple, w2: tuple, wt: tuple = (False, False)) -> dict:
+    return dict(w13=w13, w2=w2, wt=wt)
+
+
 CASES = [
-    ("qdot (before)", False, (64, 128, 8, 3, 1), (128, 128, 8, 3, 1)),
-    ("dequantized, PIPE 1", True, (64, 128, 8, 3, 1), (128, 128, 8, 3, 1)),
-    ("dequantized (default)", True, (64, 128, 8, 3, 3), (128, 128, 8, 3, 3)),
-    ("dequantized, BK 64", True, (64, 64, 8, 4, 4), (128, 64, 8, 4, 4)),
-    ("dequantized, w13 BN 32", True, (32, 128, 4, 3, 3), (128, 128, 8, 3, 3)),
-    ("dequantized, w2 BN 64", True, (64, 128, 8, 3, 3), (64, 128, 4, 3, 3)),
-    # few pairs an expert (short prompts, mixed steps): smaller tiles (--bm) and wider N
-    ("deq, BN 128 w4", True, (128, 128, 4, 3, 3), (128, 128, 4, 3, 3)),
+    ("qdot (before)", "grouped", _c((64, 128, 8, 3, 1), (128, 128, 8, 3, 1))),
+    ("dequantized, PIPE 1", "grouped_mxfp4_few", _c((64, 128, 8, 3, 1), (128, 128, 8, 3, 1))),
+    ("dequantized, w8", "grouped_mxfp4_few", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3))),
+    ("dequantized, BK 64", "grouped_mxfp4_few", _c((64, 64, 8, 4, 4), (128, 64, 8, 4, 4))),
+    ("dequantized, w13 BN 32", "grouped_mxfp4_few", _c((32, 128, 4, 3, 3), (128, 128, 8, 3, 3))),
+    ("dequantized, w2 BN 64", "grouped_mxfp4_few", _c((64, 128, 8, 3, 3), (64, 128, 4, 3, 3))),
+    ("deq, BN 128 w4", "grouped_mxfp4_few", _c((128, 128, 4, 3, 3), (128, 128, 4, 3, 3))),
     # (index 7: the grouped_mxfp4_few config)
-    ("deq, BN 64 w4 s4", True, (64, 128, 4, 4, 3), (128, 128, 4, 4, 3)),
-    ("deq, BN 32 w2", True, (32, 128, 2, 3, 3), (64, 128, 2, 3, 3)),
-    ("deq, BN 128 w4 s4", True, (128, 128, 4, 4, 3), (128, 128, 4, 4, 3)),
-    ("deq, BN 64 w4 s5", True, (64, 128, 4, 5, 3), (128, 128, 4, 5, 3)),
+    ("deq, BN 64 w4 s4", "grouped_mxfp4_few", _c((64, 128, 4, 4, 3), (128, 128, 4, 4, 3))),
+    ("deq, BN 32 w2", "grouped_mxfp4_few", _c((32, 128, 2, 3, 3), (64, 128, 2, 3, 3))),
+    ("deq, BN 128 w4 s4", "grouped_mxfp4_few", _c((128, 128, 4, 4, 3), (128, 128, 4, 4, 3))),
+    ("deq, BN 64 w4 s5", "grouped_mxfp4_few", _c((64, 128, 4, 5, 3), (128, 128, 4, 5, 3))),
+    # (index 11 on) weight rows on the MMA's M side, both GEMMs (11: the grouped_mxfp4 config)
+    ("wt, w13 BN 128 w8, w2 BN 256 BK 64", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (256, 64, 8, 3, 3), (True, True))),
+    ("wt, BN 128 w8 s3", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (128, 128, 8, 3, 3), (True, True))),
+    ("wt, BN 64 w4 s4", "grouped_mxfp4", _c((64, 128, 4, 4, 4), (64, 128, 4, 4, 4), (True, True))),
+    ("wt, BN 128 BK 64 w4 s4", "grouped_mxfp4", _c((128, 64, 4, 4, 4), (128, 64, 4, 4, 4), (True, True))),
+    ("wt, BN 256 BK 64 w8 s3", "grouped_mxfp4", _c((256, 64, 8, 3, 3), (256, 64, 8, 3, 3), (True, True))),
 ]
 
 
@@ -72,18 +83,22 @@ def main() -> None:
     exact, tiles = M._exact_dequantized, M.tiles
     first = None
     runs = [(i, c, bm) for i, c in enumerate(CASES) if not a.cases or i in a.cases for bm in a.bm]
-    for i, (label, plain, c13, c2), bm in runs:
+    for i, (label, key, cfg), bm in runs:
         label = label if not bm else f"{label}, BM {bm}"
-        M.tiles = (lambda P, E, dec, mx, _bm=bm: (_bm, tiles(P, E, dec, mx)[1]) if _bm and not dec
-                   else tiles(P, E, dec, mx))
-        M._exact_dequantized = (lambda *args, _p=plain: _p and exact(*args))
-        for key in (("grouped_mxfp4", "grouped_mxfp4_few") if plain else ("grouped",)):
-            M.CONFIGS[key] = dict(w13=c13, w2=c2)
+
+        def pick(P, E, dec, mx, _bm=bm, _key=key):
+            got = tiles(P, E, dec, mx)
+            return got if dec or not (mx or _key == "grouped") else ((_bm or got[0]), _key)
+        M.tiles = pick
+        M._exact_dequantized = (lambda *args, _k=key: _k != "grouped" and exact(*args))
+        saved = M.CONFIGS[key]
+        M.CONFIGS[key] = cfg
         try:
             out = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)   # compile
             torch.cuda.synchronize()
         except Exception as e:                                              # noqa: BLE001
             print(f"{label:32s} failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
+            M.CONFIGS[key] = saved
             continue
         times: dict[str, float] = defaultdict(float)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -94,14 +109,15 @@ def main() -> None:
         for ev in prof.key_averages():
             us = ev.device_time_total / a.iters
             total += us
-            for name in flops:
-                if name in ev.key:
+            for name, alias in ((n, n.replace("_grouped_kernel", "_wt_kernel")) for n in flops):
+                if name in ev.key or alias in ev.key:
                     times[name] += us
         diff = 0.0 if first is None else float((out.float() - first).norm() / first.norm())
         first = out.float() if first is None else first
         r = [(times[n] / 1e3, flops[n] / max(times[n], 1e-9) / 1e6) for n in flops]
         print(f"{label:32s} {r[0][0]:8.2f} {r[0][1]:6.0f} {r[1][0]:8.2f} {r[1][1]:6.0f} "
               f"{total / 1e3:8.2f} {diff:9.2e}", flush=True)
+        M.CONFIGS[key] = saved
     M._exact_dequantized, M.tiles = exact, tiles
 
 

@@ -49,8 +49,10 @@ from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noq
 #: small tile configs for the interpreter: few programs, still several N tiles and K steps
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
-         "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 128, 4, 1, 2)),
+         "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 64, 4, 1, 2), wt=(True, True)),
          "grouped_mxfp4_few": dict(w13=(32, 128, 4, 1, 3), w2=(64, 128, 4, 1, 3))}
+#: the MXFP4 grouped paths: untransposed, transposed
+MX_PATHS = ("grouped_mxfp4_few", "grouped_mxfp4")
 
 
 @pytest.fixture(autouse=True)
@@ -279,16 +281,35 @@ def test_grouped_mxfp4_act_quant_on_dequantized_operands(monkeypatch, pow2):
 
 def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
     """The dequantized MXFP4 grouped GEMMs take 16-pair tiles below 24 pairs an expert on
-    average, else 64 (128 from 128 on). Each tile size against the reference (fp32), and the
+    average, else 64 (128, transposed, from 64 on). Each tile size against the reference (fp32), and the
     three against each other to summation order."""
     monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
     assert M.tiles(2 * 37, 4, False, True) == (16, "grouped_mxfp4_few")
     assert M.tiles(2 * 70, 4, False, True) == (64, "grouped_mxfp4_few")
+    assert M.tiles(2 * 127, 4, False, True) == (64, "grouped_mxfp4_few")
+    assert M.tiles(2 * 128, 4, False, True) == (128, "grouped_mxfp4")
     assert M.tiles(2 * 256, 4, False, True) == (128, "grouped_mxfp4")
     tiles, outs = M.tiles, []
     for bm in (16, 64, 128):
         monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _b=bm: (_b, tiles(P, E, dec, mx)[1]))
         outs.append(_run("mxfp4", 70, 2, 4, 256, 128, True, dtype=torch.float32)[0])
+    for o in outs[1:]:
+        _check(o, outs[0], 1e-6)
+
+
+@pytest.mark.parametrize("bt", [16, 32])
+def test_grouped_mxfp4_weight_rows_on_the_mma_m_side(monkeypatch, bt):
+    """The transposed grouped GEMMs (``moe_grouped._gemm_wt``: weight rows on the MMA's M side,
+    a tile's pairs on its N side): against the reference in fp32 (experts with one, several and a ragged last tile; an N tail: I = 96 is
+    no multiple of the 32-wide tile), and against the untransposed kernels to summation order."""
+    monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
+    tiles = M.tiles
+    outs = []
+    for path in MX_PATHS:
+        monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _p=path: (bt, _p) if mx else tiles(P, E, dec, mx))
+        got, exp = _run("mxfp4", 41, 2, 4, 256, 96, True, dtype=torch.float32)
+        _check(got, exp, 1e-5)
+        outs.append(got)
     for o in outs[1:]:
         _check(o, outs[0], 1e-6)
 
@@ -525,6 +546,31 @@ def test_gpu_real_shapes_bf16(geo, fmt, T):
         _check(got, exp, 2e-2 if act else 1e-2)
         again = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, act, True, shared)
         assert torch.equal(got, again), "not deterministic"
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("T, bt", [(300, 16), (300, 64), (2048, 64), (2048, 128)])
+def test_gpu_weight_rows_on_the_mma_m_side_real_shapes(monkeypatch, geo, T, bt):
+    """The transposed MXFP4 grouped GEMMs at real shapes in bf16, act-quant: against the reference
+    and, to bf16 rounding, against the untransposed kernels; deterministic."""
+    g = FLASH if geo == "flash" else PRO
+    E = 64
+    w1, w3 = (_weights("mxfp4", E, g["I"], g["D"], s) for s in (1, 3))
+    w2 = _weights("mxfp4", E, g["D"], g["I"], 2)
+    x = (torch.randn(T, g["D"], device="cuda") * 2).bfloat16()
+    ids, rw = _routing(T, g["k"], E, 7)
+    exp = ref.moe(x, ids, rw, w1, w3, w2, 10.0, True, True)
+    tiles, outs = M.tiles, []
+    for path in MX_PATHS:
+        monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _p=path: (bt, _p) if mx else tiles(P, E, dec, mx))
+        got = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)
+        _check(got, exp, 2e-2)
+        assert torch.equal(got, M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)), "not deterministic"
+        outs.append(got)
+    for o in outs[1:]:
+        _check(o, outs[0], 1e-2)
 
 
 @pytest.mark.gpu

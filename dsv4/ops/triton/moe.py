@@ -64,15 +64,23 @@ CONFIGS = {
     # (bench/results/2026-11-25c/moe_decode_tune.txt), though the GEMV reads a shared expert per pair
     "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 256, 4, 3, 1)),
     "grouped": dict(w13=(64, 128, 8, 3, 1), w2=(128, 128, 8, 3, 1)),  # prefill, BM = 64 (16 < 2048 pairs)
-    # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 128 pairs an expert on:
-    # bench/moe_prefill_tune.py, H100, Flash, 8192 tokens: 35.1 ms (QDOT, BM 64) -> 13.9 ms a layer
-    "grouped_mxfp4": dict(w13=(64, 128, 8, 3, 3), w2=(128, 128, 8, 3, 3)),
+    # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 64 pairs an expert on, both
+    # GEMMs transposed (moe_grouped._gemm_wt: the weight rows on the MMA's M side), the down one on
+    # 256-row tiles of BK 64. bench/moe_prefill_tune.py, H100, Flash layer (results/2026-11-27c):
+    # 8192 tokens 35.1 ms (QDOT, BM 64) -> 13.9 ms (untransposed) -> 12.0 ms; 4096 tokens 8.74 ms
+    # (untransposed, BM 64) -> 6.11 ms
+    "grouped_mxfp4": dict(w13=(128, 128, 8, 3, 3), w2=(256, 64, 8, 3, 3), wt=(True, True)),
     # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 24 an expert, else 64, four
     # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_*.txt), the MoE's two
     # GEMMs, before -> after: 512 tokens (12 pairs an expert) 4.64 -> 2.58 ms; 1024 (24) 4.70 ->
-    # 4.50 ms (BM 16: 4.56); 2048 (48) 4.96 -> 4.60 ms (BM 32: 6.59); 4096 (96) 9.39 -> 8.77 ms
+    # 4.50 ms (BM 16: 4.56); 2048 (48) 4.96 -> 4.60 ms (BM 32: 6.59; the down GEMM transposed:
+    # 1.28-1.69 vs 1.31 ms, results/2026-11-27c)
     "grouped_mxfp4_few": dict(w13=(64, 128, 4, 4, 3), w2=(128, 128, 4, 4, 3)),
 }
+#: from this many pairs an expert on average the dequantized MXFP4 grouped GEMMs take 128-pair tiles
+#: and run transposed (at 96 an expert, the padding of half-empty tiles costs less than the smaller
+#: tiles' extra weight decoding: 6.11 vs 8.74 ms)
+MXFP4_LARGE_TILE_PAIRS = 64
 #: below this many pairs an expert on average the dequantized MXFP4 grouped GEMM takes 16-pair tiles
 MXFP4_SMALL_TILE_PAIRS = 24
 _FORMATS = (FormatCode.FP8_F32, FormatCode.FP8_UE8M0, FormatCode.MXFP4, FormatCode.NVFP4)
@@ -96,7 +104,7 @@ def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
     if decode:
         return 1, "gemv"
     if mx_plain:
-        if P >= 128 * E:
+        if P >= MXFP4_LARGE_TILE_PAIRS * E:
             return 128, "grouped_mxfp4"
         return (16 if P < MXFP4_SMALL_TILE_PAIRS * E else 64), "grouped_mxfp4_few"
     if P < 2048:
@@ -137,6 +145,7 @@ class Launch:
     y: torch.Tensor                           # [P, D] fp32 expert rows
     out: torch.Tensor                         # [T, D]
     shared: SharedLaunch | None = None        # the shared expert, run by the decode kernels
+    wt: tuple = (False, False)                # gate/up, down GEMM transposed (moe_grouped._gemm_wt)
 
 
 @dataclass
@@ -278,7 +287,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     w13, w2cfg = cfg["w13"], cfg["w2"]
     if fp8:
         w13, w2cfg = (w13[0], 128, *w13[2:]), (w2cfg[0], 128, *w2cfg[2:])
-    L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg,
+    L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg, wt=cfg.get("wt", (False, False)),
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
                q_dtype=q_dtype, limit=float(limit), x=x,
                # (decode: the kernels round x themselves, moe_decode.run)

@@ -277,12 +277,18 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
 
 
 @triton.jit
-def _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT: tl.constexpr):
-    """``silu(min(g, L)) * clamp(u, -L, L) * rw`` in fp32 (no clamp without a limit)."""
+def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """``silu(min(g, L)) * clamp(u, -L, L)`` in fp32 (no clamp without a limit)."""
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    return g * tl.sigmoid(g) * u * rw[:, None]
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _swiglu_epilogue(g, u, rw, limit, HAS_LIMIT: tl.constexpr):
+    """:func:`_swiglu` times the routing weights ``rw [rows]``."""
+    return _swiglu(g, u, limit, HAS_LIMIT) * rw[:, None]
 
 
 @triton.jit
