@@ -516,7 +516,7 @@ def _g(*shape, seed: int, scale: float = 1.0, dtype=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("geo", ["flash", "pro"])
-@pytest.mark.parametrize("batch", [1, 8, 32])
+@pytest.mark.parametrize("batch", [1, 8, 32, 300, 4096])      # (from 17 tokens: the projection on tensor cores)
 @gpu
 def test_gpu_mhc(geo, batch):
     D = GEOMETRY[geo][0]

@@ -12,6 +12,11 @@ where the last program of step 1 to arrive (an arrival counter it re-arms) does 
    Each program multiplies a ``[TB, BK]`` slice of the tokens by a ``[BK, NP]`` slice of ``fn``
    (``tl.dot`` in IEEE fp32: exact products, fp32 sums) and also sums ``x^2``; it writes its
    partial ``[TB, NP]`` and ``[TB]`` sums (no atomics: the result does not depend on timing).
+   For prompts of bf16 / fp16 activations the fp32 ``fn`` slice is split into three parts of
+   the activations' type (``f1 = fn``, ``f2``, ``f3`` the rounded remainders: exact for bf16,
+   whose 8-bit exponent keeps every remainder; for fp16 to ~2^-22 of ``fn``) and multiplied on
+   tensor cores, each product exact, fp32 sums (H100, Flash, 8192 tokens: ~1.15 ms a call on
+   CUDA cores, 8.6% of a prefill step).
 2. ``_mhc_finalize_kernel``, grid ``(tokens,)``: sums the partials in a fixed order,
    ``r = rsqrt(mean x^2 + eps)``, ``mix *= r``, the sigmoids, and for ``mhc_pre`` the softmax
    and the 20 Sinkhorn iterations on the ``nc x nc`` comb in registers; then the collapse
@@ -48,7 +53,8 @@ def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
                         norm_eps, hc_eps, eps,
                         NP: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr,
                         NC: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-                        HEAD: tl.constexpr):
+                        HEAD: tl.constexpr, SPLIT: tl.constexpr = False):
+    XT: tl.constexpr = x_ptr.dtype.element_ty
     pid_s = tl.program_id(0)
     t = tl.program_id(1) * TB + tl.arange(0, TB)
     n = tl.arange(0, NP)
@@ -61,10 +67,23 @@ def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
         k = k_lo + kk + tl.arange(0, BK)
         km = k < K
         x = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :],
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         f = tl.load(fn_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=km[:, None] & (n[None, :] < N),
                     other=0.0)
-        acc = tl.dot(x, f, acc, input_precision="ieee")
+        if SPLIT:
+            # fn = f1 + f2 + f3 in x's 16-bit type (each remainder exact in fp32): three tensor-core dots
+            # of exact products, fp32 sums, instead of an fp32 dot on CUDA cores
+            f1 = f.to(XT)
+            r = f - f1.to(tl.float32)
+            f2 = r.to(XT)
+            f3 = (r - f2.to(tl.float32)).to(XT)
+            acc = tl.dot(x, f3, acc)
+            acc = tl.dot(x, f2, acc)
+            acc = tl.dot(x, f1, acc)
+            x = x.to(tl.float32)
+        else:
+            x = x.to(tl.float32)
+            acc = tl.dot(x, f, acc, input_precision="ieee")
         ss += tl.sum(x * x, axis=1)
         kk += BK
     base = (pid_s * T + t).to(tl.int64)
@@ -215,13 +234,15 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if T == 0:
         return y, post, comb
     np_ = max(16, pow2(n_mix))
-    tb = 16 if T <= 16 else 32
+    one = T <= ONE_LAUNCH_MAX_TOKENS
+    # prompts: the projection on tensor cores (SPLIT, 16-bit activations; 64-token blocks for the MMA)
+    split = not one and T > 16 and h.dtype in (torch.bfloat16, torch.float16)
+    tb = 16 if T <= 16 else 64 if split else 32
     splits, kchunk = _splits(T, K, tb, dev)
     part = torch.empty((splits, T, np_), dtype=torch.float32, device=dev)
     ss = torch.empty((splits, T), dtype=torch.float32, device=dev)
     fn = fn.contiguous()
     bd = pow2(D)
-    one = T <= ONE_LAUNCH_MAX_TOKENS
     try:
         cnt = runtime.counters(dev, 1, "mhc") if one else ss
     except runtime.CounterError as e:
@@ -231,7 +252,7 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     fin = dict(NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head)
     _mix_partial_kernel[(splits, triton.cdiv(T, tb))](
         x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk, cnt, *tail, D, float(K), float(D), int(iters),
-        float(norm_eps), float(hc_eps), float(eps), TB=tb, BK=_BK, FINAL=one,
+        float(norm_eps), float(hc_eps), float(eps), TB=tb, BK=_BK, FINAL=one, SPLIT=split,
         num_warps=8 if one and bd >= 4096 else 4, enable_fp_fusion=False, **fin)
     if not one:
         _mhc_finalize_kernel[(T,)](
