@@ -204,14 +204,16 @@ def _indexer_case(layout, dtype, B, S, NI, d, rows, seed, device="cpu"):
 @pytest.mark.parametrize("layout,dtype", [("fp4", torch.float32), ("fp4", torch.float16), ("plain", torch.float32),
                                           ("plain", torch.float16)])
 @pytest.mark.parametrize("S", [1, 6])
-@pytest.mark.parametrize("masked", [False, True], ids=["all", "visible"])
+@pytest.mark.parametrize("masked", [False, True, "few"], ids=["all", "visible", "few_visible"])
 def test_indexer_scores(layout, dtype, S, masked, poison):
     """Ragged heads (5 of a padded 16), a bound that is not a multiple of the entry tile, decode and
     query blocks with a ragged tail; head weights scaled in-kernel, and (``visible``) the entries
-    past each query's visible count written as -inf (what the indexer's mask did in its own launches)."""
+    past each query's visible count written as -inf (what the indexer's mask did in its own launches;
+    ``few_visible``: whole key tiles past every query of a block, written without computing)."""
     q, keys, slots, w = _indexer_case(layout, dtype, B=2, S=S, NI=5, d=64, rows=40, seed=10 + S)
     bound, scale = 37, 64 ** -0.5 * 5 ** -0.5
-    visible = torch.randint(0, bound + 3, (2, S), generator=_gen(40 + S)) if masked else None
+    top = 12 if masked == "few" else bound + 3
+    visible = torch.randint(0, top, (2, S), generator=_gen(40 + S)) if masked else None
     out = ki.indexer_scores_triton(q, keys, slots, w, bound, scale, visible)
     exp = ref.indexer_scores(q, keys, slots, w, bound, scale, visible)
     assert out.shape == exp.shape == (2, S, bound) and out.dtype == torch.float32

@@ -9,6 +9,9 @@ keys once (packed e2m1 nibbles times their e8m0 scale per 32, exactly, in the ac
 and for each of its ``BQ`` queries (1 in decode: the query stays in registers) runs ``tl.dot`` of
 the tile against the query's ``nI`` heads (low nibbles against the even query dims, high nibbles
 against the odd ones: nothing is interleaved), then ReLU, the head weights, the sum over heads.
+In prefill the (query, head) rows of ``QS`` queries are one MMA's M side (128 rows), and key
+tiles past every visible entry of the program's queries are written ``-inf`` without computing
+(half the work of a prompt's causal triangle).
 
 The head weights are scaled in-kernel (``w * scale`` in fp32, as the reference) and, given each
 query's visible count, entries past it are written as ``-inf``: the indexer's mask costs no launch.
@@ -85,12 +88,37 @@ def _index_store(o_ptr, c, cm, score, vis_ptr, s, VIS: tl.constexpr):
     tl.store(o_ptr + c, score, mask=cm)
 
 
+@triton.jit
+def _index_block(q_b, w_b, o_b, v_b, k_even, k_odd, c, cm, s0, S, sq_s, sq_h, sw_s, so_s, scale,
+                 NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr, QS: tl.constexpr,
+                 VIS: tl.constexpr, PREC: tl.constexpr):
+    """Scores of queries ``s0 .. s0 + QS`` against a decoded key tile: their ``QS * NIP`` (query,
+    head) rows are one MMA's M side (``[QS * NIP, HALF] x [HALF, BC]``, even and odd dims), then
+    ReLU, the head weights and the sum over each query's heads; stored with the visibility mask."""
+    r = tl.arange(0, QS * NIP)
+    s = s0 + r // NIP
+    hh = r % NIP
+    ok = (s < S) & (hh < NI)
+    qrow = q_b + s[:, None] * sq_s + hh[:, None] * sq_h + 2 * tl.arange(0, HALF)[None, :]
+    q_even = tl.load(qrow, mask=ok[:, None], other=0.0)
+    q_odd = tl.load(qrow + 1, mask=ok[:, None], other=0.0)
+    w = tl.load(w_b + s * sw_s + hh, mask=ok, other=0.0).to(tl.float32) * scale
+    dots = tl.dot(q_even, tl.trans(k_even), input_precision=PREC)
+    dots = tl.dot(q_odd, tl.trans(k_odd), dots, input_precision=PREC)                 # [QS * NIP, BC]
+    score = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * w[:, None], (QS, NIP, BC)), 1)  # [QS, BC]
+    sq = s0 + tl.arange(0, QS)
+    if VIS:
+        score = tl.where(c[None, :] < tl.load(v_b + sq, mask=sq < S, other=0)[:, None], score, float("-inf"))
+    tl.store(o_b + sq[:, None] * so_s + c[None, :], score, mask=(sq < S)[:, None] & cm[None, :])
+
+
 @triton.jit(do_not_specialize=["bound", "n_qb", "tiles_per_split", "so_b", "so_s"])
 def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr, vis_ptr,
                     S, bound, k_rows, n_qb, tiles_per_split, scale,
                     sq_b, sq_s, sq_h, sw_b, sw_s, so_b, so_s, sv_b,
                     NI: tl.constexpr, NIP: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr,
-                    BQ: tl.constexpr, FP4: tl.constexpr, VIS: tl.constexpr, PREC: tl.constexpr):
+                    BQ: tl.constexpr, FP4: tl.constexpr, VIS: tl.constexpr, PREC: tl.constexpr,
+                    QS: tl.constexpr = 1):
     pid_q = tl.program_id(0)
     pid_c = tl.program_id(1)
     b = pid_q // n_qb
@@ -110,17 +138,24 @@ def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr, vis_ptr,
             cm = c < bound
             k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
             _index_store(o_b + s0 * so_s, c, cm, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), v_b, s0, VIS)
-    else:                               # prefill: each decoded key tile serves BQ queries
-        for tile in range(tile_lo, tile_hi):
+    else:                               # prefill: each decoded key tile serves BQ queries, QS at a time
+        tile_cut = tile_hi
+        if VIS:                         # tiles no query of the block sees: -inf, not computed
+            sb = s0 + tl.arange(0, BQ)
+            vmax = tl.max(tl.load(v_b + sb, mask=sb < S, other=0), 0)
+            tile_cut = tl.maximum(tl.minimum(tile_hi, tl.cdiv(vmax, BC)), tile_lo)
+        for tile in range(tile_lo, tile_cut):
             c = tile * BC + tl.arange(0, BC)
             cm = c < bound
             k_even, k_odd = _index_keys(k_data, k_scale, slot * k_rows + c, cm, HALF, FP4, dt)
-            for i in range(0, BQ):
-                s = s0 + i
-                if s < S:
-                    q_even, q_odd, w = _index_query(q_b, w_b, s, sq_s, sq_h, sw_s, scale, NI, NIP, HALF)
-                    _index_store(o_b + s * so_s, c, cm, _index_score(k_even, k_odd, q_even, q_odd, w, PREC), v_b, s,
-                                 VIS)
+            for i in range(0, BQ, QS):
+                _index_block(q_b, w_b, o_b, v_b, k_even, k_odd, c, cm, s0 + i, S, sq_s, sq_h, sw_s, so_s, scale,
+                             NI, NIP, HALF, BC, QS, VIS, PREC)
+        for tile in range(tile_cut, tile_hi):
+            c = tile * BC + tl.arange(0, BC)
+            sb = s0 + tl.arange(0, BQ)
+            tl.store(o_b + sb[:, None] * so_s + c[None, :], tl.full((BQ, BC), float("-inf"), tl.float32),
+                     mask=(sb < S)[:, None] & (c < bound)[None, :])
 
 
 def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
@@ -171,6 +206,8 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
     interp = runtime.interpreting()
     bc = 16 if interp else 64
     bq = 1 if S == 1 else (4 if interp else 16)
+    nip = max(16, triton.next_power_of_2(NI))
+    qs = max(1, min(bq, 128 // nip))      # (query, head) rows of one MMA: 128
     n_qb = triton.cdiv(S, bq)
     n_tiles = triton.cdiv(bound, bc)
     splits, per = _splits(n_tiles, B * n_qb, PROGRAMS_PER_SM * runtime.sm_count(dev))
@@ -179,7 +216,7 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
         q, weights, out, data, sc, slots, vis, S, bound, data.shape[1], n_qb, per, float(scale),
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
         vis.stride(0),
-        NI=NI, NIP=max(16, triton.next_power_of_2(NI)), HALF=dim // 2, BC=bc, BQ=bq, FP4=fp4, VIS=visible is not None,
+        NI=NI, NIP=nip, HALF=dim // 2, BC=bc, BQ=bq, QS=qs, FP4=fp4, VIS=visible is not None,
         PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not interp else 1)
     return out
 
