@@ -17,6 +17,7 @@
 #   graphs_engine (graph replay = eager steps through the engine, also with decode steps in prompt steps),
 #   agent_users (64 users sharing a system prompt, then one conversation alone; caching off then on;
 #   users: the first alone; agent_convs: 16 conversations x 10 turns, then one alone), spec_struct (the speculative and structured-outputs GPU tests),
+#   prefill_kernels (issue 22: the prefill kernels' GPU tests, then prefill_bench at 2048 and 8192 tokens),
 #   moe_wt (issue 22: the MXFP4 grouped GEMMs of moe_grouped._gemm_wt against the others, tests and tile search),
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
 #   prefix (issue 27: prefix-caching GPU tests + bench/prefix_cost.py: no-hit cost, one conversation's TTFT off/on),
@@ -171,6 +172,11 @@ tcache_save)   # in parts of 15 MB (a file that comes back from the device is at
   ls -la "$OUT"/triton_cache.tgz.part* ;;
 tcache_load) ls .whl/triton_cache.tgz.part* >/dev/null 2>&1 && cat .whl/triton_cache.tgz.part* | tar xzf - -C "$(dirname "$TRITON_CACHE_DIR")" \
   && echo "triton cache loaded" ;;
+prefill_kernels)   # issue 22, third session: the prefill kernels' GPU tests (MoE transposed, mHC on tensor cores, indexer blocks), then prefill_bench
+  pt 300 prefill_kernel_tests.log tests/test_triton_moe.py tests/test_triton_small.py tests/test_triton_attention.py \
+    -k "weight_rows or (real_shapes and mxfp4) or gpu_mhc or gpu_indexer"
+  t 240 prefill_bench_8192.txt python3 bench/prefill_bench.py --layers 4 --format fp8-mxfp4 --budget 8192 --lengths 2048 8192 --no-hf
+  ;;
 moe_wt)   # issue 22: the MXFP4 grouped GEMMs transposed (moe_grouped._gemm_wt) against untransposed, then their tests
   t 150 moe_wt_3000.txt python3 bench/moe_prefill_tune.py --tokens 3000 --cases 7 11 --bm 64 128
   t 150 moe_wt_8192.txt python3 bench/moe_prefill_tune.py --tokens 8192 --cases 2 11

@@ -381,11 +381,16 @@ def _real_indexer(layout, B, S, bound, dev="cuda", seed=0):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("layout", ["fp4", "plain"])
-@pytest.mark.parametrize("B,S,bound", [(1, 1, 2048), (8, 1, 16384), (32, 1, 500), (1, 700, 1024)])
+@pytest.mark.parametrize("B,S,bound", [(1, 1, 2048), (8, 1, 16384), (32, 1, 500), (1, 700, 1024), (2, 4000, 1000)])
 def test_gpu_indexer_scores(layout, B, S, bound, poison):
+    """Real shapes; the last case a prompt's causal visibility (an entry per 4 tokens), so that most
+    query blocks skip key tiles."""
     q, keys, slots, w = _real_indexer(layout, B, S, bound)
     scale = (128 * 64) ** -0.5
-    visible = torch.randint(0, bound + 1, (B, S), device="cuda")
+    if S >= 4000:
+        visible = ((torch.arange(S, device="cuda") + 1) // 4).expand(B, S).contiguous()
+    else:
+        visible = torch.randint(0, bound + 1, (B, S), device="cuda")
     out = ki.indexer_scores_triton(q, keys, slots, w, bound, scale, visible)
     exp = ref.indexer_scores(q, keys, slots, w, bound, scale, visible)
     assert not out.isnan().any()
