@@ -98,6 +98,7 @@ def _hooks() -> None:
     _wrap(mhc.HyperConnection, "post", "c:mhc_post")
     _wrap(attention.Attention, "_store_window", "c:kv_store")
     _wrap(compressor.Compressor, "forward", "c:compressor")
+    _wrap(compressor.Compressor, "decode_step", "c:compressor")
     _wrap(compressor.Compressor, "decode_step_with", "c:compressor")
     _wrap(indexer.Indexer, "forward", "c:indexer")
     _wrap(moe.MoE, "forward", "c:router")       # the experts (routed and shared) are the moe op

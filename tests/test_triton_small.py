@@ -412,7 +412,9 @@ def _step_fused(impl):
         kv = r.linear(x, comp.wkv.w, out_dtype=f32)
         gate = r.linear(x, comp.wgate.w, out_dtype=f32)
         cos, sin = r.rope_cos_sin(ctx.positions // comp.ratio * comp.ratio, inv)
-        impl(kv, gate, comp.ape, state, ctx.slots, ctx.positions, comp.norm.weight, comp.norm.eps, cos, sin, rotate)
+        visible = impl(kv, gate, comp.ape, state, ctx.slots, ctx.positions, comp.norm.weight, comp.norm.eps, cos, sin,
+                       rotate)
+        _exact(visible, (ctx.positions + 1) // comp.ratio)          # the entries each query sees now
     return run
 
 
@@ -456,7 +458,7 @@ def test_compressor_step_pair(dtype):
             cos, sin = r.rope_cos_sin(ctx.positions // 4 * 4, inv)
             args = [(r.linear(x, c.wkv.w, out_dtype=f32), r.linear(x, c.wgate.w, out_dtype=f32), c.ape, s_,
                      c.norm.weight, c.norm.eps, rot) for c, s_, rot in ((comp, st[0], False), (icomp, st[1], True))]
-            impl(*args[0], *args[1], ctx.slots, ctx.positions, cos, sin)
+            _exact(impl(*args[0], *args[1], ctx.slots, ctx.positions, cos, sin), (ctx.positions + 1) // 4)
         return step
     _decode_run(comp, None, hidden, False, 9, run(ref.compressor_step_pair, states[0]), seed=76)
     _decode_run(comp, None, hidden, False, 9, run(KERNELS["compressor_step_pair"], states[1]), seed=76)
@@ -649,8 +651,8 @@ def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
     ape, w = _g(ratio, width, seed=145, dtype=torch.float32), _g(dim, seed=146, dtype=torch.float32) + 1
     ang = (pos // ratio * ratio).float() * torch.rand(32, generator=_gen(147)).to(GDEV)
     cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
-    ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
-    KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate)
+    want = ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
+    _exact(KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate), want)
     _states_equal(a, b, exact=False)
 
 
@@ -674,9 +676,9 @@ def test_gpu_compressor_step_pair(batch):
 
     def args(s1, s2):
         return (kv, gate, ape, s1, w, 1e-6, False, ikv, igate, iape, s2, iw, 1e-6, True, slots, pos, cos, sin)
-    ref.compressor_step_pair(*args(a, ia))
+    want = ref.compressor_step_pair(*args(a, ia))
     saved = [_clone_state(b), _clone_state(ib)]
-    KERNELS["compressor_step_pair"](*args(b, ib))
+    _exact(KERNELS["compressor_step_pair"](*args(b, ib)), want)
     _states_equal(a, b, exact=False)
     _states_equal(ia, ib, exact=False)
     after = [_clone_state(b), _clone_state(ib)]
@@ -684,7 +686,8 @@ def test_gpu_compressor_step_pair(batch):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        KERNELS["compressor_step_pair"](*args(c, ic))
+        visible = KERNELS["compressor_step_pair"](*args(c, ic))
+    visible.fill_(-1)
     c2, ic2 = _clone_state(saved[0]), _clone_state(saved[1])
     for st, src in ((c, c2), (ic, ic2)):             # back to the state before the step, then replay
         for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
@@ -695,6 +698,7 @@ def test_gpu_compressor_step_pair(batch):
     torch.cuda.synchronize()
     _states_equal(after[0], c, exact=True)
     _states_equal(after[1], ic, exact=True)
+    _exact(visible, want)
 
 
 @pytest.mark.parametrize("geo", ["flash", "pro"])

@@ -53,8 +53,9 @@ def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, val
 
 def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
                     positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                    sin: torch.Tensor, rotate: bool) -> None:
-    """A KV compressor's decode update in one call; see :func:`reference_fused.compressor_step`."""
+                    sin: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """A KV compressor's decode update in one call; returns the visible entry counts ``(positions +
+    1) // m``. See :func:`reference_fused.compressor_step`."""
     return _call("compressor_step", kv.device, None, kv, gate, ape, state, slots, positions, norm_weight, eps,
                                                         cos, sin, rotate)
 
@@ -68,8 +69,10 @@ def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: 
 def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
                          norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor, gate2: torch.Tensor,
                          ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor, eps2: float, rotate2: bool,
-                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Two compressors' decode steps in one call; see :func:`reference_fused.compressor_step_pair`."""
+                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> torch.Tensor:
+    """Two compressors' decode steps in one call (returns the visible entry counts); see
+    :func:`reference_fused.compressor_step_pair`."""
     return _call("compressor_step_pair", kv.device, None, kv, gate, ape, state, norm_weight, eps, rotate, kv2, gate2,
                  ape2, state2, norm_weight2, eps2, rotate2, slots, positions, cos, sin)
 
