@@ -57,8 +57,8 @@ def _is_view(name: str) -> bool:
 #: ops owned by other kernel areas (linear, MoE, attention, indexer): counted apart
 BIG_OPS = ("linear", "linear_pair", "grouped_linear", "moe", "sparse_attention", "indexer_scores", "topk_indices")
 #: model components, innermost wins
-COMPONENTS = ("mhc_pre", "mhc_post", "q_path", "kv_path", "kv_store", "compressor", "indexer", "attn_out", "router",
-              "other")
+COMPONENTS = ("mhc_pre", "mhc_post", "mhc_post_pre", "q_path", "kv_path", "kv_store", "compressor", "indexer",
+              "attn_out", "router", "other")
 
 
 def _wrap(owner, meth, label) -> None:
@@ -97,6 +97,7 @@ def _hooks() -> None:
     _wrap(cache.LayerCache, "rollback", lambda c: f"state:rollback:{_cache_kind(c)}")
     _wrap(mhc.HyperConnection, "pre", "c:mhc_pre")
     _wrap(mhc.HyperConnection, "post", "c:mhc_post")
+    _wrap(mhc.HyperConnection, "post_pre", "c:mhc_post_pre")
     _wrap(attention.Attention, "_store_window", "c:kv_store")
     _wrap(compressor.Compressor, "forward", "c:compressor")
     _wrap(compressor.Compressor, "decode_step", "c:compressor")

@@ -39,7 +39,7 @@ class Block(nn.Module):
         # h [B, S, nc, D] --pre--> y [B, S, D] --norm, attention--> out --post--> h [B, S, nc, D]
         # (pre and the norm are one op: the norm reads the collapsed row where pre wrote it)
         x, post, comb = self.hc_attn.pre(h, self.attn_norm)
-        h = self.hc_attn.post(self.attn(x, ctx, cache), h, post, comb)
-        # the same around the MoE, with its own mixer (mHC diagram: dsv4.model.mhc)
-        x, post, comb = self.hc_ffn.pre(h, self.ffn_norm)
+        # the same around the MoE, with its own mixer (mHC diagram: dsv4.model.mhc); the attention's
+        # post and the MoE's pre are one op (the new streams are projected as they are made)
+        h, x, post, comb = self.hc_ffn.post_pre(self.attn(x, ctx, cache), h, post, comb, self.ffn_norm)
         return self.hc_ffn.post(self.ffn(x, ctx), h, post, comb)

@@ -25,6 +25,15 @@ def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     return _call("mhc_pre_norm", h.device, None, h, fn, base, scale, iters, norm_eps, hc_eps, weight, eps)
 
 
+def mhc_post_pre_norm(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                      base: torch.Tensor, scale: torch.Tensor, iters: int, norm_eps: float, hc_eps: float,
+                      weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC post, then the next mixer's pre and RMSNorm; see :func:`reference_fused.mhc_post_pre_norm`."""
+    return _call("mhc_post_pre_norm", h.device, None, out, h, post, comb, fn, base, scale, iters, norm_eps, hc_eps,
+                 weight, eps)
+
+
 def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
                  hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The final stream collapse then the final RMSNorm; see :func:`reference_fused.hc_head_norm`."""
@@ -83,5 +92,6 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
     return _call("window_rollback", start.device, None, state, saved, slots, start, S, kept, plans)
 
 
-__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows",
+__all__ = ["linear_pair", "mhc_pre_norm", "mhc_post_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare",
+           "store_rows",
            "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, linear, mhc_pre, rms_norm,
-                        rms_norm_unweighted)
+from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, linear, mhc_post, mhc_pre,
+                        rms_norm, rms_norm_unweighted)
 
 
 def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -22,6 +22,18 @@ def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     comb)`` as :func:`mhc_pre` does."""
     y, post, comb = mhc_pre(h, fn, base, scale, iters, norm_eps, hc_eps)
     return rms_norm(y, weight, eps), post, comb
+
+
+def mhc_post_pre_norm(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                      base: torch.Tensor, scale: torch.Tensor, iters: int, norm_eps: float, hc_eps: float,
+                      weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mixer's post then the next mixer's pre and norm (a block's attention output mixed back
+    into the streams, then the MoE's input): ``h_next = mhc_post(out, h, post, comb)`` and
+    :func:`mhc_pre_norm` of it with the next mixer's ``fn, base, scale`` and norm. Returns
+    ``(h_next [..., nc, D], normed y [..., D], post [..., nc], comb [..., nc, nc])``."""
+    h_next = mhc_post(out, h, post, comb)
+    return (h_next, *mhc_pre_norm(h_next, fn, base, scale, iters, norm_eps, hc_eps, weight, eps))
 
 
 def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -180,5 +192,6 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
         t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
 
 
-__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows",
+__all__ = ["linear_pair", "mhc_pre_norm", "mhc_post_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare",
+           "store_rows",
            "rope_hadamard", "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback"]
