@@ -85,11 +85,13 @@ def _hooks() -> None:
     from dsv4.engine import runner, sampling
     from dsv4.model import attention, cache, common, compressor, indexer, mhc, moe, transformer  # noqa: F401
 
-    _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
+    _wrap(transformer.Block, "run", lambda b: f"layer:{b.attn.kind}")
     # per step (outside the layers)
     _wrap(transformer.Transformer, "context", "s:context")
     _wrap(transformer.Transformer, "logits", "s:head")
-    _wrap(transformer.Transformer, "hidden_streams", "s:embed")    # what the layers leave: the embedding
+    # what the layers leave: the embedding, and the last block's mHC post (the others run in the next
+    # block's first pre)
+    _wrap(transformer.Transformer, "hidden_streams", "s:embed")
     _wrap(common.ForwardContext, "varlen", "s:context")
     _wrap(sampling.SlotSampling, "sample", "s:sampler")
     _wrap(runner, "verify_tokens", "s:verify (acceptance)")

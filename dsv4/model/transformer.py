@@ -113,9 +113,11 @@ class Transformer(nn.Module):
         #   [B, S] -> [B, S, D] -> [B, S, nc, D] -> ... -> [B, S, nc, D]  (logits: see `logits`)
         h = self.embed(ctx.token_ids)
         h = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        # each block's last mHC post runs in the next block's first pre (one op); the last block's alone
+        pending = None
         for layer, cache in zip(self.layers, caches):
-            h = layer(h, ctx, cache)
-        return h
+            pending = layer.run(h, ctx, cache, pending)
+        return h if pending is None else self.layers[-1].hc_ffn.post(*pending)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams ``[..., nc, D]`` -> fp32 logits ``[..., vocab]``."""
