@@ -142,8 +142,8 @@ class Compressor(nn.Module):
         kv2, gate2 = other.project(x)
         cos, sin = ctx.window_rope(self.ratio)
         return fused.compressor_step_pair(kv, gate, self.ape, state, self.norm.weight, self.norm.eps, self.rotate,
-                                   kv2, gate2, other.ape, other_state, other.norm.weight, other.norm.eps, other.rotate,
-                                   ctx.slots, ctx.positions, cos, sin)
+                                          kv2, gate2, other.ape, other_state, other.norm.weight, other.norm.eps,
+                                          other.rotate, ctx.slots, ctx.positions, cos, sin)
 
     @staticmethod
     def _aligned(window_rows: torch.Tensor, length: int) -> torch.Tensor:
