@@ -75,6 +75,9 @@ def _exercise() -> None:
             k["hc_head_norm"](h, rn(4, 4 * D, dtype=f32), rn(4, dtype=f32), rn(1, dtype=f32), 1e-6, 1e-6,
                               rn(D, dtype=f32), 1e-6)
             k["mhc_post"](rn(T, 1, D), h, rn(T, 1, 4, dtype=f32), rn(T, 1, 4, 4, dtype=f32))
+            k["mhc_post_pre_norm"](rn(T, 1, D), h, rn(T, 1, 4, dtype=f32), rn(T, 1, 4, 4, dtype=f32),
+                                   rn(24, 4 * D, dtype=f32), rn(24, dtype=f32), rn(3, dtype=f32), 20, 1e-6, 1e-6,
+                                   rn(D, dtype=f32), 1e-6)
             for width in (D, ql):
                 k["rms_norm"](rn(T, 1, width), rn(width, dtype=f32), 1e-6)
             cos, sin = rn(T, 1, 32, dtype=f32), rn(T, 1, 32, dtype=f32)

@@ -19,9 +19,10 @@ interpreter, ``TRITON_INTERPRET=1``), which the model's fused decode ops then us
 Geometry does not change the counts (no op count depends on sizes), so the model is small (the tiny
 one, with index heads of 32 dims so that the indexer kernel takes them, the attention's
 projections and the shared expert in FP8 blocks and the routed experts in MXFP4, as released). ``--list`` shows each layer
-kind's launches in order. Per-forward work (RoPE tables, visible counts) lands on the first layer
-that asks for it. Launches outside the layers (embedding, context, head, sampler, verify, state
-saves and rollback) are counted per step in a second table; the saves and rollbacks are also split
+kind's launches in order. The counted step is the second (the first allocates what kernels make on
+first use, as the runner's warm-up before a capture does). Per-forward work (the ring rows of the
+decode step's window store) lands on the first layer that asks for it. Launches outside the layers
+(embedding, context, head, sampler, verify, state saves and rollback) are counted per step in a second table; the saves and rollbacks are also split
 by layer kind. ``--ops`` lists the launching ops of each component, summed over the layers.
 """
 
@@ -56,8 +57,8 @@ def _is_view(name: str) -> bool:
 #: ops owned by other kernel areas (linear, MoE, attention, indexer): counted apart
 BIG_OPS = ("linear", "linear_pair", "grouped_linear", "moe", "sparse_attention", "indexer_scores", "topk_indices")
 #: model components, innermost wins
-COMPONENTS = ("mhc_pre", "mhc_post", "q_path", "kv_path", "kv_store", "compressor", "indexer", "attn_out", "router",
-              "other")
+COMPONENTS = ("mhc_pre", "mhc_post", "mhc_post_pre", "q_path", "kv_path", "kv_store", "compressor", "indexer",
+              "attn_out", "router", "other")
 
 
 def _wrap(owner, meth, label) -> None:
@@ -84,11 +85,13 @@ def _hooks() -> None:
     from dsv4.engine import runner, sampling
     from dsv4.model import attention, cache, common, compressor, indexer, mhc, moe, transformer  # noqa: F401
 
-    _wrap(transformer.Block, "forward", lambda b: f"layer:{b.attn.kind}")
+    _wrap(transformer.Block, "run", lambda b: f"layer:{b.attn.kind}")
     # per step (outside the layers)
     _wrap(transformer.Transformer, "context", "s:context")
     _wrap(transformer.Transformer, "logits", "s:head")
-    _wrap(transformer.Transformer, "hidden_streams", "s:embed")    # what the layers leave: the embedding
+    # what the layers leave: the embedding, and the last block's mHC post (the others run in the next
+    # block's first pre)
+    _wrap(transformer.Transformer, "hidden_streams", "s:embed")
     _wrap(common.ForwardContext, "varlen", "s:context")
     _wrap(sampling.SlotSampling, "sample", "s:sampler")
     _wrap(runner, "verify_tokens", "s:verify (acceptance)")
@@ -96,8 +99,10 @@ def _hooks() -> None:
     _wrap(cache.LayerCache, "rollback", lambda c: f"state:rollback:{_cache_kind(c)}")
     _wrap(mhc.HyperConnection, "pre", "c:mhc_pre")
     _wrap(mhc.HyperConnection, "post", "c:mhc_post")
+    _wrap(mhc.HyperConnection, "post_pre", "c:mhc_post_pre")
     _wrap(attention.Attention, "_store_window", "c:kv_store")
     _wrap(compressor.Compressor, "forward", "c:compressor")
+    _wrap(compressor.Compressor, "decode_step", "c:compressor")
     _wrap(compressor.Compressor, "decode_step_with", "c:compressor")
     _wrap(indexer.Indexer, "forward", "c:indexer")
     _wrap(moe.MoE, "forward", "c:router")       # the experts (routed and shared) are the moe op
@@ -194,7 +199,8 @@ def main() -> None:
     model = init_random(Transformer(config, torch.float32, with_mtp=False), seed=0).eval()
     _release_formats(model)
     spec = {"method": "ngram", "num_speculative_tokens": args.verify} if args.verify else None
-    runner = Runner(model, max_num_seqs=max(2, args.batch), max_model_len=256 + (args.prefill or 0),
+    # slots: the --batch rows, then --prefill's chunk and its warm-up's
+    runner = Runner(model, max_num_seqs=args.batch + 2, max_model_len=256 + (args.prefill or 0),
                     qat_sim=args.qat, max_num_batched_tokens=max(512, args.prefill or 0), speculative=spec)
     for s in range(args.batch):
         prefill(runner, s, list(range(2, 2 + 37 + s)))
@@ -209,6 +215,7 @@ def main() -> None:
         return cache[name]
 
     idx = torch.arange(args.batch)
+    warm = None
     bound = runner.max_model_len
     if args.verify:
         step = f"verify step ({args.batch} rows x {1 + args.verify} tokens, Runner._verify_step)"
@@ -216,13 +223,16 @@ def main() -> None:
         run = lambda: runner._verify_step(idx, drafts, SampleFlags(), bound)    # noqa: E731
     elif args.prefill:
         step = f"prefill chunk ({args.prefill} tokens, Runner.run)"
-        row = Row(args.batch, 0, tuple(3 + i % (config.vocab_size - 3) for i in range(args.prefill)), sample=True)
-        run = lambda: runner.run(ScheduledBatch((row,)))                        # noqa: E731
-        if args.batch >= runner.max_num_seqs:
-            raise SystemExit("--prefill needs a free slot: use --batch below max_num_seqs")
+        prompt = tuple(3 + i % (config.vocab_size - 3) for i in range(args.prefill))
+        run = lambda: runner.run(ScheduledBatch((Row(args.batch, 0, prompt, sample=True),)))   # noqa: E731
+        warm = lambda: runner.run(ScheduledBatch((Row(args.batch + 1, 0, prompt, sample=True),)))  # noqa: E731
     else:
         step = f"decode step ({args.batch} rows, Runner._step)"
         run = lambda: runner._step(idx, SampleFlags(), bound)                   # noqa: E731
+    # the step once unprofiled first, as the runner does before it captures a graph: what a kernel
+    # allocates on its first call (its arrival counters, zero-filled) is part of no later step
+    with torch.inference_mode():
+        (warm or run)()
     with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run()
     layers, state, rest = count(prof, launches_of)

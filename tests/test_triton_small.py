@@ -211,6 +211,36 @@ def test_mhc_post(dtype, lead, nc, D):
     _close(KERNELS["mhc_post"](out, h, post, comb), ref.mhc_post(out, h, post, comb), steps=4.0)
 
 
+@pytest.mark.parametrize("dtype, lead, nc, D, iters", [
+    (torch.float32, (2, 1), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (2,), 3, 33, 20),
+    (torch.float16, (17,), 4, 24, 2),        # 17 tokens: the two-launch path over two token blocks
+    (torch.float16, (2,), 4, 256, 20), (torch.float32, (3,), 4, 128, 2)])   # tiles within a stream (V4's D)
+def test_mhc_post_pre_norm(dtype, lead, nc, D, iters):
+    """An mHC post and the next mixer's pre + norm in one op: the streams equal the mhc_post kernel's
+    bit for bit and the rest equals the mhc_pre_norm kernel's on them (the same arithmetic); against
+    the references: the streams close to mhc_post's, the rest to mhc_pre_norm's of those streams
+    (an fp16 step in a stream moves the mix more than the pre's own tolerance)."""
+    out = _randn(*lead, D, seed=28, dtype=dtype, scale=2.0)
+    h = _randn(*lead, nc, D, seed=29, dtype=dtype, scale=2.0)
+    post = _randn(*lead, nc, seed=30).sigmoid() * 2
+    comb = _randn(*lead, nc, nc, seed=31).softmax(-1)
+    fn, base, scale = _mixer(nc, D, (2 + nc) * nc, 3, seed=32)
+    w = _randn(D, seed=33)
+    got = KERNELS["mhc_post_pre_norm"](out, h, post, comb, fn, base, scale, iters, 1e-6, 1e-6, w, 1e-5)
+    h_next = KERNELS["mhc_post"](out, h, post, comb)
+    _exact(got[0], h_next)
+    for a, b in zip(got[1:], KERNELS["mhc_pre_norm"](h_next, fn, base, scale, iters, 1e-6, 1e-6, w, 1e-5)):
+        _exact(a, b)
+    _close(got[0], ref.mhc_post_pre_norm(out, h, post, comb, fn, base, scale, iters, 1e-6, 1e-6, w, 1e-5)[0],
+           steps=4.0)
+    want = (None, *ref.mhc_pre_norm(got[0], fn, base, scale, iters, 1e-6, 1e-6, w, 1e-5))
+    _close(got[1], want[1], steps=1.0 if dtype != torch.float32 else 16.0)
+    _close(got[2], want[2], steps=16.0)
+    _close(got[3], want[3], steps=64.0)
+    if math.prod(lead) <= small.small_mhc.ONE_LAUNCH_MAX_TOKENS:
+        assert runtime.counters_if_allocated(h.device, "mhc")[0].item() == 0
+
+
 # ----------------------------------------------------------------------------- FP8 / FP4 / stores
 def _hard_values(*shape, seed: int, dtype) -> torch.Tensor:
     """Random values with the awkward cases mixed in: zeros, -0, exact powers of two, e4m3/e2m1
@@ -412,7 +442,9 @@ def _step_fused(impl):
         kv = r.linear(x, comp.wkv.w, out_dtype=f32)
         gate = r.linear(x, comp.wgate.w, out_dtype=f32)
         cos, sin = r.rope_cos_sin(ctx.positions // comp.ratio * comp.ratio, inv)
-        impl(kv, gate, comp.ape, state, ctx.slots, ctx.positions, comp.norm.weight, comp.norm.eps, cos, sin, rotate)
+        visible = impl(kv, gate, comp.ape, state, ctx.slots, ctx.positions, comp.norm.weight, comp.norm.eps, cos, sin,
+                       rotate)
+        _exact(visible, (ctx.positions + 1) // comp.ratio)          # the entries each query sees now
     return run
 
 
@@ -456,7 +488,7 @@ def test_compressor_step_pair(dtype):
             cos, sin = r.rope_cos_sin(ctx.positions // 4 * 4, inv)
             args = [(r.linear(x, c.wkv.w, out_dtype=f32), r.linear(x, c.wgate.w, out_dtype=f32), c.ape, s_,
                      c.norm.weight, c.norm.eps, rot) for c, s_, rot in ((comp, st[0], False), (icomp, st[1], True))]
-            impl(*args[0], *args[1], ctx.slots, ctx.positions, cos, sin)
+            _exact(impl(*args[0], *args[1], ctx.slots, ctx.positions, cos, sin), (ctx.positions + 1) // 4)
         return step
     _decode_run(comp, None, hidden, False, 9, run(ref.compressor_step_pair, states[0]), seed=76)
     _decode_run(comp, None, hidden, False, 9, run(KERNELS["compressor_step_pair"], states[1]), seed=76)
@@ -536,6 +568,46 @@ def test_gpu_mhc(geo, batch):
     hb, hs = _g(4, seed=106, dtype=torch.float32), _g(1, seed=107, dtype=torch.float32)
     _close(KERNELS["hc_head_norm"](h, hf, hb, hs, 1e-6, 1e-6, w, 1e-6),
            ref.rms_norm(ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), w, 1e-6), steps=1.0)
+
+
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("batch", [1, 2, 8, 32])
+@gpu
+def test_gpu_mhc_post_pre_norm(geo, batch):
+    """A block's attention post and MoE pre + norm in one op at V4's widths (one launch up to
+    ONE_LAUNCH_MAX_TOKENS tokens, two above): equal to the mhc_post kernel then the mhc_pre_norm
+    kernel bit for bit, close to the references; replayed in a CUDA graph, equal to eager."""
+    D = GEOMETRY[geo][0]
+    out, h = _g(batch, 1, D, seed=190, scale=2.0), _g(batch, 1, 4, D, seed=191, scale=2.0)
+    post = _g(batch, 1, 4, seed=192, dtype=torch.float32).sigmoid() * 2
+    comb = _g(batch, 1, 4, 4, seed=193, dtype=torch.float32).softmax(-1)
+    fn = _g(24, 4 * D, seed=194, scale=0.02, dtype=torch.float32)
+    base = _g(24, seed=195, scale=0.5, dtype=torch.float32)
+    scale = _g(3, seed=196, scale=0.5, dtype=torch.float32) + 1
+    w = _g(D, seed=197, dtype=torch.float32)
+
+    def step():
+        return KERNELS["mhc_post_pre_norm"](out, h, post, comb, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-6)
+    eager = step()
+    h_next = KERNELS["mhc_post"](out, h, post, comb)
+    assert torch.equal(eager[0], h_next)
+    for a, b in zip(eager[1:], KERNELS["mhc_pre_norm"](h_next, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-6)):
+        assert torch.equal(a, b)
+    _close(eager[0], ref.mhc_post(out, h, post, comb), steps=1.0)
+    want = ref.mhc_pre_norm(eager[0], fn, base, scale, 20, 1e-6, 1e-6, w, 1e-6)
+    _close(eager[1], want[0], steps=1.0)
+    _close(eager[2], want[1], steps=64.0)
+    _close(eager[3], want[2], steps=256.0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in outs:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outs, eager):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("geo", ["flash", "pro"])
@@ -649,8 +721,8 @@ def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
     ape, w = _g(ratio, width, seed=145, dtype=torch.float32), _g(dim, seed=146, dtype=torch.float32) + 1
     ang = (pos // ratio * ratio).float() * torch.rand(32, generator=_gen(147)).to(GDEV)
     cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
-    ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
-    KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate)
+    want = ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
+    _exact(KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate), want)
     _states_equal(a, b, exact=False)
 
 
@@ -674,9 +746,9 @@ def test_gpu_compressor_step_pair(batch):
 
     def args(s1, s2):
         return (kv, gate, ape, s1, w, 1e-6, False, ikv, igate, iape, s2, iw, 1e-6, True, slots, pos, cos, sin)
-    ref.compressor_step_pair(*args(a, ia))
+    want = ref.compressor_step_pair(*args(a, ia))
     saved = [_clone_state(b), _clone_state(ib)]
-    KERNELS["compressor_step_pair"](*args(b, ib))
+    _exact(KERNELS["compressor_step_pair"](*args(b, ib)), want)
     _states_equal(a, b, exact=False)
     _states_equal(ia, ib, exact=False)
     after = [_clone_state(b), _clone_state(ib)]
@@ -684,7 +756,8 @@ def test_gpu_compressor_step_pair(batch):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        KERNELS["compressor_step_pair"](*args(c, ic))
+        visible = KERNELS["compressor_step_pair"](*args(c, ic))
+    visible.fill_(-1)
     c2, ic2 = _clone_state(saved[0]), _clone_state(saved[1])
     for st, src in ((c, c2), (ic, ic2)):             # back to the state before the step, then replay
         for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
@@ -695,6 +768,7 @@ def test_gpu_compressor_step_pair(batch):
     torch.cuda.synchronize()
     _states_equal(after[0], c, exact=True)
     _states_equal(after[1], ic, exact=True)
+    _exact(visible, want)
 
 
 @pytest.mark.parametrize("geo", ["flash", "pro"])

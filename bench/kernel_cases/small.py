@@ -60,6 +60,11 @@ def _mhc_cases(k, ref, dev, tag, T, D) -> list[Case]:
              peer_fn=lambda: ref.mhc_pre_norm(h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6)),
         Case("small", f"mhc_post {tag}", lambda: k["mhc_post"](out, h, post, comb),
              bytes=T * D * 2 + 2 * h_bytes + mix_bytes, peer=PEER, peer_fn=lambda: ref.mhc_post(out, h, post, comb)),
+        # the post and the next pre in one op: the streams written once and read back once more
+        Case("small", f"mhc_post_pre_norm {tag}",
+             lambda: k["mhc_post_pre_norm"](out, h, post, comb, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6),
+             bytes=T * D * 2 + 3 * h_bytes + fn.numel() * 4 + D * 4 + T * D * 2 + 2 * mix_bytes, peer=PEER,
+             peer_fn=lambda: ref.mhc_post_pre_norm(out, h, post, comb, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6)),
         Case("small", f"hc_head_norm {tag}", lambda: k["hc_head_norm"](h, hf, hb, hs, 1e-6, 1e-6, nw, 1e-6),
              bytes=h_bytes + hf.numel() * 4 + D * 4 + T * D * 2, peer=PEER,
              peer_fn=lambda: ref.hc_head_norm(h, hf, hb, hs, 1e-6, 1e-6, nw, 1e-6)),

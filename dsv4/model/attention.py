@@ -165,17 +165,19 @@ class Attention(nn.Module):
         query's visible length (HCA)."""
         # compressed entries first (a query sees entries of windows that closed at or before it)
         comp = cache.compressor
-        if self.kind == "csa" and ctx.seq_len == 1:
-            # decode: the KV compressor's step and the indexer's (same tokens, positions and ratio)
-            # in one launch, then the indexer's queries against its keys
-            self.compressor.decode_step_with(self.indexer.compressor, x, ctx, comp, cache.indexer)
-            return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer, keys_done=True))
-        new = self.compressor(x, ctx, comp)
-        if new is not None:                     # a chunk: RoPE at each window's first position, then store
-            entries, pos = new
-            cos, sin = window_plan(ctx, self.ratio).entry_rope(ctx)      # shared by the ratio's compressors
-            store_entries(comp, ctx, ops.apply_rope(entries, cos, sin), pos)
         bound = ctx.entry_bound(self.ratio, comp.max_entries)
+        if ctx.seq_len == 1:
+            # decode: the compressor's fused step (CSA: the KV compressor's and the indexer's, same
+            # tokens, positions and ratio, in one launch), which also counts each query's visible
+            # entries; then (CSA) the indexer's queries against its keys
+            if self.kind == "csa":
+                visible = self.compressor.decode_step_with(self.indexer.compressor, x, ctx, comp, cache.indexer)
+                return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer, visible=visible))
+            return dict(comp=comp.entries, comp_len=self.compressor.decode_step(x, ctx, comp), comp_bound=bound)
+        # a chunk: RoPE at each window's first position, then store
+        entries, pos = self.compressor(x, ctx, comp)
+        cos, sin = window_plan(ctx, self.ratio).entry_rope(ctx)      # shared by the ratio's compressors
+        store_entries(comp, ctx, ops.apply_rope(entries, cos, sin), pos)
         if self.kind == "csa":
             return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer))
         # HCA attends to every visible entry: entry w is visible from position (w + 1) * m - 1 on

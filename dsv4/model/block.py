@@ -36,10 +36,20 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
         """``h [B, S, nc, D]`` -> ``[B, S, nc, D]``."""
+        return self.hc_ffn.post(*self.run(h, ctx, cache))
+
+    def run(self, h: torch.Tensor, ctx: ForwardContext, cache: LayerCache,
+            pending: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        """The block but its last mHC post, which it hands back ``(out, h, post, comb)`` for
+        :meth:`HyperConnection.post` (or for the next block's pre, in the same op: ``pending``, in
+        which case ``h`` is not read: the streams are ``post(*pending)``)."""
         # h [B, S, nc, D] --pre--> y [B, S, D] --norm, attention--> out --post--> h [B, S, nc, D]
-        # (pre and the norm are one op: the norm reads the collapsed row where pre wrote it)
-        x, post, comb = self.hc_attn.pre(h, self.attn_norm)
-        h = self.hc_attn.post(self.attn(x, ctx, cache), h, post, comb)
+        # (pre and the norm are one op: the norm reads the collapsed row where pre wrote it; a post
+        # and the pre after it are one op: the new streams are projected as they are made)
+        if pending is None:
+            x, post, comb = self.hc_attn.pre(h, self.attn_norm)
+        else:
+            h, x, post, comb = self.hc_attn.post_pre(*pending, self.attn_norm)
         # the same around the MoE, with its own mixer (mHC diagram: dsv4.model.mhc)
-        x, post, comb = self.hc_ffn.pre(h, self.ffn_norm)
-        return self.hc_ffn.post(self.ffn(x, ctx), h, post, comb)
+        h, x, post, comb = self.hc_ffn.post_pre(self.attn(x, ctx, cache), h, post, comb, self.ffn_norm)
+        return self.ffn(x, ctx), h, post, comb

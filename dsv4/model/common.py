@@ -198,6 +198,30 @@ class RopeTables:
 
 
 @dataclass
+class RopeSpec:
+    """The RoPE tables of a forward, made in one pass (:meth:`tables`): table ``k`` is ``names[k]``,
+    taken at the positions rounded down to a multiple of ``step[k]``, with ``inv_freq[k]``.
+
+    The model's (:meth:`~dsv4.model.transformer.Transformer.rope_spec`): ``main`` (``rope_theta``)
+    and ``compress`` (``compress_rope_theta``) at the positions (step 1), and ``window:m`` for each
+    compress ratio ``m``: the compress theta at each token's window start ``pos // m * m``, where
+    the entry its window emits sits (a decode step's compressor rotates the entry that closes at the
+    token with it). One pass makes all of them with the launches one table took (the four tables
+    of a CSA + HCA model: six launches, where each took four).
+    """
+
+    names: tuple[str, ...]
+    step: torch.Tensor          # [K, 1, 1] int64
+    inv_freq: torch.Tensor      # [K, 1, 1, rd/2] fp32
+
+    def tables(self, positions: torch.Tensor) -> dict[str, RopeTables]:
+        """``{name: RopeTables}`` of ``positions [B, S]`` (each table contiguous)."""
+        at = positions.unsqueeze(0) // self.step * self.step                      # [K, B, S]
+        cos, sin = ops.rope_cos_sin(at, self.inv_freq)                             # [K, B, S, rd/2]
+        return {name: RopeTables(cos[k], sin[k]) for k, name in enumerate(self.names)}
+
+
+@dataclass
 class ForwardContext:
     """Everything a layer needs besides its input, for one forward over ``B`` slots x ``S`` tokens.
 
@@ -215,7 +239,8 @@ class ForwardContext:
     slots: torch.Tensor       # [B] int64
     start: torch.Tensor       # [B] int64
     positions: torch.Tensor   # [B, S] int64
-    rope: dict[str, RopeTables]  # "main" (sliding layers) and "compress" (CSA/HCA layers)
+    #: "main" (sliding layers), "compress" (CSA/HCA layers), "window:m" (their compressors' decode step)
+    rope: dict[str, RopeTables]
     inv_freq: dict[str, torch.Tensor]
     qat_sim: bool
     context_bound: int
@@ -238,13 +263,14 @@ class ForwardContext:
     # compressor and the indexer run once per group on its [b, s] view (per_group).
     @classmethod
     def varlen(cls, config: ModelConfig, token_ids: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, int, int]],
-               inv_freq: dict[str, torch.Tensor], qat_sim: bool,
+               rope_spec: RopeSpec, inv_freq: dict[str, torch.Tensor], qat_sim: bool,
                snaps: dict[int, tuple[tuple[int, int, int], ...]] | None = None) -> "ForwardContext":
         """One forward over rows of different lengths (DESIGN decision 6): ``token_ids [T]`` are the
         rows' tokens back to back, in ``groups`` of rows of equal length ``s``: ``(slots [b],
         start [b], s, context_bound)`` each, ``b * s`` tokens. Token-wise layers see ``[1, T]``;
         attention, the compressor and the indexer run once per group (:meth:`per_group`).
-        ``snaps``: by group index (groups of one row), the boundaries to snapshot (:attr:`snaps`)."""
+        ``rope_spec`` makes the RoPE tables; ``inv_freq`` by theta (``main``, ``compress``) serves
+        :meth:`rope_at`. ``snaps``: by group index (groups of one row), the boundaries to snapshot (:attr:`snaps`)."""
         parts, lo = [], 0
         for slots, start, s, bound in groups:
             b = slots.shape[0]
@@ -254,7 +280,7 @@ class ForwardContext:
             raise ValueError(f"varlen groups cover {lo} tokens, token_ids has {token_ids.numel()}")
         positions = torch.cat([(start.unsqueeze(1) + torch.arange(s, device=token_ids.device)).flatten()
                                for _, _, s, _, start, _ in parts]).unsqueeze(0)                   # [1, T]
-        rope = {k: RopeTables(*ops.rope_cos_sin(positions, f)) for k, f in inv_freq.items()}
+        rope = rope_spec.tables(positions)
         flat = token_ids.view(1, -1)
         subs = []
         snaps = snaps or {}
@@ -291,11 +317,9 @@ class ForwardContext:
 
     def window_rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, S, rd/2]`` at each token's window start ``pos // ratio * ratio`` (where its
-        compressed entry sits), computed once per forward and ratio (every compressor shares it)."""
-        cache = self.__dict__.setdefault("_window_rope", {})
-        if ratio not in cache:
-            cache[ratio] = self.rope_at("compress", self.positions // ratio * ratio)
-        return cache[ratio]
+        compressed entry sits), compress theta: made with the forward's other tables (:class:`RopeSpec`)."""
+        table = self.rope[f"window:{ratio}"]
+        return table.cos, table.sin
 
     def visible_entries(self, ratio: int) -> torch.Tensor:
         """``[B, S]``: how many compressed entries (ratio ``ratio``) each query sees, ``(pos + 1) // ratio``

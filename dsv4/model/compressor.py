@@ -50,19 +50,11 @@ class Compressor(nn.Module):
         position, and the indexer's Hadamard) and stores them with :func:`store_entries` (windows
         still open go to the sink row).
 
-        Decode (``S == 1``) runs the fused step instead, which also rotates (``rotate``) and stores
-        the closing entry, and returns None.
+        A decode step (``S == 1``) takes :meth:`decode_step` instead (one fused op).
         """
         m, slots = self.ratio, ctx.slots
         B, S, _ = x.shape
         kv, gate = self.project(x)
-        if S == 1:       # decode: the window row, the closing entry and its store in one op
-            # the same math as below for one token (tests/test_triton_small.py checks the two
-            # agree); RoPE at the window's start, where the entry closing now sits
-            cos, sin = ctx.window_rope(m)
-            fused.compressor_step(kv, gate, self.ape, state, slots, ctx.positions, self.norm.weight, self.norm.eps,
-                                  cos, sin, self.rotate)
-            return
         plan = window_plan(ctx, m)
         gate = gate + self.ape[plan.ape_row]
         if state.log_kv is not None and S <= state.log_kv.shape[1]:      # a verify step: rollback reads these
@@ -130,16 +122,28 @@ class Compressor(nn.Module):
         (plain weights never round their input)."""
         return fused.linear_pair(x, self.wkv.w, self.wgate.w, self.wkv.act_quant, self.wkv.pow2, torch.float32)
 
+    def decode_step(self, x: torch.Tensor, ctx: ForwardContext, state: CompressorState) -> torch.Tensor:
+        """:meth:`forward` at ``S = 1`` in one op: the window row, the closing entry, rotated (RoPE,
+        and the Hadamard with ``rotate``) and stored. Returns ``[B, 1]`` the entries each query sees
+        after this token, ``(pos + 1) // m`` (:meth:`ForwardContext.visible_entries`, from the same
+        launch)."""
+        # the same math as forward for one token (tests/test_triton_small.py checks the two agree);
+        # RoPE at the window's start, where the entry closing now sits
+        kv, gate = self.project(x)
+        cos, sin = ctx.window_rope(self.ratio)
+        return fused.compressor_step(kv, gate, self.ape, state, ctx.slots, ctx.positions, self.norm.weight,
+                                     self.norm.eps, cos, sin, self.rotate)
+
     def decode_step_with(self, other: "Compressor", x: torch.Tensor, ctx: ForwardContext, state: CompressorState,
-                         other_state: CompressorState) -> None:
-        """:meth:`forward` at ``S = 1`` for this compressor and ``other`` (same ratio: a CSA layer's
-        and its indexer's), the two steps in one launch."""
+                         other_state: CompressorState) -> torch.Tensor:
+        """:meth:`decode_step` for this compressor and ``other`` (same ratio: a CSA layer's and its
+        indexer's), the two steps in one launch; returns the visible entry counts."""
         kv, gate = self.project(x)
         kv2, gate2 = other.project(x)
         cos, sin = ctx.window_rope(self.ratio)
-        fused.compressor_step_pair(kv, gate, self.ape, state, self.norm.weight, self.norm.eps, self.rotate,
-                                   kv2, gate2, other.ape, other_state, other.norm.weight, other.norm.eps, other.rotate,
-                                   ctx.slots, ctx.positions, cos, sin)
+        return fused.compressor_step_pair(kv, gate, self.ape, state, self.norm.weight, self.norm.eps, self.rotate,
+                                          kv2, gate2, other.ape, other_state, other.norm.weight, other.norm.eps,
+                                          other.rotate, ctx.slots, ctx.positions, cos, sin)
 
     @staticmethod
     def _aligned(window_rows: torch.Tensor, length: int) -> torch.Tensor:

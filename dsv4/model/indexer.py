@@ -38,20 +38,21 @@ class Indexer(nn.Module):
                                      rotate=True)
 
     def forward(self, x: torch.Tensor, iq: torch.Tensor, ctx: ForwardContext, state: CompressorState,
-                keys_done: bool = False) -> torch.Tensor:
+                visible: torch.Tensor | None = None) -> torch.Tensor:
         """Update the indexer keys with ``x [B, S, D]`` and return each query's picks
         ``[B, S, k]`` int64: compressed-entry indices, ``-1`` where fewer than ``k`` are visible.
         ``iq [B, S, nI, d]``: the queries, ``wq_b(qr)`` rotated like the keys (RoPE, then the Hadamard
-        rotation; QAT: FP4), which the attention prepares beside its own (same ``qr``, same positions). ``keys_done``: this forward's keys are in the
-        state already (a decode step: the attention ran this compressor's step beside its own).
+        rotation; QAT: FP4), which the attention prepares beside its own (same ``qr``, same positions).
+        ``visible [B, S]``: given by a decode step, whose keys are in the state already (the attention
+        ran this compressor's step beside its own, which also counted each query's visible entries).
 
         ``k = min(index_topk, bound)`` with ``bound`` the entries this forward can see at most.
         """
-        new = None if keys_done else self.compressor(x, ctx, state)
-        if new is not None:                     # a chunk: RoPE, the Hadamard rotation, then store
-            entries, pos = new
+        if visible is None:                     # a chunk: RoPE, the Hadamard rotation, then store
+            entries, pos = self.compressor(x, ctx, state)
             cos, sin = window_plan(ctx, self.ratio).entry_rope(ctx)      # shared by the ratio's compressors
             store_entries(state, ctx, ops.hadamard(ops.apply_rope(entries, cos, sin)), pos)  # FP4 under QAT
+            visible = ctx.visible_entries(self.ratio)                                    # [B, S]
 
         w = self.weights_proj(x, torch.float32)
         # Score every entry a query of this forward could see, masked per query. Ratio m = 4,
@@ -61,7 +62,6 @@ class Indexer(nn.Module):
         #   score:     1.2   0.3   0.9   -inf  -inf     (s >= 3: its window has not closed for t)
         #   top-4:   picks 0, 2, 1, 3  ->  0, 2, 1, -1   (a pick at s >= visible, a -inf tie, is dropped)
         bound = ctx.entry_bound(self.ratio, state.max_entries)
-        visible = ctx.visible_entries(self.ratio)                                        # [B, S]
         scores = ops.indexer_scores(iq, state.entries, ctx.slots, w, bound, self.dim ** -0.5 * self.n_heads ** -0.5,
                                     visible)                                             # [B, S, bound]
         return ops.topk_indices(scores, min(self.topk, bound), visible)                 # [B, S, k]

@@ -6,8 +6,9 @@ hidden state. Each block has two :class:`HyperConnection` (``hc_attn`` around at
 around the MoE); the model and each MTP block end in a :class:`HyperHead` that collapses the
 streams. The math lives in :func:`dsv4.ops.fused.mhc_pre_norm` / :func:`dsv4.ops.mhc_post` /
 :func:`dsv4.ops.fused.hc_head_norm` (each collapse fused with the RMSNorm that follows it: the block's
-``attn_norm`` / ``ffn_norm``, the model's final ``norm``); these modules own the parameters (checkpoint names ``hc_attn_fn``,
-``hc_attn_base``, ``hc_attn_scale``, mapped in :mod:`dsv4.weights.names`).
+``attn_norm`` / ``ffn_norm``, the model's final ``norm``), and in :func:`dsv4.ops.fused.mhc_post_pre_norm`
+(a block's attention post with its MoE pre: one op); these modules own the parameters (checkpoint
+names ``hc_attn_fn``, ``hc_attn_base``, ``hc_attn_scale``, mapped in :mod:`dsv4.weights.names`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ class HyperConnection(nn.Module):
     def post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """Mix the block output ``out [B, S, D]`` back into the streams ``h [B, S, nc, D]``."""
         return ops.mhc_post(out, h, post, comb)
+
+    def post_pre(self, out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous mixer's :meth:`post` (its ``post``, ``comb``), then this one's :meth:`pre`, in
+        one op (the streams are projected as they are made): ``(h_next, norm(y), post, comb)``."""
+        return fused.mhc_post_pre_norm(out, h, post, comb, self.fn, self.base, self.scale, self.iters, self.norm_eps,
+                                       self.hc_eps, norm.weight, norm.eps)
 
 
 class HyperHead(nn.Module):

@@ -17,7 +17,7 @@ from ..parallel import SINGLE, ParallelGroup
 from ..weights.names import official_state_dict
 from .block import Block
 from .cache import LayerCache
-from .common import ForwardContext, Linear, RMSNorm, RopeTables, VocabEmbedding, set_qat_sim
+from .common import ForwardContext, Linear, RMSNorm, RopeSpec, VocabEmbedding, set_qat_sim
 from .mhc import HyperHead
 from .mtp import MTPBlock
 
@@ -60,19 +60,34 @@ class Transformer(nn.Module):
         return self
 
     def init_rope(self, device: torch.device | str) -> None:
-        """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build)."""
+        """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build), and
+        the stacked step and frequencies of :meth:`rope_spec`'s tables."""
         c = self.config
         device = torch.device(device)
+        ratios = sorted({c.layer_ratio(i) for i in range(c.num_hidden_layers + 1)} - {0})
+        self._rope_names = ("main", "compress", *(f"window:{m}" for m in ratios))
+        K, half = len(self._rope_names), c.rope_dim // 2
         if device.type == "meta":   # a skeleton: shapes only (computing on meta costs seconds of imports)
             for kind in ("main", "compress"):
-                self.register_buffer(f"inv_freq_{kind}", torch.empty(c.rope_dim // 2, device=device),
-                                     persistent=False)
+                self.register_buffer(f"inv_freq_{kind}", torch.empty(half, device=device), persistent=False)
+            self.register_buffer("rope_step", torch.empty(K, 1, 1, dtype=torch.int64, device=device), persistent=False)
+            self.register_buffer("rope_inv_freq", torch.empty(K, 1, 1, half, device=device), persistent=False)
             return
         with torch.device("cpu"):
             inv = {"main": ops.rope_inv_freq(c.rope_dim, c.rope_theta),
                    "compress": ops.rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.yarn)}
         for kind, freqs in inv.items():
             self.register_buffer(f"inv_freq_{kind}", freqs.to(device), persistent=False)
+        step = torch.tensor([1, 1, *ratios], dtype=torch.int64).view(K, 1, 1)
+        stacked = torch.stack([inv["main"], *[inv["compress"]] * (K - 1)]).view(K, 1, 1, half)
+        self.register_buffer("rope_step", step.to(device), persistent=False)
+        self.register_buffer("rope_inv_freq", stacked.to(device), persistent=False)
+
+    @property
+    def rope_spec(self) -> RopeSpec:
+        """The RoPE tables every forward makes (:class:`~dsv4.model.common.RopeSpec`): ``main``,
+        ``compress`` and a ``window:m`` per compress ratio, over the buffers wherever they moved."""
+        return RopeSpec(self._rope_names, self.rope_step, self.rope_inv_freq)
 
     def official_state_dict(self) -> dict[str, torch.Tensor]:
         """``state_dict()`` under the checkpoint's official names (:func:`dsv4.weights.names.official_state_dict`:
@@ -85,10 +100,11 @@ class Transformer(nn.Module):
         self.set_qat_sim(qat_sim)       # a no-op unless the mode changed
         S = token_ids.shape[1]
         positions = start.unsqueeze(1) + torch.arange(S, device=token_ids.device)
-        # two RoPE tables per forward: sliding layers use rope_theta, CSA/HCA layers the YaRN-scaled
-        # compress_rope_theta (DSV4_FACTS 2, "Attention"); every layer of a kind shares its table
+        # the RoPE tables, made once per forward: sliding layers use rope_theta, CSA/HCA layers the
+        # YaRN-scaled compress_rope_theta (DSV4_FACTS 2, "Attention"), their compressors' decode step
+        # the latter at each token's window start; every layer of a kind shares its tables
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
-        rope = {k: RopeTables(*ops.rope_cos_sin(positions, f)) for k, f in inv.items()}
+        rope = self.rope_spec.tables(positions)
         return ForwardContext(self.config, token_ids, slots, start, positions, rope, inv, qat_sim, context_bound)
 
     def hidden_streams(self, ctx: ForwardContext, caches: list[LayerCache]) -> torch.Tensor:
@@ -97,9 +113,11 @@ class Transformer(nn.Module):
         #   [B, S] -> [B, S, D] -> [B, S, nc, D] -> ... -> [B, S, nc, D]  (logits: see `logits`)
         h = self.embed(ctx.token_ids)
         h = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        # each block's last mHC post runs in the next block's first pre (one op); the last block's alone
+        pending = None
         for layer, cache in zip(self.layers, caches):
-            h = layer(h, ctx, cache)
-        return h
+            pending = layer.run(h, ctx, cache, pending)
+        return h if pending is None else self.layers[-1].hc_ffn.post(*pending)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams ``[..., nc, D]`` -> fp32 logits ``[..., vocab]``."""
@@ -142,7 +160,7 @@ class Transformer(nn.Module):
         ``snaps``: block-boundary snapshots inside prompt rows, by group (:attr:`ForwardContext.snaps`)."""
         self.set_qat_sim(qat_sim)
         inv = {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
-        ctx = ForwardContext.varlen(self.config, token_ids, groups, inv, qat_sim, snaps)
+        ctx = ForwardContext.varlen(self.config, token_ids, groups, self.rope_spec, inv, qat_sim, snaps)
         h = self.hidden_streams(ctx, caches)                                      # [1, T, nc, D]
         logits = self.logits(h[0].index_select(0, logit_rows))
         return (logits, h, ctx) if streams else logits

@@ -25,6 +25,15 @@ def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     return _call("mhc_pre_norm", h.device, None, h, fn, base, scale, iters, norm_eps, hc_eps, weight, eps)
 
 
+def mhc_post_pre_norm(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                      base: torch.Tensor, scale: torch.Tensor, iters: int, norm_eps: float, hc_eps: float,
+                      weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC post, then the next mixer's pre and RMSNorm; see :func:`reference_fused.mhc_post_pre_norm`."""
+    return _call("mhc_post_pre_norm", h.device, None, out, h, post, comb, fn, base, scale, iters, norm_eps, hc_eps,
+                 weight, eps)
+
+
 def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
                  hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The final stream collapse then the final RMSNorm; see :func:`reference_fused.hc_head_norm`."""
@@ -53,8 +62,9 @@ def store_rows(store: object, slot_idx: torch.Tensor, row_idx: torch.Tensor, val
 
 def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
                     positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                    sin: torch.Tensor, rotate: bool) -> None:
-    """A KV compressor's decode update in one call; see :func:`reference_fused.compressor_step`."""
+                    sin: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """A KV compressor's decode update in one call; returns the visible entry counts ``(positions +
+    1) // m``. See :func:`reference_fused.compressor_step`."""
     return _call("compressor_step", kv.device, None, kv, gate, ape, state, slots, positions, norm_weight, eps,
                                                         cos, sin, rotate)
 
@@ -68,8 +78,10 @@ def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: 
 def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
                          norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor, gate2: torch.Tensor,
                          ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor, eps2: float, rotate2: bool,
-                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Two compressors' decode steps in one call; see :func:`reference_fused.compressor_step_pair`."""
+                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> torch.Tensor:
+    """Two compressors' decode steps in one call (returns the visible entry counts); see
+    :func:`reference_fused.compressor_step_pair`."""
     return _call("compressor_step_pair", kv.device, None, kv, gate, ape, state, norm_weight, eps, rotate, kv2, gate2,
                  ape2, state2, norm_weight2, eps2, rotate2, slots, positions, cos, sin)
 
@@ -80,5 +92,6 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
     return _call("window_rollback", start.device, None, state, saved, slots, start, S, kept, plans)
 
 
-__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows",
+__all__ = ["linear_pair", "mhc_pre_norm", "mhc_post_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare",
+           "store_rows",
            "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback"]

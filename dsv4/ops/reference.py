@@ -65,7 +65,8 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: object | None = None) -> to
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[*positions.shape, rd // 2]`` fp32 for integer ``positions``."""
+    """cos, sin ``[*positions.shape, rd // 2]`` fp32 for integer ``positions`` and ``inv_freq [rd // 2]``
+    (or several tables at once: ``inv_freq`` shaped to broadcast against ``positions.unsqueeze(-1)``)."""
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
     return angles.cos(), angles.sin()
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, linear, mhc_pre, rms_norm,
-                        rms_norm_unweighted)
+from .reference import (apply_rope, compress_windows, fp4_sim, hadamard, hc_head, linear, mhc_post, mhc_pre,
+                        rms_norm, rms_norm_unweighted)
 
 
 def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -22,6 +22,18 @@ def mhc_pre_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     comb)`` as :func:`mhc_pre` does."""
     y, post, comb = mhc_pre(h, fn, base, scale, iters, norm_eps, hc_eps)
     return rms_norm(y, weight, eps), post, comb
+
+
+def mhc_post_pre_norm(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                      base: torch.Tensor, scale: torch.Tensor, iters: int, norm_eps: float, hc_eps: float,
+                      weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mixer's post then the next mixer's pre and norm (a block's attention output mixed back
+    into the streams, then the MoE's input): ``h_next = mhc_post(out, h, post, comb)`` and
+    :func:`mhc_pre_norm` of it with the next mixer's ``fn, base, scale`` and norm. Returns
+    ``(h_next [..., nc, D], normed y [..., D], post [..., nc], comb [..., nc, nc])``."""
+    h_next = mhc_post(out, h, post, comb)
+    return (h_next, *mhc_pre_norm(h_next, fn, base, scale, iters, norm_eps, hc_eps, weight, eps))
 
 
 def hc_head_norm(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -79,7 +91,7 @@ def rope_hadamard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp4: bo
 
 def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
                     positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                    sin: torch.Tensor, rotate: bool) -> None:
+                    sin: torch.Tensor, rotate: bool) -> torch.Tensor:
     """One decode token per slot through a KV compressor (``Compressor.forward`` at ``S = 1``).
 
     ``kv``, ``gate`` ``[B, 1, width]`` (or ``[B, width]``) fp32: this token's ``C`` and ``Z``
@@ -93,6 +105,10 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
     layout, the window rows are cleared and (overlap) the window's ``a`` halves become the
     previous window's. Writes other than the entry's may differ from the batched path only in the
     store's unread sink row.
+
+    Returns ``(positions + 1) // m`` (shaped like ``positions``): the entries the slot's query at
+    this position sees (:meth:`ForwardContext.visible_entries`), what the indexer and HCA
+    attention mask by.
     """
     m, B = state.ratio, slots.shape[0]
     kv, gate = kv.reshape(B, -1).float(), gate.reshape(B, -1).float()
@@ -117,6 +133,7 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
         d = prev_kv.shape[-1]
         state.prev_kv[slots] = torch.where(open_, prev_kv, win_kv[..., :d])
         state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
+    return (positions + 1) // m
 
 
 def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, iq: torch.Tensor,
@@ -130,12 +147,14 @@ def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: 
 def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
                          norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor, gate2: torch.Tensor,
                          ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor, eps2: float, rotate2: bool,
-                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+                         slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> torch.Tensor:
     """Two compressors' decode steps on the same tokens (a CSA layer's KV compressor and its
     indexer's: same slots, positions, ratio, hence the same window RoPE): :func:`compressor_step`
-    of each."""
-    compressor_step(kv, gate, ape, state, slots, positions, norm_weight, eps, cos, sin, rotate)
+    of each. Returns their (common) visible entry counts."""
+    visible = compressor_step(kv, gate, ape, state, slots, positions, norm_weight, eps, cos, sin, rotate)
     compressor_step(kv2, gate2, ape2, state2, slots, positions, norm_weight2, eps2, cos, sin, rotate2)
+    return visible
 
 
 def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor,
@@ -173,5 +192,6 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
         t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
 
 
-__all__ = ["linear_pair", "mhc_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare", "store_rows",
+__all__ = ["linear_pair", "mhc_pre_norm", "mhc_post_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare",
+           "store_rows",
            "rope_hadamard", "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback"]

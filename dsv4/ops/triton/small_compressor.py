@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import runtime
 from .small_quant import _sign_pm1
 from .numerics import e2m1_code, e4m3_bits, fp4_scale, fp8_scale, pow2_to_e8m0, quantize_e4m3
 from .small_util import check, check_float, pow2, row_stride, rows
@@ -83,15 +84,19 @@ def _compressor_step_kernel(kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_p
                             kv2_ptr, skv2, g2_ptr, sg2, ape2_ptr, win_kv2_ptr, win_g2_ptr, prev_kv2_ptr, prev_g2_ptr,
                             w2_ptr, eps2, data2_ptr, scale2_ptr, rope2_ptr, rows_per_slot2, NSCALE2, M2, W2, DIM2,
                             Df2, NOPE2, hscale2,
-                            slot_ptr, pos_ptr, spos, cos_ptr, sin_ptr, RD2,
+                            slot_ptr, pos_ptr, spos, cos_ptr, sin_ptr, RD2, visible_ptr,
                             OVERLAP: tl.constexpr, ROTATE: tl.constexpr, LAYOUT: tl.constexpr, POW2: tl.constexpr,
                             MC: tl.constexpr, DP2: tl.constexpr, QP: tl.constexpr, BLK: tl.constexpr,
                             OVERLAP2: tl.constexpr, ROTATE2: tl.constexpr, LAYOUT2: tl.constexpr, POW22: tl.constexpr,
                             MC2: tl.constexpr, DP22: tl.constexpr, QP2: tl.constexpr, BLK2: tl.constexpr):
     """Program ``(b, j)``: decode row ``b`` through compressor ``j``. Grid ``(B, 1)``: one
     compressor; ``(B, 2)``: a CSA layer's KV compressor and its indexer's (the same tokens at the
-    same positions, one launch), the second's arguments after the first's."""
+    same positions, one launch), the second's arguments after the first's. Program ``(b, 0)`` also
+    writes the entries row ``b``'s queries see after the step, ``(pos + 1) // m`` (what the indexer
+    and HCA attention mask by: no separate launch for it)."""
     if tl.program_id(1) == 0:
+        pos = tl.load(pos_ptr + tl.program_id(0) * spos)
+        tl.store(visible_ptr + tl.program_id(0), (pos + 1) // M)
         _step(tl.program_id(0), kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
               slot_ptr, pos_ptr, spos, w_ptr, eps, cos_ptr, sin_ptr, data_ptr, scale_ptr, rope_ptr,
               rows_per_slot, NSCALE, M, W, DIM, Df, NOPE, RD2, hscale, OVERLAP, ROTATE, LAYOUT, POW2, MC, DP2, QP, BLK)
@@ -253,39 +258,43 @@ def _step(b, kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr
 
 def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
                            slots: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           cos: torch.Tensor, sin: torch.Tensor, rotate: bool) -> None:
+                           cos: torch.Tensor, sin: torch.Tensor, rotate: bool) -> torch.Tensor:
     args, consts = _plan("compressor_step", kv, gate, ape, state, slots, norm_weight, eps, cos, rotate)
-    _launch("compressor_step", 1, args, consts, args, consts, slots, positions, cos, sin)
+    return _launch("compressor_step", 1, args, consts, args, consts, slots, positions, cos, sin)
 
 
 def compressor_step_pair_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
                                 norm_weight: torch.Tensor, eps: float, rotate: bool, kv2: torch.Tensor,
                                 gate2: torch.Tensor, ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor,
                                 eps2: float, rotate2: bool, slots: torch.Tensor, positions: torch.Tensor,
-                                cos: torch.Tensor, sin: torch.Tensor) -> None:
+                                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Two compressors' decode steps (a CSA layer's and its indexer's) in one launch; see
     :func:`dsv4.ops.reference_fused.compressor_step_pair`."""
     op = "compressor_step_pair"
     check(state.ratio == state2.ratio, op, f"ratios {state.ratio} and {state2.ratio}: the window RoPE is shared")
     a = _plan(op, kv, gate, ape, state, slots, norm_weight, eps, cos, rotate)
     b = _plan(op, kv2, gate2, ape2, state2, slots, norm_weight2, eps2, cos, rotate2)
-    _launch(op, 2, *a, *b, slots, positions, cos, sin)
+    return _launch(op, 2, *a, *b, slots, positions, cos, sin)
 
 
 def _launch(op: str, n: int, args: tuple, consts: dict, args2: tuple, consts2: dict, slots: torch.Tensor,
-            positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """The step of ``n`` compressors (1 or 2; with 1 the second argument set is the first's, unread)."""
+            positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The step of ``n`` compressors (1 or 2; with 1 the second argument set is the first's, unread).
+    Returns the visible entry counts ``(positions + 1) // m``, shaped like ``positions``."""
     B, rd2 = slots.shape[0], cos.shape[-1]
     check(positions.numel() == B, op, f"positions {tuple(positions.shape)}: one per slot ({B})")
+    check(not positions.is_floating_point(), op, f"positions are {positions.dtype}; need integers")
     check(sin.shape == cos.shape, op, f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} differ")
     check_float(op, sin=sin)
+    visible = runtime.empty(tuple(positions.shape), positions.dtype, positions.device)
     if B == 0:
-        return
+        return visible
     pos2 = positions.reshape(B)
     cos2, sin2 = cos.reshape(B, rd2).float().contiguous(), sin.reshape(B, rd2).float().contiguous()
     _compressor_step_kernel[(B, n)](
         *args, *args2, slots.reshape(B).contiguous(), pos2, pos2.stride(0) if B > 1 else 1, cos2, sin2, rd2,
-        **consts, **{k + "2": v for k, v in consts2.items()}, num_warps=8, enable_fp_fusion=False)
+        visible, **consts, **{k + "2": v for k, v in consts2.items()}, num_warps=8, enable_fp_fusion=False)
+    return visible
 
 
 def _plan(op: str, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,

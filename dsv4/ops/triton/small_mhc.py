@@ -27,6 +27,11 @@ where the last program of step 1 to arrive (an arrival counter it re-arms) does 
 
 mhc_post: one launch, grid ``(tokens, D blocks)``: ``h_next[k] = post_k out + sum_j comb[j,k] h[j]``
 in fp32, cast once.
+
+mhc_post_pre_norm: a block's attention post and its MoE pre + ``ffn_norm`` with the launches of
+mhc_pre_norm alone: step 1 makes each tile of the streams (the post's arithmetic, no FMA in
+either kernel, so the streams equal mhc_post's bit for bit), writes it and projects it; step 2
+reads the whole rows back.
 """
 
 from __future__ import annotations
@@ -47,13 +52,45 @@ _MAX_ROW = 16384
 ONE_LAUNCH_MAX_TOKENS = 2
 
 
+@triton.jit
+def _post_tile(t, tm, k0, k, km, out_ptr, so, h_ptr, sh, post_ptr, comb_ptr, D, NC: tl.constexpr,
+               ONE_STREAM: tl.constexpr):
+    """``mhc_post`` of a ``[TB, BK]`` tile of the flattened streams (column ``k`` is stream
+    ``k // D``, dim ``k % D``), fp32 with ``_mhc_post_kernel``'s operations in its order.
+    ``ONE_STREAM``: ``BK`` divides ``D``, so the tile (from ``k0``) lies in one stream (V4's widths:
+    the post weights are then per token, not gathered per element, which saves registers)."""
+    m = tm[:, None] & km[None, :]
+    if ONE_STREAM:
+        st = k0 // D
+        d = k0 - st * D + tl.arange(0, k.shape[0])
+        st_c = st + tl.zeros([1, 1], tl.int32)                                    # [1, 1]
+    else:
+        st = tl.where(km, k, 0) // D                                            # [BK] stream
+        d = tl.where(km, k, 0) - st * D
+        st_c = st[None, :]
+    t64 = t.to(tl.int64)[:, None]
+    mm = tl.zeros(m.shape, tl.float32)
+    for jj in tl.static_range(NC):
+        hj = tl.load(h_ptr + t64 * sh + jj * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + t[:, None] * (NC * NC) + jj * NC + st_c, mask=tm[:, None], other=0.0)  # comb[j, k]
+        mm += cj * hj
+    o = tl.load(out_ptr + t64 * so + d[None, :], mask=m, other=0.0).to(tl.float32)
+    p = tl.load(post_ptr + t[:, None] * NC + st_c, mask=tm[:, None], other=0.0)
+    return p * o + mm
+
+
 @triton.jit(do_not_specialize=["T"])
 def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
                         cnt_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, Kf, Df, iters,
-                        norm_eps, hc_eps, eps,
+                        norm_eps, hc_eps, eps, out_ptr, so, h_ptr, sh, prev_post_ptr, prev_comb_ptr,
                         NP: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr,
                         NC: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-                        HEAD: tl.constexpr, SPLIT: tl.constexpr = False):
+                        HEAD: tl.constexpr, POST: tl.constexpr, ONE_STREAM: tl.constexpr,
+                        SPLIT: tl.constexpr = False):
+    """Step 1 (and 2 with ``FINAL``) over the streams ``x``; with ``POST`` the streams are first
+    made here, tile by tile: ``x = mhc_post(out, h, prev_post, prev_comb)`` written to ``x_ptr``
+    (each element by the split that reads it; the finalizing program reads other splits' rows
+    after the arrival counter's acquire). ``SPLIT``: the projection on tensor cores (16-bit ``x``)."""
     XT: tl.constexpr = x_ptr.dtype.element_ty
     pid_s = tl.program_id(0)
     t = tl.program_id(1) * TB + tl.arange(0, TB)
@@ -66,8 +103,13 @@ def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
     while kk < KCHUNK:              # (while, not range: Triton's interpreter under numpy 2.4 needs it)
         k = k_lo + kk + tl.arange(0, BK)
         km = k < K
-        x = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :],
-                    other=0.0)
+        xo = x_ptr + t.to(tl.int64)[:, None] * sx + k[None, :]
+        if POST:
+            x = _post_tile(t, tm, k_lo + kk, k, km, out_ptr, so, h_ptr, sh, prev_post_ptr, prev_comb_ptr, D, NC,
+                           ONE_STREAM).to(XT)
+            tl.store(xo, x, mask=tm[:, None] & km[None, :])
+        else:
+            x = tl.load(xo, mask=tm[:, None] & km[None, :], other=0.0)
         f = tl.load(fn_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=km[:, None] & (n[None, :] < N),
                     other=0.0)
         if SPLIT:
@@ -77,9 +119,12 @@ def _mix_partial_kernel(x_ptr, sx, fn_ptr, part_ptr, ss_ptr, T, K, N, KCHUNK,
             r = f - f1.to(tl.float32)
             f2 = r.to(XT)
             f3 = (r - f2.to(tl.float32)).to(XT)
-            acc = tl.dot(x, f3, acc)
-            acc = tl.dot(x, f2, acc)
-            acc = tl.dot(x, f1, acc)
+            # (a fresh accumulator per K tile, added in fp32: the tensor cores' accumulation of a
+            # whole 16K-28K row drifts by a few 1e-5 of the mix at 4096 tokens)
+            part = tl.dot(x, f3)
+            part = tl.dot(x, f2, part)
+            part = tl.dot(x, f1, part)
+            acc += part
             x = x.to(tl.float32)
         else:
             x = x.to(tl.float32)
@@ -132,13 +177,14 @@ def _finalize_token(t, h_ptr, sh, part_ptr, ss_ptr, base_ptr, scale_ptr, w_ptr, 
     pre = tl.sum(tl.where(sel, mix[None, :], 0.0), axis=1)
     pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + j, mask=jm, other=0.0)) + hc_eps
 
-    # collapse: y = sum_j pre_j h_j over the row, in stream order, in the activation dtype
+    # collapse: y = sum_j pre_j h_j over the row, in stream order, in the activation dtype (read past
+    # L1: with POST, other programs of this launch wrote the row)
     d = tl.arange(0, BD)
     dm = d < D
     hrow = h_ptr + t.to(tl.int64) * sh
     y = tl.zeros([BD], tl.float32)
     for jj in tl.static_range(NC):
-        y += _pick(pre, j, jj) * tl.load(hrow + jj * D + d, mask=dm, other=0.0).to(tl.float32)
+        y += _pick(pre, j, jj) * tl.load(hrow + jj * D + d, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
     y = y.to(XDT).to(tl.float32)
     # the block's RMSNorm of y (small_rows' arithmetic)
     inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, axis=0), Df) + eps))
@@ -212,7 +258,11 @@ def _splits(T: int, K: int, tb: int, device: torch.device) -> tuple[int, int]:
 
 
 def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_mix: int,
-         n_scale: int, iters: int, norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float, head: bool):
+         n_scale: int, iters: int, norm_eps: float, hc_eps: float, weight: torch.Tensor, eps: float, head: bool,
+         prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """``(y, post, comb)`` of the streams ``h``; with ``prev = (out, post, comb)`` of the previous
+    mixer, ``(h_next, y, post, comb)`` of ``h_next = mhc_post(out, h, *prev[1:])``, made in the same
+    launch."""
     check_float(op, h=h, weight=weight)
     check(h.dim() >= 2, op, f"h has shape {tuple(h.shape)}; needs [..., nc, D]")
     nc, D = h.shape[-2], h.shape[-1]
@@ -226,13 +276,22 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     check(D <= _MAX_ROW, op, f"rows of {D} values; the kernel holds at most {_MAX_ROW} in registers")
     lead = tuple(h.shape[:-2])
     T = math.prod(lead)
-    x = rows(h, K)
     dev = h.device
+    post_args: tuple = (h, 0, h, 0, h, h)         # unread without prev
+    if prev is None:
+        x = rows(h, K)
+    else:
+        p_out, p_post, p_comb = _post_inputs(op, prev[0], h, prev[1], prev[2])
+        h_next = runtime.empty(h.shape, h.dtype, dev)
+        x = h_next.view(T, K)
+        h_rows = rows(h, K)
+        post_args = (p_out, row_stride(p_out), h_rows, row_stride(h_rows), p_post, p_comb)
     y = runtime.empty((*lead, D), h.dtype, dev)
     post = runtime.empty((*lead, nc), torch.float32, dev)
     comb = runtime.empty((*lead, nc, nc), torch.float32, dev)
+    outs = (y, post, comb) if prev is None else (h_next, y, post, comb)
     if T == 0:
-        return y, post, comb
+        return outs
     np_ = max(16, pow2(n_mix))
     one = T <= ONE_LAUNCH_MAX_TOKENS
     # prompts: the projection on tensor cores (SPLIT, 16-bit activations; 64-token blocks for the MMA)
@@ -252,13 +311,14 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     fin = dict(NC=nc, NCP=pow2(nc), NP=np_, SP=pow2(triton.cdiv(K, _BK)), BD=bd, HEAD=head)
     _mix_partial_kernel[(splits, triton.cdiv(T, tb))](
         x, row_stride(x), fn, part, ss, T, K, n_mix, kchunk, cnt, *tail, D, float(K), float(D), int(iters),
-        float(norm_eps), float(hc_eps), float(eps), TB=tb, BK=_BK, FINAL=one, SPLIT=split,
+        float(norm_eps), float(hc_eps), float(eps), *post_args, TB=tb, BK=_BK, FINAL=one, POST=prev is not None,
+        ONE_STREAM=prev is not None and D % _BK == 0, SPLIT=split,
         num_warps=8 if one and bd >= 4096 else 4, enable_fp_fusion=False, **fin)
     if not one:
         _mhc_finalize_kernel[(T,)](
             x, row_stride(x), part, ss, *tail, T, D, float(K), float(D), splits, int(iters), float(norm_eps),
             float(hc_eps), float(eps), num_warps=8 if bd >= 4096 else 4, enable_fp_fusion=False, **fin)
-    return y, post, comb
+    return outs
 
 
 def mhc_pre_norm_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -275,8 +335,9 @@ def hc_head_norm_triton(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
     return _pre("hc_head_norm", h, fn, base, scale, nc, 1, 0, norm_eps, hc_eps, weight, eps, head=True)[0]
 
 
-def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    op = "mhc_post"
+def _post_inputs(op: str, out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check ``mhc_post``'s inputs: ``(out [T, D] rows, post [T, nc], comb [T, nc*nc])`` fp32 contiguous."""
     check_float(op, out=out, h=h, post=post, comb=comb)
     check(h.dim() >= 2, op, f"h has shape {tuple(h.shape)}; needs [..., nc, D]")
     nc, D = h.shape[-2], h.shape[-1]
@@ -284,21 +345,37 @@ def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb
     check(tuple(out.shape) == (*lead, D), op, f"out has shape {tuple(out.shape)}; needs {(*lead, D)}")
     check(tuple(post.shape) == (*lead, nc), op, f"post has shape {tuple(post.shape)}; needs {(*lead, nc)}")
     check(tuple(comb.shape) == (*lead, nc, nc), op, f"comb has shape {tuple(comb.shape)}; needs {(*lead, nc, nc)}")
-    y = runtime.empty(h.shape, h.dtype, h.device)
     T = math.prod(lead)
+    return rows(out, D), post.float().reshape(T, nc).contiguous(), comb.float().reshape(T, nc * nc).contiguous()
+
+
+def mhc_post_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    o2, post2, comb2 = _post_inputs("mhc_post", out, h, post, comb)
+    nc, D = h.shape[-2], h.shape[-1]
+    y = runtime.empty(h.shape, h.dtype, h.device)
+    T = post2.shape[0]
     if T == 0:
         return y
-    o2, h2 = rows(out, D), rows(h, nc * D)
-    post2 = post.float().reshape(T, nc).contiguous()
-    comb2 = comb.float().reshape(T, nc * nc).contiguous()
+    h2 = rows(h, nc * D)
     bd = min(512, pow2(D))
+    # no FMA contraction: the same roundings as the mix of mhc_post_pre_norm (its kernel's are off)
     _mhc_post_kernel[(T, triton.cdiv(D, bd))](o2, row_stride(o2), h2, row_stride(h2), post2, comb2, y, D,
-                                             NC=nc, NCP=pow2(nc), BD=bd, num_warps=4)
+                                             NC=nc, NCP=pow2(nc), BD=bd, num_warps=4, enable_fp_fusion=False)
     return y
+
+
+def mhc_post_pre_norm_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                             fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, norm_eps: float,
+                             hc_eps: float, weight: torch.Tensor, eps: float
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    nc = h.shape[-2] if h.dim() >= 2 else 0
+    return _pre("mhc_post_pre_norm", h, fn, base, scale, (2 + nc) * nc, 3, iters, norm_eps, hc_eps, weight, eps,
+                head=False, prev=(out, post, comb))
 
 
 REGISTRATIONS = [
     ("mhc_pre_norm", None, mhc_pre_norm_triton),
     ("mhc_post", None, mhc_post_triton),
+    ("mhc_post_pre_norm", None, mhc_post_pre_norm_triton),
     ("hc_head_norm", None, hc_head_norm_triton),
 ]
