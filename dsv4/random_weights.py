@@ -56,7 +56,7 @@ def build_random_model(config: ModelConfig, layout: str, device: torch.device | 
         if isinstance(module, Linear):
             module.set_weight(_random_linear(module, linear_format(name, layout), dtype, device, g))
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if p.is_meta:
+        if p.is_meta and name not in Transformer.ROPE_BUFFERS:
             owner, leaf = _owner(model, name)
             value = _random_tensor(module_to_official(name), p, device, g, config)
             if isinstance(p, nn.Parameter):
@@ -159,7 +159,7 @@ def random_sharded(config, dtype: torch.dtype = torch.bfloat16, device: torch.de
             full[dim] *= tp.world_size
         module.set_weight(draw.linear(weight_name, tuple(full), dim, target, dtype))
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if p.device.type == "meta" and not name.startswith("inv_freq"):
+        if p.device.type == "meta" and name not in Transformer.ROPE_BUFFERS:
             owner, leaf = _owner(model, name)
             official = module_to_official(name)        # seeded by the checkpoint's name
             value = draw.plain(official, p, split_dim(official))

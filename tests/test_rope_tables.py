@@ -35,3 +35,17 @@ def test_tables_equal_one_by_one(device, B, S):
         assert torch.equal(got.cos, cos) and torch.equal(got.sin, sin), name
     for m in ratios:
         assert all(torch.equal(a, b) for a, b in zip(ctx.window_rope(m), want[f"window:{m}"]))
+
+
+def test_random_builds_compute_the_rope_buffers():
+    """A random model built on the meta device (``build_random_model``, what the GPU benchmarks and
+    tests use) leaves the RoPE buffers to ``init_rope`` (an int64 step buffer cannot be drawn at
+    random) and gets the same tables as a plain build."""
+    from dsv4.config import preset
+    from dsv4.random_weights import build_random_model
+    from dsv4.model.transformer import Transformer
+    config = preset("tiny")
+    model = build_random_model(config, "fp8-mxfp4", "cpu", dtype=torch.float32)
+    plain = Transformer(config, torch.float32)
+    for name in Transformer.ROPE_BUFFERS:
+        assert torch.equal(getattr(model, name), getattr(plain, name)), name

@@ -59,6 +59,9 @@ class Transformer(nn.Module):
             self._qat_mode = mode
         return self
 
+    #: the buffers :meth:`init_rope` computes (a random or loaded build skips them)
+    ROPE_BUFFERS = ("inv_freq_main", "inv_freq_compress", "rope_step", "rope_inv_freq")
+
     def init_rope(self, device: torch.device | str) -> None:
         """(Re)compute the RoPE inverse frequencies on ``device`` (after a meta-device build), and
         the stacked step and frequencies of :meth:`rope_spec`'s tables."""
