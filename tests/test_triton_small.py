@@ -168,7 +168,8 @@ def _mixer(nc: int, D: int, n_mix: int, n_scale: int, seed: int):
 
 @pytest.mark.parametrize("dtype, lead, nc, D, iters", [
     (torch.float32, (2, 3), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (2,), 3, 33, 20),
-    (torch.float16, (17,), 4, 24, 2)])       # 17 tokens: two token blocks (few iterations: interpreter time)
+    (torch.float16, (17,), 4, 24, 2),        # 17 tokens: two token blocks (few iterations: interpreter time)
+    (torch.float16, (260,), 4, 24, 2)])      # a prompt: the projection on tensor cores (fn in three fp16 parts)
 def test_mhc_pre_norm(dtype, lead, nc, D, iters):
     """mHC pre and the block's RMSNorm against the composition of the references: two launches, or
     one for up to ONE_LAUNCH_MAX_TOKENS tokens (the last split finalizes; its counter re-armed)."""
@@ -214,7 +215,8 @@ def test_mhc_post(dtype, lead, nc, D):
 @pytest.mark.parametrize("dtype, lead, nc, D, iters", [
     (torch.float32, (2, 1), 4, 40, 20), (torch.float16, (1,), 4, 160, 20), (torch.float32, (2,), 3, 33, 20),
     (torch.float16, (17,), 4, 24, 2),        # 17 tokens: the two-launch path over two token blocks
-    (torch.float16, (2,), 4, 256, 20), (torch.float32, (3,), 4, 128, 2)])   # tiles within a stream (V4's D)
+    (torch.float16, (2,), 4, 256, 20), (torch.float32, (3,), 4, 128, 2),    # tiles within a stream (V4's D)
+    (torch.float16, (260,), 4, 24, 2)])      # a prompt: mhc_post, then mhc_pre_norm on tensor cores
 def test_mhc_post_pre_norm(dtype, lead, nc, D, iters):
     """An mHC post and the next mixer's pre + norm in one op: the streams equal the mhc_post kernel's
     bit for bit and the rest equals the mhc_pre_norm kernel's on them (the same arithmetic); against
