@@ -7,7 +7,9 @@ so still no host read);
 ``tl.dot``: FP8-block experts with ``act_quant`` on FP8 tensor cores (e4m3 x e4m3 per 128 block,
 fp32 promotion with both scales, DeepSeek's W8A8); FP4 experts on BF16 tensor cores with exactly
 dequantized operands (per-32 / per-16 weight scales would otherwise need a promotion per 32
-values); then ``_combine_kernel``.
+values); then ``_combine_kernel``. MXFP4 experts with power-of-two act-quant scales run on the
+dequantized operands, from 64 pairs an expert on in ``_w13_wt_kernel`` / ``_w2_wt_kernel``: the same
+products transposed, the decoded weight rows on the MMA's M side (:func:`_gemm_wt`).
 """
 
 from __future__ import annotations
