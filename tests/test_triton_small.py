@@ -385,7 +385,7 @@ def _clone_state(st):
     for name in ("data", "scale", "rope"):
         t = getattr(st.entries, name)
         setattr(out.entries, name, None if t is None else t.clone())
-    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
+    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate", "log_kv", "log_gate"):
         t = getattr(st, name)
         setattr(out, name, None if t is None else t.clone())
     return out
@@ -412,16 +412,23 @@ def _states_equal(a, b, exact: bool, window_exact: bool = True) -> None:
             _close(tb, ta, steps=64.0)
 
 
-def _decode_run(comp, state, hidden, rotate, steps, step_fn, seed, chunk: bool = False):
+def _decode_run(comp, state, hidden, rotate, steps, step_fn, seed, chunk: bool | int = False):
     """``steps`` tokens on slots 2 and 0 (different positions) by ``step_fn``: one at a time
-    (decode), or all in one chunk (the batched prefill path) with ``chunk``."""
+    (decode), all in one chunk (the batched prefill path) with ``chunk=True``, or in chunks of
+    ``chunk`` tokens (verify steps, short prompt chunks)."""
     from types import SimpleNamespace
     from dsv4.ops import reference as r
     inv = r.rope_inv_freq(16, 10000.0).to(DEV)
     start = torch.tensor([5, 2], device=DEV)
     slots = torch.tensor([2, 0], device=DEV)
     xs = [_randn(2, 1, hidden, seed=seed + t, dtype=comp.wkv.w.dtype) for t in range(steps)]
-    for t0, x in ([(0, torch.cat(xs, 1))] if chunk else list(enumerate(xs))):
+    if chunk is True:
+        groups = [(0, torch.cat(xs, 1))]
+    elif chunk:
+        groups = [(t0, torch.cat(xs[t0:t0 + chunk], 1)) for t0 in range(0, steps, chunk)]
+    else:
+        groups = list(enumerate(xs))
+    for t0, x in groups:
         pos = start.unsqueeze(1) + t0 + torch.arange(x.shape[1], device=DEV)
         ctx = SimpleNamespace(slots=slots, start=start + t0, positions=pos, qat_sim=False, pow2=True)
         step_fn(comp, state, x, ctx, inv, rotate)
@@ -474,11 +481,33 @@ def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
     _states_equal(state, other, exact=False)
 
 
+@pytest.mark.parametrize("overlap, ratio, dim, layout, rotate, dtype", [
+    (True, 4, 64, "fp4", True, torch.float16), (False, 8, 64, "fp8", False, torch.float32),
+    (True, 4, 32, "plain", False, torch.float32)])
+def test_compressor_step_tokens(overlap, ratio, dim, layout, rotate, dtype):
+    """A row's few new tokens (a verify step, a short chunk) stepped in order in one launch, chunk
+    after chunk: against the reference stepping them, and against what it replaces, the batched
+    chunk path (Compressor.forward, RoPE, the entry store); the rows logged for the rollback equal."""
+    comp, state, hidden = _compressor_case(overlap, ratio, dim, layout, dtype, seed=77)
+    state.enable_log(8)
+    stepped, kernel = _clone_state(state), _clone_state(state)
+    steps, chunk = 2 * ratio + 2, ratio // 2 + 3                       # two windows close, chunks of >= 2
+    _decode_run(comp, state, hidden, rotate, steps, _step_module, seed=78, chunk=chunk)
+    _decode_run(comp, stepped, hidden, rotate, steps, _step_fused(ref.compressor_step), seed=78, chunk=chunk)
+    _decode_run(comp, kernel, hidden, rotate, steps, _step_fused(KERNELS["compressor_step"]), seed=78, chunk=chunk)
+    _states_equal(stepped, kernel, exact=False)
+    _states_equal(state, kernel, exact=False, window_exact=False)
+    for name in ("log_kv", "log_gate"):
+        _exact(getattr(kernel, name), getattr(state, name))
+        _exact(getattr(stepped, name), getattr(state, name))
+
+
+@pytest.mark.parametrize("chunk", [False, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_compressor_step_pair(dtype):
+def test_compressor_step_pair(dtype, chunk):
     """A CSA layer's KV compressor (fp8 entries, no rotation) and its indexer's (fp4 keys, Hadamard)
-    stepped in one launch, token by token over two closing windows, against the reference's two
-    compressor_step calls; the shared window RoPE is the layer's."""
+    stepped in one launch, token by token (or three tokens a launch) over two closing windows,
+    against the reference's two compressor_step calls; the shared window RoPE is the layer's."""
     comp, state, hidden = _compressor_case(True, 4, 48, "fp8", dtype, seed=74)
     icomp, istate, _ = _compressor_case(True, 4, 32, "fp4", dtype, seed=75)
     states = [(state, istate), (_clone_state(state), _clone_state(istate))]
@@ -492,8 +521,8 @@ def test_compressor_step_pair(dtype):
                      c.norm.weight, c.norm.eps, rot) for c, s_, rot in ((comp, st[0], False), (icomp, st[1], True))]
             _exact(impl(*args[0], *args[1], ctx.slots, ctx.positions, cos, sin), (ctx.positions + 1) // 4)
         return step
-    _decode_run(comp, None, hidden, False, 9, run(ref.compressor_step_pair, states[0]), seed=76)
-    _decode_run(comp, None, hidden, False, 9, run(KERNELS["compressor_step_pair"], states[1]), seed=76)
+    _decode_run(comp, None, hidden, False, 9, run(ref.compressor_step_pair, states[0]), seed=76, chunk=chunk)
+    _decode_run(comp, None, hidden, False, 9, run(KERNELS["compressor_step_pair"], states[1]), seed=76, chunk=chunk)
     for a, b in zip(*states):
         _states_equal(a, b, exact=False)
 
