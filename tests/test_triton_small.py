@@ -741,39 +741,53 @@ def _gpu_compressor(dim, ratio, overlap, layout, slots, seed):
 @pytest.mark.parametrize("dim, ratio, overlap, layout, rotate", [
     (512, 4, True, "fp8", False), (128, 4, True, "fp4", True), (512, 128, False, "fp8", False)])
 @pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("tokens", [1, 4])
 @gpu
-def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
+def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch, tokens):
+    """A decode step (1 token a row) or a verify step (4 tokens a row, stepped in order, logged for
+    the rollback) against the reference."""
     a, width = _gpu_compressor(dim, ratio, overlap, layout, 33, seed=140)
+    if tokens > 1:
+        a.enable_log(8)
     b = _clone_state(a)
     slots = torch.randperm(33, generator=_gen(141))[:batch].to(GDEV)
     pos = torch.randint(0, 4000, (batch, 1), generator=_gen(142)).to(GDEV)
     pos[::2] = (pos[::2] // ratio) * ratio + ratio - 1               # half of the rows close a window
-    kv, gate = _g(batch, 1, width, seed=143, dtype=torch.float32), _g(batch, 1, width, seed=144, dtype=torch.float32)
+    pos = pos + torch.arange(tokens, device=GDEV)                     # [batch, tokens]
+    kv = _g(batch, tokens, width, seed=143, dtype=torch.float32)
+    gate = _g(batch, tokens, width, seed=144, dtype=torch.float32)
     ape, w = _g(ratio, width, seed=145, dtype=torch.float32), _g(dim, seed=146, dtype=torch.float32) + 1
-    ang = (pos // ratio * ratio).float() * torch.rand(32, generator=_gen(147)).to(GDEV)
-    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+    ang = (pos // ratio * ratio).float().unsqueeze(-1) * torch.rand(32, generator=_gen(147)).to(GDEV)
+    cos, sin = ang.cos(), ang.sin()                                   # [batch, tokens, 32]
     want = ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
     _exact(KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate), want)
     _states_equal(a, b, exact=False)
+    if tokens > 1:
+        _exact(b.log_kv, a.log_kv)
+        _exact(b.log_gate, a.log_gate)
 
 
 @pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("tokens", [1, 4])
 @gpu
-def test_gpu_compressor_step_pair(batch):
+def test_gpu_compressor_step_pair(batch, tokens):
     """Flash's CSA step: the KV compressor (512, fp8 entries) and the indexer's (128, fp4 keys,
-    Hadamard) in one launch against the reference's two steps; then replayed in a CUDA graph."""
+    Hadamard) in one launch against the reference's two steps, at 1 token a row (decode) or 4
+    (verify); then replayed in a CUDA graph."""
     a, width = _gpu_compressor(512, 4, True, "fp8", 33, seed=170)
     ia, iwidth = _gpu_compressor(128, 4, True, "fp4", 33, seed=171)
     b, ib = _clone_state(a), _clone_state(ia)
     slots = torch.randperm(33, generator=_gen(172))[:batch].to(GDEV)
     pos = torch.randint(0, 4000, (batch, 1), generator=_gen(173)).to(GDEV)
     pos[::2] = (pos[::2] // 4) * 4 + 3                                # half of the rows close a window
-    kv, gate = _g(batch, 1, width, seed=174, dtype=torch.float32), _g(batch, 1, width, seed=175, dtype=torch.float32)
-    ikv, igate = _g(batch, 1, iwidth, seed=176, dtype=torch.float32), _g(batch, 1, iwidth, seed=177, dtype=torch.float32)
+    pos = pos + torch.arange(tokens, device=GDEV)                     # [batch, tokens]
+    f32 = torch.float32
+    kv, gate = _g(batch, tokens, width, seed=174, dtype=f32), _g(batch, tokens, width, seed=175, dtype=f32)
+    ikv, igate = _g(batch, tokens, iwidth, seed=176, dtype=f32), _g(batch, tokens, iwidth, seed=177, dtype=f32)
     ape, w = _g(4, width, seed=178, dtype=torch.float32), _g(512, seed=179, dtype=torch.float32) + 1
     iape, iw = _g(4, iwidth, seed=180, dtype=torch.float32), _g(128, seed=181, dtype=torch.float32) + 1
-    ang = (pos // 4 * 4).float() * torch.rand(32, generator=_gen(182)).to(GDEV)
-    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+    ang = (pos // 4 * 4).float().unsqueeze(-1) * torch.rand(32, generator=_gen(182)).to(GDEV)
+    cos, sin = ang.cos(), ang.sin()                                   # [batch, tokens, 32]
 
     def args(s1, s2):
         return (kv, gate, ape, s1, w, 1e-6, False, ikv, igate, iape, s2, iw, 1e-6, True, slots, pos, cos, sin)
