@@ -8,9 +8,10 @@ first position) and, under QAT simulation, rounded like the cache it simulates.
 
 Rows of up to ``STEP_TOKENS`` new tokens (decode, speculative verify, short chunks) step them one
 after another in one fused op (:meth:`Compressor.decode_step`). Longer chunks take the batched
-path (:meth:`Compressor.forward`): the ``S`` new rows of each slot are scattered into an aligned buffer behind the slot's open-window rows, every window of that buffer
-is pooled, and closed ones are written to ``entries`` by a device-side mask (others go to the
-sink row). No host read of positions, fixed shapes for a given ``(B, S)``.
+path (:meth:`Compressor.forward`): the ``S`` new rows of each slot are scattered into an aligned
+buffer behind the slot's open-window rows, every window of that buffer is pooled, and closed ones
+are written to ``entries`` by a device-side mask (others go to the sink row). No host read of
+positions, fixed shapes for a given ``(B, S)``.
 """
 
 from __future__ import annotations

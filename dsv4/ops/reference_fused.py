@@ -169,7 +169,8 @@ def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
                          slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> torch.Tensor:
     """Two compressors' steps on the same tokens (a CSA layer's KV compressor and its indexer's:
-    same slots, positions, ratio, hence the same window RoPE): :func:`compressor_step` of each. Returns their (common) visible entry counts."""
+    same slots, positions, ratio, hence the same window RoPE): :func:`compressor_step` of each.
+    Returns their (common) visible entry counts."""
     visible = compressor_step(kv, gate, ape, state, slots, positions, norm_weight, eps, cos, sin, rotate)
     compressor_step(kv2, gate2, ape2, state2, slots, positions, norm_weight2, eps2, cos, sin, rotate2)
     return visible
