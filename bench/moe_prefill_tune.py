@@ -5,10 +5,11 @@ and against the QDOT path, per kernel, in one run (one GPU).
 
 Random MXFP4 experts (all ``E`` of them), random top-k routing, bf16 activations, act-quant with
 power-of-two scales (the checkpoint's ``ue8m0``): what one prefill step of ``--tokens`` tokens
-runs in each MoE layer. For each config: the device time of ``_w13_grouped`` and ``_w2_grouped``
-(torch.profiler, mean of ``--iters`` calls), their TFLOP/s (``2 * pairs * D * I`` per GEMM, the
-gate and up halves counted apart) and the output's relative difference from the first row (the
-QDOT path, which multiplies the e4m3 values on fp16 tensor cores per 32-group).
+runs in each MoE layer. For each config: the device time of the gate/up and down GEMMs
+(``_w13_grouped`` / ``_w13_wt`` and ``_w2_grouped`` / ``_w2_wt``; torch.profiler, mean of ``--iters``
+calls), their TFLOP/s (``2 * pairs * D * I`` per GEMM, the gate and up halves counted apart), the
+whole MoE's time and the output's relative difference from the first row run (with no ``--cases``,
+the QDOT path, which multiplies the e4m3 values on fp16 tensor cores per 32-group).
 """
 
 from __future__ import annotations
