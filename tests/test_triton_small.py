@@ -572,6 +572,32 @@ def test_gpu_mhc(geo, batch):
            ref.rms_norm(ref.hc_head(h, hf, hb, hs, 1e-6, 1e-6), w, 1e-6), steps=1.0)
 
 
+def test_mhc_post_pre_norm_reads_no_weight_past_the_last_token(monkeypatch):
+    """129 tokens over 8 SMs: the projection splits K = 1024 three ways of 384, so the last split's
+    last tile lies wholly past K (stream 4 of 4). Its post / comb weights must not be read: here the
+    memory after the last token's weights is NaN, which a read put into that token's mix (found on
+    an H100 as NaN logits for the last token of a 129-token chunk)."""
+    monkeypatch.setattr(runtime, "sm_count", lambda device: 8)
+    T, nc, D = 129, 4, 256
+    out = _randn(1, T, D, seed=34, scale=2.0)
+    h = _randn(1, T, nc, D, seed=35, scale=2.0)
+    # post and comb as views at the front of NaN storage (contiguous: the kernel reads them in place)
+    post_s = torch.full((T * nc + 64,), float("nan"), device=DEV)
+    comb_s = torch.full((T * nc * nc + 64,), float("nan"), device=DEV)
+    post = post_s[:T * nc].view(1, T, nc).copy_(_randn(1, T, nc, seed=36).sigmoid() * 2)
+    comb = comb_s[:T * nc * nc].view(1, T, nc, nc).copy_(_randn(1, T, nc, nc, seed=37).softmax(-1))
+    fn, base, scale = _mixer(nc, D, (2 + nc) * nc, 3, seed=38)
+    w = _randn(D, seed=39)
+    with runtime.poisoned():
+        got = KERNELS["mhc_post_pre_norm"](out, h, post, comb, fn, base, scale, 2, 1e-6, 1e-6, w, 1e-5)
+        h_next = KERNELS["mhc_post"](out, h, post, comb)
+        want = KERNELS["mhc_pre_norm"](h_next, fn, base, scale, 2, 1e-6, 1e-6, w, 1e-5)
+    _exact(got[0], h_next)
+    for a, b in zip(got[1:], want):
+        assert torch.isfinite(a).all()
+        _exact(a, b)
+
+
 @pytest.mark.parametrize("geo", ["flash", "pro"])
 @pytest.mark.parametrize("batch", [1, 2, 8, 32])
 @gpu

@@ -71,15 +71,19 @@ def _post_tile(t, tm, k0, k, km, out_ptr, so, h_ptr, sh, post_ptr, comb_ptr, D, 
         st = tl.where(km, k, 0) // D                                            # [BK] stream
         d = tl.where(km, k, 0) - st * D
         st_c = st[None, :]
+    # a split's last tile may lie wholly past K (ONE_STREAM: stream NC, one past the last): the
+    # per-token weights are read for streams that exist only, and the tile is zeros past K (it
+    # feeds the projection's dot; a weight read past the last token's row once put NaN there)
+    sm = tm[:, None] & (st_c < NC)
     t64 = t.to(tl.int64)[:, None]
     mm = tl.zeros(m.shape, tl.float32)
     for jj in tl.static_range(NC):
         hj = tl.load(h_ptr + t64 * sh + jj * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-        cj = tl.load(comb_ptr + t[:, None] * (NC * NC) + jj * NC + st_c, mask=tm[:, None], other=0.0)  # comb[j, k]
+        cj = tl.load(comb_ptr + t[:, None] * (NC * NC) + jj * NC + st_c, mask=sm, other=0.0)  # comb[j, k]
         mm += cj * hj
     o = tl.load(out_ptr + t64 * so + d[None, :], mask=m, other=0.0).to(tl.float32)
-    p = tl.load(post_ptr + t[:, None] * NC + st_c, mask=tm[:, None], other=0.0)
-    return p * o + mm
+    p = tl.load(post_ptr + t[:, None] * NC + st_c, mask=sm, other=0.0)
+    return tl.where(m, p * o + mm, 0.0)
 
 
 @triton.jit(do_not_specialize=["T"])
