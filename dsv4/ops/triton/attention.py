@@ -409,11 +409,23 @@ def _store_parts(store: object, name: str, hd: int, dtype: torch.dtype) -> tuple
     return data, store.scale, rope, LAYOUT_FP8, nope, n_sc, store.scale.dtype == torch.uint8
 
 
+#: up to this many (query, 32-head block) pairs the split kernel takes 16 heads a program instead
+#: of 32 (bench/attn_split_tune.py, H100, decode at 8k context): a program's key block costs ~10 us
+#: of latency whatever its heads, so few queries gain from twice the programs (Flash batch 1: CSA
+#: 69 -> 35 us, HCA 35 -> 22 us, sliding 30 -> 20 us; Pro batch 1 CSA 79 -> 52 us; Flash batch 8
+#: HCA 37 -> 33 us, sliding 31 -> 22 us, CSA even), while from Pro's batch 8 on the larger tile wins
+#: (Pro CSA 143 vs 202 us). By batch size only, not context: the warm-up compiles every variant.
+HALF_HEADS_MAX_BLOCKS = 16
+
+
 def _attn_config(H: int, hd: int, n_queries: int, itemsize: int = 2) -> tuple[int, int, int, int]:
-    """``(BH heads, BN keys, num_warps, num_stages)`` per program, by shape and element size."""
+    """``(BH heads, BN keys, num_warps, num_stages)`` per program of the split kernel, by shape
+    and element size."""
     bh = max(16, min(32, triton.next_power_of_2(H)))
     if runtime.interpreting():
         return bh, 16, 4, 1
+    if n_queries * triton.cdiv(H, 32) <= HALF_HEADS_MAX_BLOCKS:
+        bh = 16
     # hd 512: 32 heads x 32 keys with 8 warps (one 64-dim chunk each) is the largest tile without
     # spills (sm_90, Triton 3.6: 255 registers, 148 KB shared memory with two stages, 96 KB with
     # one); 64 heads would need 128 KB of fp32 accumulators per program. fp32 tiles take twice the
