@@ -385,7 +385,7 @@ def _clone_state(st):
     for name in ("data", "scale", "rope"):
         t = getattr(st.entries, name)
         setattr(out.entries, name, None if t is None else t.clone())
-    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
+    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate", "log_kv", "log_gate"):
         t = getattr(st, name)
         setattr(out, name, None if t is None else t.clone())
     return out
@@ -412,16 +412,23 @@ def _states_equal(a, b, exact: bool, window_exact: bool = True) -> None:
             _close(tb, ta, steps=64.0)
 
 
-def _decode_run(comp, state, hidden, rotate, steps, step_fn, seed, chunk: bool = False):
+def _decode_run(comp, state, hidden, rotate, steps, step_fn, seed, chunk: bool | int = False):
     """``steps`` tokens on slots 2 and 0 (different positions) by ``step_fn``: one at a time
-    (decode), or all in one chunk (the batched prefill path) with ``chunk``."""
+    (decode), all in one chunk (the batched prefill path) with ``chunk=True``, or in chunks of
+    ``chunk`` tokens (verify steps, short prompt chunks)."""
     from types import SimpleNamespace
     from dsv4.ops import reference as r
     inv = r.rope_inv_freq(16, 10000.0).to(DEV)
     start = torch.tensor([5, 2], device=DEV)
     slots = torch.tensor([2, 0], device=DEV)
     xs = [_randn(2, 1, hidden, seed=seed + t, dtype=comp.wkv.w.dtype) for t in range(steps)]
-    for t0, x in ([(0, torch.cat(xs, 1))] if chunk else list(enumerate(xs))):
+    if chunk is True:
+        groups = [(0, torch.cat(xs, 1))]
+    elif chunk:
+        groups = [(t0, torch.cat(xs[t0:t0 + chunk], 1)) for t0 in range(0, steps, chunk)]
+    else:
+        groups = list(enumerate(xs))
+    for t0, x in groups:
         pos = start.unsqueeze(1) + t0 + torch.arange(x.shape[1], device=DEV)
         ctx = SimpleNamespace(slots=slots, start=start + t0, positions=pos, qat_sim=False, pow2=True)
         step_fn(comp, state, x, ctx, inv, rotate)
@@ -474,11 +481,33 @@ def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
     _states_equal(state, other, exact=False)
 
 
+@pytest.mark.parametrize("overlap, ratio, dim, layout, rotate, dtype", [
+    (True, 4, 64, "fp4", True, torch.float16), (False, 8, 64, "fp8", False, torch.float32),
+    (True, 4, 32, "plain", False, torch.float32)])
+def test_compressor_step_tokens(overlap, ratio, dim, layout, rotate, dtype):
+    """A row's few new tokens (a verify step, a short chunk) stepped in order in one launch, chunk
+    after chunk: against the reference stepping them, and against what it replaces, the batched
+    chunk path (Compressor.forward, RoPE, the entry store); the rows logged for the rollback equal."""
+    comp, state, hidden = _compressor_case(overlap, ratio, dim, layout, dtype, seed=77)
+    state.enable_log(8)
+    stepped, kernel = _clone_state(state), _clone_state(state)
+    steps, chunk = 2 * ratio + 2, ratio // 2 + 3                       # two windows close, chunks of >= 2
+    _decode_run(comp, state, hidden, rotate, steps, _step_module, seed=78, chunk=chunk)
+    _decode_run(comp, stepped, hidden, rotate, steps, _step_fused(ref.compressor_step), seed=78, chunk=chunk)
+    _decode_run(comp, kernel, hidden, rotate, steps, _step_fused(KERNELS["compressor_step"]), seed=78, chunk=chunk)
+    _states_equal(stepped, kernel, exact=False)
+    _states_equal(state, kernel, exact=False, window_exact=False)
+    for name in ("log_kv", "log_gate"):
+        _exact(getattr(kernel, name), getattr(state, name))
+        _exact(getattr(stepped, name), getattr(state, name))
+
+
+@pytest.mark.parametrize("chunk", [False, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_compressor_step_pair(dtype):
+def test_compressor_step_pair(dtype, chunk):
     """A CSA layer's KV compressor (fp8 entries, no rotation) and its indexer's (fp4 keys, Hadamard)
-    stepped in one launch, token by token over two closing windows, against the reference's two
-    compressor_step calls; the shared window RoPE is the layer's."""
+    stepped in one launch, token by token (or three tokens a launch) over two closing windows,
+    against the reference's two compressor_step calls; the shared window RoPE is the layer's."""
     comp, state, hidden = _compressor_case(True, 4, 48, "fp8", dtype, seed=74)
     icomp, istate, _ = _compressor_case(True, 4, 32, "fp4", dtype, seed=75)
     states = [(state, istate), (_clone_state(state), _clone_state(istate))]
@@ -492,8 +521,8 @@ def test_compressor_step_pair(dtype):
                      c.norm.weight, c.norm.eps, rot) for c, s_, rot in ((comp, st[0], False), (icomp, st[1], True))]
             _exact(impl(*args[0], *args[1], ctx.slots, ctx.positions, cos, sin), (ctx.positions + 1) // 4)
         return step
-    _decode_run(comp, None, hidden, False, 9, run(ref.compressor_step_pair, states[0]), seed=76)
-    _decode_run(comp, None, hidden, False, 9, run(KERNELS["compressor_step_pair"], states[1]), seed=76)
+    _decode_run(comp, None, hidden, False, 9, run(ref.compressor_step_pair, states[0]), seed=76, chunk=chunk)
+    _decode_run(comp, None, hidden, False, 9, run(KERNELS["compressor_step_pair"], states[1]), seed=76, chunk=chunk)
     for a, b in zip(*states):
         _states_equal(a, b, exact=False)
 
@@ -738,39 +767,53 @@ def _gpu_compressor(dim, ratio, overlap, layout, slots, seed):
 @pytest.mark.parametrize("dim, ratio, overlap, layout, rotate", [
     (512, 4, True, "fp8", False), (128, 4, True, "fp4", True), (512, 128, False, "fp8", False)])
 @pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("tokens", [1, 4])
 @gpu
-def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch):
+def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch, tokens):
+    """A decode step (1 token a row) or a verify step (4 tokens a row, stepped in order, logged for
+    the rollback) against the reference."""
     a, width = _gpu_compressor(dim, ratio, overlap, layout, 33, seed=140)
+    if tokens > 1:
+        a.enable_log(8)
     b = _clone_state(a)
     slots = torch.randperm(33, generator=_gen(141))[:batch].to(GDEV)
     pos = torch.randint(0, 4000, (batch, 1), generator=_gen(142)).to(GDEV)
     pos[::2] = (pos[::2] // ratio) * ratio + ratio - 1               # half of the rows close a window
-    kv, gate = _g(batch, 1, width, seed=143, dtype=torch.float32), _g(batch, 1, width, seed=144, dtype=torch.float32)
+    pos = pos + torch.arange(tokens, device=GDEV)                     # [batch, tokens]
+    kv = _g(batch, tokens, width, seed=143, dtype=torch.float32)
+    gate = _g(batch, tokens, width, seed=144, dtype=torch.float32)
     ape, w = _g(ratio, width, seed=145, dtype=torch.float32), _g(dim, seed=146, dtype=torch.float32) + 1
-    ang = (pos // ratio * ratio).float() * torch.rand(32, generator=_gen(147)).to(GDEV)
-    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+    ang = (pos // ratio * ratio).float().unsqueeze(-1) * torch.rand(32, generator=_gen(147)).to(GDEV)
+    cos, sin = ang.cos(), ang.sin()                                   # [batch, tokens, 32]
     want = ref.compressor_step(kv, gate, ape, a, slots, pos, w, 1e-6, cos, sin, rotate)
     _exact(KERNELS["compressor_step"](kv, gate, ape, b, slots, pos, w, 1e-6, cos, sin, rotate), want)
     _states_equal(a, b, exact=False)
+    if tokens > 1:
+        _exact(b.log_kv, a.log_kv)
+        _exact(b.log_gate, a.log_gate)
 
 
 @pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("tokens", [1, 4])
 @gpu
-def test_gpu_compressor_step_pair(batch):
+def test_gpu_compressor_step_pair(batch, tokens):
     """Flash's CSA step: the KV compressor (512, fp8 entries) and the indexer's (128, fp4 keys,
-    Hadamard) in one launch against the reference's two steps; then replayed in a CUDA graph."""
+    Hadamard) in one launch against the reference's two steps, at 1 token a row (decode) or 4
+    (verify); then replayed in a CUDA graph."""
     a, width = _gpu_compressor(512, 4, True, "fp8", 33, seed=170)
     ia, iwidth = _gpu_compressor(128, 4, True, "fp4", 33, seed=171)
     b, ib = _clone_state(a), _clone_state(ia)
     slots = torch.randperm(33, generator=_gen(172))[:batch].to(GDEV)
     pos = torch.randint(0, 4000, (batch, 1), generator=_gen(173)).to(GDEV)
     pos[::2] = (pos[::2] // 4) * 4 + 3                                # half of the rows close a window
-    kv, gate = _g(batch, 1, width, seed=174, dtype=torch.float32), _g(batch, 1, width, seed=175, dtype=torch.float32)
-    ikv, igate = _g(batch, 1, iwidth, seed=176, dtype=torch.float32), _g(batch, 1, iwidth, seed=177, dtype=torch.float32)
+    pos = pos + torch.arange(tokens, device=GDEV)                     # [batch, tokens]
+    f32 = torch.float32
+    kv, gate = _g(batch, tokens, width, seed=174, dtype=f32), _g(batch, tokens, width, seed=175, dtype=f32)
+    ikv, igate = _g(batch, tokens, iwidth, seed=176, dtype=f32), _g(batch, tokens, iwidth, seed=177, dtype=f32)
     ape, w = _g(4, width, seed=178, dtype=torch.float32), _g(512, seed=179, dtype=torch.float32) + 1
     iape, iw = _g(4, iwidth, seed=180, dtype=torch.float32), _g(128, seed=181, dtype=torch.float32) + 1
-    ang = (pos // 4 * 4).float() * torch.rand(32, generator=_gen(182)).to(GDEV)
-    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+    ang = (pos // 4 * 4).float().unsqueeze(-1) * torch.rand(32, generator=_gen(182)).to(GDEV)
+    cos, sin = ang.cos(), ang.sin()                                   # [batch, tokens, 32]
 
     def args(s1, s2):
         return (kv, gate, ape, s1, w, 1e-6, False, ikv, igate, iape, s2, iw, 1e-6, True, slots, pos, cos, sin)

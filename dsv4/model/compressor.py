@@ -6,10 +6,12 @@ HCA: ``sum softmax_m(Z) * C``; CSA: softmax over ``2m`` slots, the ``a`` halves 
 window and the ``b`` halves of this one. The entry is RMS-normed, rotated (RoPE at the window's
 first position) and, under QAT simulation, rounded like the cache it simulates.
 
-One code path serves prefill chunks and batched decode: the ``S`` new rows of each slot are
-scattered into an aligned buffer behind the slot's open-window rows, every window of that buffer
-is pooled, and closed ones are written to ``entries`` by a device-side mask (others go to the
-sink row). No host read of positions, fixed shapes for a given ``(B, S)``.
+Rows of up to ``STEP_TOKENS`` new tokens (decode, speculative verify, short chunks) step them one
+after another in one fused op (:meth:`Compressor.decode_step`). Longer chunks take the batched
+path (:meth:`Compressor.forward`): the ``S`` new rows of each slot are scattered into an aligned
+buffer behind the slot's open-window rows, every window of that buffer is pooled, and closed ones
+are written to ``entries`` by a device-side mask (others go to the sink row). No host read of
+positions, fixed shapes for a given ``(B, S)``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from .. import ops
 from ..ops import fused
 from .cache import CompressorState
 from .common import ForwardContext, Linear, RMSNorm, fp32_param
+
+
+#: Up to this many new tokens a row (decode, a speculative verify step of 1 + k, a short prompt
+#: chunk), a layer steps its compressor one token after another in one launch (:meth:`Compressor.decode_step`)
+#: instead of the batched chunk path (:meth:`Compressor.forward`, ~30 small ops a compressor
+#: whatever the length); the stepping is sequential within a row, so long chunks keep the batched path.
+STEP_TOKENS = 8
 
 
 class Compressor(nn.Module):
@@ -50,7 +59,7 @@ class Compressor(nn.Module):
         position, and the indexer's Hadamard) and stores them with :func:`store_entries` (windows
         still open go to the sink row).
 
-        A decode step (``S == 1``) takes :meth:`decode_step` instead (one fused op).
+        A few tokens a row (``S <= STEP_TOKENS``) take :meth:`decode_step` instead (one fused op).
         """
         m, slots = self.ratio, ctx.slots
         B, S, _ = x.shape
@@ -123,12 +132,13 @@ class Compressor(nn.Module):
         return fused.linear_pair(x, self.wkv.w, self.wgate.w, self.wkv.act_quant, self.wkv.pow2, torch.float32)
 
     def decode_step(self, x: torch.Tensor, ctx: ForwardContext, state: CompressorState) -> torch.Tensor:
-        """:meth:`forward` at ``S = 1`` in one op: the window row, the closing entry, rotated (RoPE,
-        and the Hadamard with ``rotate``) and stored. Returns ``[B, 1]`` the entries each query sees
-        after this token, ``(pos + 1) // m`` (:meth:`ForwardContext.visible_entries`, from the same
-        launch)."""
-        # the same math as forward for one token (tests/test_triton_small.py checks the two agree);
-        # RoPE at the window's start, where the entry closing now sits
+        """:meth:`forward` of ``x [B, S, D]`` token by token in one op: each token's window row, the
+        entry of a window it closes, rotated (RoPE, and the Hadamard with ``rotate``) and stored, and
+        (``S >= 2``, verify) the rows logged for the rollback. Returns ``[B, S]`` the entries each
+        query sees after its token, ``(pos + 1) // m`` (:meth:`ForwardContext.visible_entries`, from
+        the same launch)."""
+        # the same math as forward, one token at a time (tests/test_triton_small.py checks the two
+        # agree); RoPE at each token's window start, where the entry it closes sits
         kv, gate = self.project(x)
         cos, sin = ctx.window_rope(self.ratio)
         return fused.compressor_step(kv, gate, self.ape, state, ctx.slots, ctx.positions, self.norm.weight,

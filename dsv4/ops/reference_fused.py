@@ -92,27 +92,47 @@ def rope_hadamard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp4: bo
 def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
                     positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                     sin: torch.Tensor, rotate: bool) -> torch.Tensor:
-    """One decode token per slot through a KV compressor (``Compressor.forward`` at ``S = 1``).
+    """``S`` new tokens per slot through a KV compressor, one after the other (``S = 1``: a decode
+    step; a few more: a verify step or a short chunk, what ``Compressor.forward`` does in ~60 ops).
 
-    ``kv``, ``gate`` ``[B, 1, width]`` (or ``[B, width]``) fp32: this token's ``C`` and ``Z``
-    (without ``ape``) at ``positions [B]`` (or ``[B, 1]``) in ``slots [B]``; ``state`` the
-    compressor's ``CompressorState``; ``cos``/``sin`` ``[B, rd/2]`` (or ``[B, 1, rd/2]``) at the
-    window's first position ``positions // m * m``; ``rotate``: the indexer's Hadamard rotation.
+    ``kv``, ``gate`` ``[B, S, width]`` (or ``[B, width]`` at ``S = 1``) fp32: the tokens' ``C`` and
+    ``Z`` (without ``ape``) at ``positions [B, S]`` (or ``[B]``) in ``slots [B]``; ``state`` the
+    compressor's ``CompressorState``; ``cos``/``sin`` ``[B, S, rd/2]`` (or ``[B, rd/2]``) at each
+    token's window start ``positions // m * m``; ``rotate``: the indexer's Hadamard rotation.
 
-    The token's row goes into the open window (row ``pos % m``, gate plus ``ape``). When that
+    Each token's row goes into the open window (row ``pos % m``, gate plus ``ape``). When that
     closes the window, the entry (the window pooled as in :func:`compress_windows`, then RMSNorm
     with ``norm_weight``, RoPE, optionally Hadamard) is stored at index ``pos // m`` in the store's
     layout, the window rows are cleared and (overlap) the window's ``a`` halves become the
     previous window's. Writes other than the entry's may differ from the batched path only in the
-    store's unread sink row.
+    store's unread sink row. With ``S >= 2`` and a log (``state.log_kv``, speculative verify, at
+    least ``S`` rows) the tokens' rows (``C``, ``Z + ape``) are logged at rows ``0 .. S - 1`` for
+    the rollback, as ``Compressor.forward`` logs them.
 
-    Returns ``(positions + 1) // m`` (shaped like ``positions``): the entries the slot's query at
-    this position sees (:meth:`ForwardContext.visible_entries`), what the indexer and HCA
-    attention mask by.
+    Returns ``(positions + 1) // m`` (shaped like ``positions``): the entries each query sees
+    after its token (:meth:`ForwardContext.visible_entries`), what the indexer and HCA attention
+    mask by.
     """
     m, B = state.ratio, slots.shape[0]
-    kv, gate = kv.reshape(B, -1).float(), gate.reshape(B, -1).float()
-    pos = positions.reshape(B)
+    pos = positions.reshape(B, -1)
+    S = pos.shape[1]
+    kv, gate = kv.reshape(B, S, -1).float(), gate.reshape(B, S, -1).float()
+    cos, sin = cos.reshape(B, S, -1), sin.reshape(B, S, -1)
+    if S > 1 and state.log_kv is not None and S <= state.log_kv.shape[1]:
+        state.log_kv[slots, :S] = kv
+        state.log_gate[slots, :S] = gate + ape[pos % m]
+    for i in range(S):
+        _compressor_token(kv[:, i], gate[:, i], ape, state, slots, pos[:, i], norm_weight, eps, cos[:, i], sin[:, i],
+                          rotate)
+    return (positions + 1) // m
+
+
+def _compressor_token(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
+                      pos: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                      rotate: bool) -> None:
+    """One token per slot of :func:`compressor_step`: ``kv``, ``gate`` ``[B, width]``, ``pos [B]``,
+    ``cos``/``sin`` ``[B, rd/2]``."""
+    m, B = state.ratio, slots.shape[0]
     r = pos % m
     b = torch.arange(B, device=kv.device)
     win_kv = state.win_kv[slots].index_put((b, r), kv)                               # [B, m, width]
@@ -121,7 +141,7 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
     if state.prev_kv is not None:
         prev_kv, prev_gate = state.prev_kv[slots], state.prev_gate[slots]
     entry = compress_windows(win_kv, win_gate, prev_kv, prev_gate)                     # [B, dim] fp32
-    entry = apply_rope(rms_norm(entry, norm_weight, eps), cos.reshape(B, -1), sin.reshape(B, -1))
+    entry = apply_rope(rms_norm(entry, norm_weight, eps), cos, sin)
     if rotate:
         entry = hadamard(entry)
     closed = r == m - 1
@@ -133,7 +153,6 @@ def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, sta
         d = prev_kv.shape[-1]
         state.prev_kv[slots] = torch.where(open_, prev_kv, win_kv[..., :d])
         state.prev_gate[slots] = torch.where(open_, prev_gate, win_gate[..., :d])
-    return (positions + 1) // m
 
 
 def queries_prepare(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, iq: torch.Tensor,
@@ -149,9 +168,9 @@ def compressor_step_pair(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
                          ape2: torch.Tensor, state2: object, norm_weight2: torch.Tensor, eps2: float, rotate2: bool,
                          slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> torch.Tensor:
-    """Two compressors' decode steps on the same tokens (a CSA layer's KV compressor and its
-    indexer's: same slots, positions, ratio, hence the same window RoPE): :func:`compressor_step`
-    of each. Returns their (common) visible entry counts."""
+    """Two compressors' steps on the same tokens (a CSA layer's KV compressor and its indexer's:
+    same slots, positions, ratio, hence the same window RoPE): :func:`compressor_step` of each.
+    Returns their (common) visible entry counts."""
     visible = compressor_step(kv, gate, ape, state, slots, positions, norm_weight, eps, cos, sin, rotate)
     compressor_step(kv2, gate2, ape2, state2, slots, positions, norm_weight2, eps2, cos, sin, rotate2)
     return visible

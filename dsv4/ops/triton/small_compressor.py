@@ -2,7 +2,8 @@
 ``dsv4.ops.reference_fused``): the batched compressor path takes ~60-120 small ops per call.
 ``compressor_step_pair``: a CSA layer's KV compressor and its indexer's in the same launch.
 
-Grid: one program per decode row (slot) and compressor. With ``r = pos % m``:
+Grid: one program per row (slot) and compressor; a row with ``S`` new tokens (a verify step, a
+short prompt chunk) steps them in order, a barrier between. Per token, with ``r = pos % m``:
 
 - ``r < m - 1``: the token's ``C`` row and ``Z + ape[r]`` row go into the open window (row ``r``).
 - ``r = m - 1`` (the window closes, a device-side branch): the entry is pooled per channel over
@@ -77,49 +78,71 @@ def _zero(ptr, n, BLK: tl.constexpr):
         i0 += BLK
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _compressor_step_kernel(kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
                             w_ptr, eps, data_ptr, scale_ptr, rope_ptr, rows_per_slot, NSCALE, M, W, DIM, Df, NOPE,
-                            hscale,
+                            hscale, log_kv_ptr, log_g_ptr, LOG_ROWS,
                             kv2_ptr, skv2, g2_ptr, sg2, ape2_ptr, win_kv2_ptr, win_g2_ptr, prev_kv2_ptr, prev_g2_ptr,
                             w2_ptr, eps2, data2_ptr, scale2_ptr, rope2_ptr, rows_per_slot2, NSCALE2, M2, W2, DIM2,
-                            Df2, NOPE2, hscale2,
-                            slot_ptr, pos_ptr, spos, cos_ptr, sin_ptr, RD2, visible_ptr,
+                            Df2, NOPE2, hscale2, log_kv2_ptr, log_g2_ptr, LOG_ROWS2,
+                            slot_ptr, pos_ptr, spos, S, cos_ptr, sin_ptr, RD2, visible_ptr,
                             OVERLAP: tl.constexpr, ROTATE: tl.constexpr, LAYOUT: tl.constexpr, POW2: tl.constexpr,
                             MC: tl.constexpr, DP2: tl.constexpr, QP: tl.constexpr, BLK: tl.constexpr,
+                            LOG: tl.constexpr,
                             OVERLAP2: tl.constexpr, ROTATE2: tl.constexpr, LAYOUT2: tl.constexpr, POW22: tl.constexpr,
-                            MC2: tl.constexpr, DP22: tl.constexpr, QP2: tl.constexpr, BLK2: tl.constexpr):
+                            MC2: tl.constexpr, DP22: tl.constexpr, QP2: tl.constexpr, BLK2: tl.constexpr,
+                            LOG2: tl.constexpr):
     """Program ``(b, j)``: decode row ``b`` through compressor ``j``. Grid ``(B, 1)``: one
     compressor; ``(B, 2)``: a CSA layer's KV compressor and its indexer's (the same tokens at the
     same positions, one launch), the second's arguments after the first's. Program ``(b, 0)`` also
-    writes the entries row ``b``'s queries see after the step, ``(pos + 1) // m`` (what the indexer
-    and HCA attention mask by: no separate launch for it)."""
-    if tl.program_id(1) == 0:
-        pos = tl.load(pos_ptr + tl.program_id(0) * spos)
-        tl.store(visible_ptr + tl.program_id(0), (pos + 1) // M)
-        _step(tl.program_id(0), kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
-              slot_ptr, pos_ptr, spos, w_ptr, eps, cos_ptr, sin_ptr, data_ptr, scale_ptr, rope_ptr,
-              rows_per_slot, NSCALE, M, W, DIM, Df, NOPE, RD2, hscale, OVERLAP, ROTATE, LAYOUT, POW2, MC, DP2, QP, BLK)
-    else:
-        _step(tl.program_id(0), kv2_ptr, skv2, g2_ptr, sg2, ape2_ptr, win_kv2_ptr, win_g2_ptr, prev_kv2_ptr,
-              prev_g2_ptr, slot_ptr, pos_ptr, spos, w2_ptr, eps2, cos_ptr, sin_ptr, data2_ptr, scale2_ptr, rope2_ptr,
-              rows_per_slot2, NSCALE2, M2, W2, DIM2, Df2, NOPE2, RD2, hscale2, OVERLAP2, ROTATE2, LAYOUT2, POW22,
-              MC2, DP22, QP2, BLK2)
+    writes the entries row ``b``'s queries see after each token, ``(pos + 1) // m`` (what the indexer
+    and HCA attention mask by: no separate launch for it).
+
+    The row's ``S`` tokens (flattened token rows ``b * S .. b * S + S - 1``) are stepped in order,
+    a barrier after each: a token's pooling reads the window rows the one before it wrote (the
+    verify step's 1 + k tokens, a short chunk: one launch for what the batched path does in ~60)."""
+    b = tl.program_id(0)
+    i = 0
+    while i < S:
+        t = b * S + i
+        pos = tl.load(pos_ptr + t * spos).to(tl.int64)
+        if tl.program_id(1) == 0:
+            tl.store(visible_ptr + t, (pos + 1) // M)
+            _step(t, i, pos, kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
+                  slot_ptr + b, w_ptr, eps, cos_ptr, sin_ptr, data_ptr, scale_ptr, rope_ptr,
+                  rows_per_slot, NSCALE, M, W, DIM, Df, NOPE, RD2, hscale, log_kv_ptr, log_g_ptr, LOG_ROWS,
+                  OVERLAP, ROTATE, LAYOUT, POW2, MC, DP2, QP, BLK, LOG)
+        else:
+            _step(t, i, pos, kv2_ptr, skv2, g2_ptr, sg2, ape2_ptr, win_kv2_ptr, win_g2_ptr, prev_kv2_ptr,
+                  prev_g2_ptr, slot_ptr + b, w2_ptr, eps2, cos_ptr, sin_ptr, data2_ptr, scale2_ptr, rope2_ptr,
+                  rows_per_slot2, NSCALE2, M2, W2, DIM2, Df2, NOPE2, RD2, hscale2, log_kv2_ptr, log_g2_ptr, LOG_ROWS2,
+                  OVERLAP2, ROTATE2, LAYOUT2, POW22, MC2, DP22, QP2, BLK2, LOG2)
+        tl.debug_barrier()
+        i += 1
 
 
 @triton.jit
-def _step(b, kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
-          slot_ptr, pos_ptr, spos, w_ptr, eps, cos_ptr, sin_ptr, data_ptr, scale_ptr, rope_ptr,
-          rows_per_slot, NSCALE, M, W, DIM, Df, NOPE, RD2, hscale,
+def _step(b, i, pos, kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
+          slot_ptr, w_ptr, eps, cos_ptr, sin_ptr, data_ptr, scale_ptr, rope_ptr,
+          rows_per_slot, NSCALE, M, W, DIM, Df, NOPE, RD2, hscale, log_kv_ptr, log_g_ptr, LOG_ROWS,
           OVERLAP: tl.constexpr, ROTATE: tl.constexpr, LAYOUT: tl.constexpr, POW2: tl.constexpr,
-          MC: tl.constexpr, DP2: tl.constexpr, QP: tl.constexpr, BLK: tl.constexpr):
-    """Decode row ``b`` through one compressor (the module docstring)."""
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    pos = tl.load(pos_ptr + b * spos).to(tl.int64)
+          MC: tl.constexpr, DP2: tl.constexpr, QP: tl.constexpr, BLK: tl.constexpr, LOG: tl.constexpr):
+    """Token row ``b`` (its row's ``i``-th token, at ``pos``) through one compressor (the module
+    docstring); ``LOG``: its ``C`` and ``Z + ape`` rows also into the log's row ``i`` (verify)."""
+    slot = tl.load(slot_ptr).to(tl.int64)
     r = pos % M
     krow = kv_ptr + b.to(tl.int64) * skv
     grow = g_ptr + b.to(tl.int64) * sg
     arow = ape_ptr + r * W
+    if LOG:
+        lrow = (slot * LOG_ROWS + i) * W
+        i0 = 0
+        while i0 < W:
+            o = i0 + tl.arange(0, BLK)
+            om = o < W
+            tl.store(log_kv_ptr + lrow + o, tl.load(krow + o, mask=om), mask=om)
+            tl.store(log_g_ptr + lrow + o, tl.load(grow + o, mask=om) + tl.load(arow + o, mask=om), mask=om)
+            i0 += BLK
     if r == M - 1:
         HALF = DIM // 2
         p = tl.arange(0, DP2)
@@ -259,7 +282,7 @@ def _step(b, kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr
 def compressor_step_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object,
                            slots: torch.Tensor, positions: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            cos: torch.Tensor, sin: torch.Tensor, rotate: bool) -> torch.Tensor:
-    args, consts = _plan("compressor_step", kv, gate, ape, state, slots, norm_weight, eps, cos, rotate)
+    args, consts = _plan("compressor_step", kv, gate, ape, state, slots, positions, norm_weight, eps, cos, rotate)
     return _launch("compressor_step", 1, args, consts, args, consts, slots, positions, cos, sin)
 
 
@@ -272,49 +295,62 @@ def compressor_step_pair_triton(kv: torch.Tensor, gate: torch.Tensor, ape: torch
     :func:`dsv4.ops.reference_fused.compressor_step_pair`."""
     op = "compressor_step_pair"
     check(state.ratio == state2.ratio, op, f"ratios {state.ratio} and {state2.ratio}: the window RoPE is shared")
-    a = _plan(op, kv, gate, ape, state, slots, norm_weight, eps, cos, rotate)
-    b = _plan(op, kv2, gate2, ape2, state2, slots, norm_weight2, eps2, cos, rotate2)
+    a = _plan(op, kv, gate, ape, state, slots, positions, norm_weight, eps, cos, rotate)
+    b = _plan(op, kv2, gate2, ape2, state2, slots, positions, norm_weight2, eps2, cos, rotate2)
     return _launch(op, 2, *a, *b, slots, positions, cos, sin)
 
 
 def _launch(op: str, n: int, args: tuple, consts: dict, args2: tuple, consts2: dict, slots: torch.Tensor,
             positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The step of ``n`` compressors (1 or 2; with 1 the second argument set is the first's, unread).
-    Returns the visible entry counts ``(positions + 1) // m``, shaped like ``positions``."""
+    """The step of ``n`` compressors (1 or 2; with 1 the second argument set is the first's, unread)
+    over ``S = positions.numel() // B`` tokens a row. Returns the visible entry counts ``(positions +
+    1) // m``, shaped like ``positions``."""
     B, rd2 = slots.shape[0], cos.shape[-1]
-    check(positions.numel() == B, op, f"positions {tuple(positions.shape)}: one per slot ({B})")
+    S = _tokens_per_row(op, positions, B)
     check(not positions.is_floating_point(), op, f"positions are {positions.dtype}; need integers")
     check(sin.shape == cos.shape, op, f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} differ")
     check_float(op, sin=sin)
     visible = runtime.empty(tuple(positions.shape), positions.dtype, positions.device)
     if B == 0:
         return visible
-    pos2 = positions.reshape(B)
-    cos2, sin2 = cos.reshape(B, rd2).float().contiguous(), sin.reshape(B, rd2).float().contiguous()
+    pos2 = positions.reshape(B * S)
+    cos2, sin2 = cos.reshape(B * S, rd2).float().contiguous(), sin.reshape(B * S, rd2).float().contiguous()
     _compressor_step_kernel[(B, n)](
-        *args, *args2, slots.reshape(B).contiguous(), pos2, pos2.stride(0) if B > 1 else 1, cos2, sin2, rd2,
+        *args, *args2, slots.reshape(B).contiguous(), pos2, pos2.stride(0) if B * S > 1 else 1, S, cos2, sin2, rd2,
         visible, **consts, **{k + "2": v for k, v in consts2.items()}, num_warps=8, enable_fp_fusion=False)
     return visible
 
 
+def _tokens_per_row(op: str, positions: torch.Tensor, B: int) -> int:
+    """``S``: the tokens each of the ``B`` rows steps (``positions [B, S]``, or ``[B]`` for one)."""
+    S = positions.numel() // max(B, 1)
+    check(positions.numel() == B * S and (positions.dim() < 2 or positions.shape[0] == B), op,
+          f"positions {tuple(positions.shape)}: need [B, S] or [B] for {B} slots")
+    return S
+
+
 def _plan(op: str, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state: object, slots: torch.Tensor,
-          norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, rotate: bool) -> tuple[tuple, dict]:
-    """Check one compressor's decode inputs: ``(its kernel arguments, its constexprs)``."""
+          positions: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, rotate: bool
+          ) -> tuple[tuple, dict]:
+    """Check one compressor's step inputs: ``(its kernel arguments, its constexprs)``."""
     m, B = state.ratio, slots.shape[0]
+    S = _tokens_per_row(op, positions, B)
     overlap = state.prev_kv is not None
     width = state.win_kv.shape[-1]
     dim = width // 2 if overlap else width
     check(kv.dtype == torch.float32 and gate.dtype == torch.float32, op,
           f"kv {kv.dtype} / gate {gate.dtype}: the compressor's C and Z are fp32")
-    check(kv.numel() == B * width and gate.numel() == B * width, op,
-          f"kv {tuple(kv.shape)} / gate {tuple(gate.shape)}: need one row of {width} per slot ({B} slots)")
+    check(kv.numel() == B * S * width and gate.numel() == B * S * width, op,
+          f"kv {tuple(kv.shape)} / gate {tuple(gate.shape)}: need {S} rows of {width} per slot ({B} slots)")
     check(tuple(ape.shape) == (m, width) and ape.dtype == torch.float32, op, f"ape {tuple(ape.shape)} {ape.dtype}")
     check(tuple(norm_weight.shape) == (dim,), op, f"norm weight {tuple(norm_weight.shape)}; needs ({dim},)")
     check_float(op, cos=cos)
     rd2 = cos.shape[-1]
-    check(cos.numel() == B * rd2 and 0 < 2 * rd2 <= dim and dim % 2 == 0, op,
-          f"cos {tuple(cos.shape)}: need [B, rd/2] with rd <= {dim}")
-    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate"):
+    check(cos.numel() == B * S * rd2 and 0 < 2 * rd2 <= dim and dim % 2 == 0, op,
+          f"cos {tuple(cos.shape)}: need [B, S, rd/2] with rd <= {dim}")
+    # a multi-token step logs its rows for the rollback, as Compressor.forward does
+    log = S > 1 and state.log_kv is not None and S <= state.log_kv.shape[1]
+    for name in ("win_kv", "win_gate", "prev_kv", "prev_gate", "log_kv", "log_gate"):
         t = getattr(state, name)
         check(t is None or (t.dtype == torch.float32 and t.is_contiguous()), op, f"state.{name} must be "
               "contiguous fp32")
@@ -346,9 +382,10 @@ def _plan(op: str, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, stat
     prev_g = state.prev_gate if overlap else state.win_gate
     args = (kv2, row_stride(kv2), g2, row_stride(g2), ape.contiguous(), state.win_kv, state.win_gate, prev_kv, prev_g,
             norm_weight.float().contiguous(), float(eps), data, scale, rope, store.data.shape[1], nscale, m, width, dim,
-            float(dim), nope, hscale)
+            float(dim), nope, hscale, state.log_kv if log else state.win_kv, state.log_gate if log else state.win_gate,
+            state.log_kv.shape[1] if log else 1)
     consts = dict(OVERLAP=overlap, ROTATE=bool(rotate), LAYOUT=layout, POW2=bool(store.pow2), MC=mc, DP2=dp2, QP=qp,
-                  BLK=min(1024, pow2(width)))
+                  BLK=min(1024, pow2(width)), LOG=log)
     return args, consts
 
 
