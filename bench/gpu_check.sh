@@ -44,6 +44,8 @@ if want tests; then
   done
   step "fp32 logit drift per kernel (parity model, 40 decode steps)" tee_to kernel_drift.txt \
     python3 bench/kernel_drift.py --steps 40
+  step "silent-corruption hunt: every op of 66 prompt lengths and 32 decode batches on NaN-poisoned memory" \
+    tee_to nan_hunt.txt python3 bench/nan_hunt.py
 fi
 if want kernels; then
   step "per-kernel benchmark" tee_to kernels.txt python3 bench/kernels.py --out "$OUT"

@@ -21,6 +21,7 @@
 #   moe_wt (issue 22: the MXFP4 grouped GEMMs of moe_grouped._gemm_wt against the others, tests and tile search),
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
 #   prefix (issue 27: prefix-caching GPU tests + bench/prefix_cost.py: no-hit cost, one conversation's TTFT off/on),
+#   nan_hunt / nan_hunt_fp32 (bench/nan_hunt.py: ops reading memory they do not own, on NaN-poisoned memory),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
 #   load: a later call, on a fresh machine, skips the compiles);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
@@ -166,6 +167,9 @@ prefix_short)   # prefix_cost's decode (no-hit cost) and a conversation of short
 spec_cost_zero)   # issue 25: a verify step's cost against a decode step, then the zero-acceptance table
   t 400 spec_cost_zero.txt python3 bench/spec_bench.py --layers 4 --batch 1 32 --k 3 --tables cost zero --tokens 512
   ;;
+nan_hunt)   # bench/nan_hunt.py: every op of many step shapes on NaN-poisoned memory (one dtype a step: nan_hunt_bf16 first)
+  t 280 nan_hunt_bf16.txt python3 bench/nan_hunt.py --dtype bf16-qat ;;
+nan_hunt_fp32) t 400 nan_hunt_fp32.txt python3 bench/nan_hunt.py --dtype fp32 ;;
 spec_tests) pt 200 spec_tests.log tests/test_triton_rollback.py tests/test_gpu_speculative.py tests/test_gpu_batched_step.py ;;
 tcache_save)   # in parts of 15 MB (a file that comes back from the device is at most 16 MB; ~20 MB in all, 2026-11-27)
   tar czf - -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" | split -b 15M - "$OUT/triton_cache.tgz.part"
