@@ -481,17 +481,22 @@ def test_compressor_step(overlap, ratio, dim, layout, rotate, dtype):
     _states_equal(state, other, exact=False)
 
 
-@pytest.mark.parametrize("overlap, ratio, dim, layout, rotate, dtype", [
-    (True, 4, 64, "fp4", True, torch.float16), (False, 8, 64, "fp8", False, torch.float32),
-    (True, 4, 32, "plain", False, torch.float32)])
-def test_compressor_step_tokens(overlap, ratio, dim, layout, rotate, dtype):
+@pytest.mark.parametrize("overlap, ratio, dim, layout, rotate, dtype, long", [
+    (True, 4, 64, "fp4", True, torch.float16, False), (False, 8, 64, "fp8", False, torch.float32, False),
+    (True, 4, 32, "plain", False, torch.float32, False),
+    (True, 4, 32, "fp8", False, torch.float32, True), (False, 8, 64, "fp4", True, torch.float32, True)])
+def test_compressor_step_tokens(overlap, ratio, dim, layout, rotate, dtype, long):
     """A row's few new tokens (a verify step, a short chunk) stepped in order in one launch, chunk
     after chunk: against the reference stepping them, and against what it replaces, the batched
-    chunk path (Compressor.forward, RoPE, the entry store); the rows logged for the rollback equal."""
+    chunk path (Compressor.forward, RoPE, the entry store); the rows logged for the rollback equal.
+    ``long``: prompt chunks of 20 tokens (longer than the log; on the GPU chunks of up to
+    compressor.KERNEL_STEP_TOKENS take this path), several windows closing in each."""
     comp, state, hidden = _compressor_case(overlap, ratio, dim, layout, dtype, seed=77)
     state.enable_log(8)
     stepped, kernel = _clone_state(state), _clone_state(state)
     steps, chunk = 2 * ratio + 2, ratio // 2 + 3                       # two windows close, chunks of >= 2
+    if long:
+        steps, chunk = 5 * ratio + 3, 20
     _decode_run(comp, state, hidden, rotate, steps, _step_module, seed=78, chunk=chunk)
     _decode_run(comp, stepped, hidden, rotate, steps, _step_fused(ref.compressor_step), seed=78, chunk=chunk)
     _decode_run(comp, kernel, hidden, rotate, steps, _step_fused(KERNELS["compressor_step"]), seed=78, chunk=chunk)
@@ -767,11 +772,11 @@ def _gpu_compressor(dim, ratio, overlap, layout, slots, seed):
 @pytest.mark.parametrize("dim, ratio, overlap, layout, rotate", [
     (512, 4, True, "fp8", False), (128, 4, True, "fp4", True), (512, 128, False, "fp8", False)])
 @pytest.mark.parametrize("batch", [1, 32])
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 4, 40])
 @gpu
 def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch, tokens):
-    """A decode step (1 token a row) or a verify step (4 tokens a row, stepped in order, logged for
-    the rollback) against the reference."""
+    """A decode step (1 token a row), a verify step (4 tokens a row, stepped in order, logged for
+    the rollback) or a short prompt chunk (40 tokens, longer than the log) against the reference."""
     a, width = _gpu_compressor(dim, ratio, overlap, layout, 33, seed=140)
     if tokens > 1:
         a.enable_log(8)
@@ -794,7 +799,7 @@ def test_gpu_compressor_step(dim, ratio, overlap, layout, rotate, batch, tokens)
 
 
 @pytest.mark.parametrize("batch", [1, 32])
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 4, 40])
 @gpu
 def test_gpu_compressor_step_pair(batch, tokens):
     """Flash's CSA step: the KV compressor (512, fp8 entries) and the indexer's (128, fp4 keys,

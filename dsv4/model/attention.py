@@ -23,7 +23,7 @@ from ..config import ModelConfig
 from ..parallel import SINGLE, ParallelGroup
 from .cache import LayerCache
 from .common import ForwardContext, GroupedLinear, Linear, RMSNorm, fp32_param
-from .compressor import STEP_TOKENS, Compressor, store_entries, window_plan
+from .compressor import Compressor, step_tokens, store_entries, window_plan
 from .indexer import Indexer
 
 
@@ -166,7 +166,7 @@ class Attention(nn.Module):
         # compressed entries first (a query sees entries of windows that closed at or before it)
         comp = cache.compressor
         bound = ctx.entry_bound(self.ratio, comp.max_entries)
-        if ctx.seq_len <= STEP_TOKENS and not ctx.snaps:
+        if ctx.seq_len <= step_tokens(x.device) and not ctx.snaps:
             # decode, a verify step, a short chunk: the compressor's fused step over the rows' few
             # tokens (CSA: the KV compressor's and the indexer's, same tokens, positions and ratio, in
             # one launch), which also counts each query's visible entries; then (CSA) the indexer's

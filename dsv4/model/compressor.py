@@ -6,8 +6,8 @@ HCA: ``sum softmax_m(Z) * C``; CSA: softmax over ``2m`` slots, the ``a`` halves 
 window and the ``b`` halves of this one. The entry is RMS-normed, rotated (RoPE at the window's
 first position) and, under QAT simulation, rounded like the cache it simulates.
 
-Rows of up to ``STEP_TOKENS`` new tokens (decode, speculative verify, short chunks) step them one
-after another in one fused op (:meth:`Compressor.decode_step`). Longer chunks take the batched
+Rows of up to :func:`step_tokens` new tokens (decode, speculative verify, short chunks) step them
+one after another in one fused op (:meth:`Compressor.decode_step`). Longer chunks take the batched
 path (:meth:`Compressor.forward`): the ``S`` new rows of each slot are scattered into an aligned
 buffer behind the slot's open-window rows, every window of that buffer is pooled, and closed ones
 are written to ``entries`` by a device-side mask (others go to the sink row). No host read of
@@ -32,6 +32,15 @@ from .common import ForwardContext, Linear, RMSNorm, fp32_param
 #: instead of the batched chunk path (:meth:`Compressor.forward`, ~30 small ops a compressor
 #: whatever the length); the stepping is sequential within a row, so long chunks keep the batched path.
 STEP_TOKENS = 8
+#: the same where the step is a kernel (:func:`step_tokens`): a short prompt chunk's step is then
+#: host-bound (the batched path's ~30 launches a compressor cost the host ~1.5 ms; the kernel's
+#: sequential steps cost the GPU tens of µs), while the reference steps token by token in torch ops
+KERNEL_STEP_TOKENS = 64
+
+
+def step_tokens(device: torch.device) -> int:
+    """Rows of up to this many new tokens step the compressor (:meth:`Compressor.decode_step`)."""
+    return KERNEL_STEP_TOKENS if ops.has_kernel("compressor_step", device) else STEP_TOKENS
 
 
 class Compressor(nn.Module):
@@ -59,7 +68,7 @@ class Compressor(nn.Module):
         position, and the indexer's Hadamard) and stores them with :func:`store_entries` (windows
         still open go to the sink row).
 
-        A few tokens a row (``S <= STEP_TOKENS``) take :meth:`decode_step` instead (one fused op).
+        A few tokens a row (``S <= step_tokens(device)``) take :meth:`decode_step` instead (one fused op).
         """
         m, slots = self.ratio, ctx.slots
         B, S, _ = x.shape

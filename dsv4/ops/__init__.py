@@ -113,6 +113,11 @@ def implementation(op: str, device: torch.device, fmt: type | None = None) -> Ca
     return getattr(reference, op)
 
 
+def has_kernel(op: str, device: torch.device, fmt: type | None = None) -> bool:
+    """Whether ``op`` runs a kernel (not its reference) for tensors on ``device``."""
+    return implementation(op, device, fmt) is not getattr(reference, op)
+
+
 @contextlib.contextmanager
 def reference_only() -> Iterator[None]:
     """Within the block (this thread), every op runs its reference implementation."""

@@ -78,7 +78,9 @@ def _zero(ptr, n, BLK: tl.constexpr):
         i0 += BLK
 
 
-@triton.jit(do_not_specialize=["S"])
+# S: tokens a row (a decode, a verify step, a short chunk); pos_ptr: a varlen forward hands each
+# group its slice of the step's positions, 16-byte aligned or not by where the group starts
+@triton.jit(do_not_specialize=["S"], do_not_specialize_on_alignment=["pos_ptr"])
 def _compressor_step_kernel(kv_ptr, skv, g_ptr, sg, ape_ptr, win_kv_ptr, win_g_ptr, prev_kv_ptr, prev_g_ptr,
                             w_ptr, eps, data_ptr, scale_ptr, rope_ptr, rows_per_slot, NSCALE, M, W, DIM, Df, NOPE,
                             hscale, log_kv_ptr, log_g_ptr, LOG_ROWS,

@@ -2,7 +2,8 @@
 
 Triton compiles a kernel once per *specialization*: every ``tl.constexpr`` value, and for each
 other argument its dtype, whether an integer is 1 or a multiple of 16 (unless the kernel lists it in
-``do_not_specialize``) and whether a pointer is 16-byte aligned. A compile takes seconds on a GPU,
+``do_not_specialize``) and whether a pointer is 16-byte aligned (unless it is in
+``do_not_specialize_on_alignment``). A compile takes seconds on a GPU,
 so a shape never seen before stalls the whole engine mid-serving. The runner's warm-up
 (:meth:`dsv4.engine.runner.Runner.warm_up`) compiles what serving can reach, and the tests check,
 through :func:`count`, that prompts of new lengths at new positions compile nothing more.
@@ -50,12 +51,13 @@ def _key(fn, args: tuple, kwargs: dict) -> tuple:
     params = sig.parameters
     bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
     skip = set(fn.kwargs.get("do_not_specialize") or ())
+    skip_align = set(fn.kwargs.get("do_not_specialize_on_alignment") or ())
     parts = []
     for name, value in bound.arguments.items():
         if "constexpr" in str(params[name].annotation):
             parts.append((name, str(value)))
         elif isinstance(value, torch.Tensor):
-            parts.append((name, str(value.dtype), value.data_ptr() % 16 == 0))
+            parts.append((name, str(value.dtype), name in skip_align or value.data_ptr() % 16 == 0))
         elif isinstance(value, bool):
             parts.append((name, value))
         elif isinstance(value, int):
