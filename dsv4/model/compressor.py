@@ -32,10 +32,13 @@ from .common import ForwardContext, Linear, RMSNorm, fp32_param
 #: instead of the batched chunk path (:meth:`Compressor.forward`, ~30 small ops a compressor
 #: whatever the length); the stepping is sequential within a row, so long chunks keep the batched path.
 STEP_TOKENS = 8
-#: the same where the step is a kernel (:func:`step_tokens`): a short prompt chunk's step is then
-#: host-bound (the batched path's ~30 launches a compressor cost the host ~1.5 ms; the kernel's
-#: sequential steps cost the GPU tens of µs), while the reference steps token by token in torch ops
-KERNEL_STEP_TOKENS = 64
+#: the same where the step is a kernel (:func:`step_tokens`): a step with a short prompt chunk is
+#: host-bound, and the batched path's ~30 launches a compressor cost the host far more than the
+#: kernel's sequential steps cost the GPU (the reference steps token by token in torch ops).
+#: H100, Flash x4, 15 decode rows + one chunk (bench/profile_mixed.py): chunks of 16 / 64 / 128
+#: tokens 34.4 / 34.2 / 38.0 -> 16.5 / 19.9 / 18.2 ms a step, GPU time +0.2 ms at most; at 256
+#: tokens no gain (35.8 -> 34.4 ms, GPU +0.5 ms), so longer chunks keep the batched path
+KERNEL_STEP_TOKENS = 128
 
 
 def step_tokens(device: torch.device) -> int:
