@@ -126,6 +126,18 @@ def test_attention_decode(kind, layout, dtype, poison):
 
 
 @cpu_only
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_attention_decode_many_splits(kind, poison):
+    """19 key blocks a query, one a split: the merge reads the splits' maxima 16 at a time and their
+    partials 4 at a time (attention.MERGE_MAX_BLOCK / MERGE_UNROLL), both with a remainder."""
+    args, comp = _attn_case(kind, "fp8", torch.float32, B=2, S=1, H=5, hd=60, rope=8, W=8, n_ent=288, k=280,
+                            starts=[1150, 1163], seed=3, unrot=False)
+    n_keys = comp["comp_idx"].shape[-1] if kind == "csa" else comp["comp_bound"]
+    assert 1 + -(-n_keys // 16) == 19                                # blocks of 16 keys (interpreter tiles)
+    _check_attention(args, comp, torch.float32, _target_programs=4096)
+
+
+@cpu_only
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 @pytest.mark.parametrize("layout,dtype,target", [("fp8", torch.float32, 1), ("plain", torch.float16, 64)],
                          ids=["fp8-fp32-unsplit", "plain-fp16-split"])

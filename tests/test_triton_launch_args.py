@@ -90,3 +90,30 @@ def test_launch_keywords_are_kernel_parameters(path):
             if unknown:
                 bad.append(f"{path.name}:{call.lineno} {f.value.id}: {sorted(unknown)}")
     assert not bad, "launch keywords the kernel does not declare: " + "; ".join(bad)
+
+
+def _is_jit(func: ast.FunctionDef) -> bool:
+    return any("jit" in ast.unparse(d) for d in func.decorator_list)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_kernels_read_only_constexpr_globals(path):
+    """A ``@triton.jit`` function may read a module global only if it is a ``tl.constexpr`` (or a
+    function / module): the GPU compiler raises ``NameError: Cannot access global variable`` for a
+    plain number, which Triton's interpreter (the CPU tests) accepts."""
+    import importlib
+
+    import triton.language as tl
+    module = importlib.import_module(f"dsv4.ops.triton.{path.stem}")
+    tree = ast.parse(path.read_text())
+    bad = []
+    for func in (n for n in tree.body if isinstance(n, ast.FunctionDef) and _is_jit(n)):
+        local = {a.arg for a in func.args.args}
+        local |= {t.id for n in ast.walk(func) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For))
+                  for t in ast.walk(n.targets[0] if isinstance(n, ast.Assign) else n.target) if isinstance(t, ast.Name)}
+        for node in ast.walk(func):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+                value = getattr(module, node.id, None)
+                if isinstance(value, (int, float)) and not isinstance(value, tl.constexpr):
+                    bad.append(f"{path.name}:{node.lineno} {func.name} reads the global {node.id} = {value!r}")
+    assert not bad, "\n".join(bad)
