@@ -22,8 +22,9 @@ projections and the shared expert in FP8 blocks and the routed experts in MXFP4,
 kind's launches in order. The counted step is the second (the first allocates what kernels make on
 first use, as the runner's warm-up before a capture does). Per-forward work (the ring rows of the
 decode step's window store) lands on the first layer that asks for it. Launches outside the layers
-(embedding, context, head, sampler, verify, state saves and rollback) are counted per step in a second table; the saves and rollbacks are also split
-by layer kind. ``--ops`` lists the launching ops of each component, summed over the layers.
+(embedding, context, head, sampler, verify, state saves and rollback) are counted per step in a
+second table; the saves and rollbacks are also split by layer kind. ``--ops`` lists the launching
+ops of each component, summed over the layers.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
-    ap_dev = torch.device(args.device)
+    dev = torch.device(args.device)
     tracer = Tracer()
     tracer.install()
     config = preset(args.preset, num_layers=args.layers)
@@ -103,13 +103,13 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0)
     for dtype in args.dtype:
         qat = dtype == "bf16-qat"
-        model = build_random_model(config, args.format, ap_dev, dtype=torch.bfloat16 if qat else torch.float32)
+        model = build_random_model(config, args.format, dev, dtype=torch.bfloat16 if qat else torch.float32)
         n_slots = max(args.batches)
         longest = max(args.lengths)
         runner = Runner(model, max_num_seqs=n_slots, max_model_len=longest + 64, qat_sim=qat,
                         max_num_batched_tokens=max(longest, n_slots))
-        if ap_dev.type == "cuda":
-            poison_pools(ap_dev)
+        if dev.type == "cuda":
+            poison_pools(dev)
         with runtime.poisoned():
             for i, n in enumerate(args.lengths):
                 if i % 10 == 0:
@@ -118,18 +118,18 @@ def main() -> None:
                 p = ids(n)
                 runner.run(ScheduledBatch((Row(0, 0, p, new=NewSequence(greedy, p)),)))
             # decode steps of B rows: each slot first gets a short prompt (lengths differ per slot)
-            rows = tuple(Row(s, 0, p, new=NewSequence(greedy, p)) for s in range(n_slots) for p in [ids(5 + 7 * s)])
-            runner.run(ScheduledBatch(rows))
-            pos = [5 + 7 * s + 1 for s in range(n_slots)]
+            length = [5 + 7 * s for s in range(n_slots)]
+            runner.run(ScheduledBatch(tuple(Row(s, 0, p, new=NewSequence(greedy, p))
+                                            for s in range(n_slots) for p in [ids(length[s])])))
             for B in args.batches:
                 tracer.where = f"{dtype} decode step of {B} rows"
-                runner.run(ScheduledBatch(tuple(Row(s, pos[s] - 1) for s in range(B))))
+                runner.run(ScheduledBatch(tuple(Row(s, length[s]) for s in range(B))))
                 for s in range(B):
-                    pos[s] += 1
+                    length[s] += 1
         print(f"{dtype}: {len(args.lengths)} prompt lengths, {len(args.batches)} decode batch sizes; "
               f"findings so far {len(tracer.findings)}", flush=True)
         del runner, model
-        if ap_dev.type == "cuda":
+        if dev.type == "cuda":
             torch.cuda.empty_cache()
     print(f"{len(tracer.findings)} findings" + "".join(f"\n  {f}" for f in tracer.findings))
     sys.exit(1 if tracer.findings else 0)

@@ -20,7 +20,8 @@ from launch_guard import guarded_launches  # noqa: E402
 def _guarded_interpreted_launches(request):
     """Kernel tests in Triton's interpreter run each launch between NaN guard bands
     (tests/launch_guard.py): a read past a tensor's end that reaches a result shows as NaN."""
-    if os.environ.get("TRITON_INTERPRET") == "1" and request.module.__name__.rpartition(".")[2].startswith("test_triton_"):
+    module = request.module.__name__.rpartition(".")[2]
+    if os.environ.get("TRITON_INTERPRET") == "1" and module.startswith("test_triton_"):
         with guarded_launches():
             yield
     else:

@@ -300,8 +300,9 @@ def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
 @pytest.mark.parametrize("bt", [16, 32])
 def test_grouped_mxfp4_weight_rows_on_the_mma_m_side(monkeypatch, bt):
     """The transposed grouped GEMMs (``moe_grouped._gemm_wt``: weight rows on the MMA's M side,
-    a tile's pairs on its N side): against the reference in fp32 (experts with one, several and a ragged last tile; an N tail: I = 96 is
-    no multiple of the 32-wide tile), and against the untransposed kernels to summation order."""
+    a tile's pairs on its N side): against the reference in fp32 (experts with one, several and a
+    ragged last tile; an N tail: I = 96 is no multiple of the 32-wide tile), and against the
+    untransposed kernels to summation order."""
     monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
     tiles = M.tiles
     outs = []

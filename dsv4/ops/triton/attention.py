@@ -353,8 +353,9 @@ def _attn_rows_kernel(q_ptr, kvn_ptr, out_ptr, sink_ptr, slots_ptr, start_ptr,
 
 
 #: the split merge reads this many splits' (max, sum) pairs in one load for the running max, and
-#: MERGE_UNROLL splits' partials at a time (constexpr: a kernel may read no other global): loads in flight together instead of one L2 round trip
-#: a split (the merge of 20 splits was most of a batch-1 CSA attention's ~35 us)
+#: MERGE_UNROLL splits' partials at a time: loads in flight together instead of one L2 round trip
+#: a split (the merge of 20 splits was most of a batch-1 CSA attention's ~35 us). Constexpr: a
+#: kernel may read no other global
 MERGE_MAX_BLOCK = tl.constexpr(16)
 MERGE_UNROLL = tl.constexpr(4)
 

@@ -12,8 +12,8 @@ where the last program of step 1 to arrive (an arrival counter it re-arms) does 
    Each program multiplies a ``[TB, BK]`` slice of the tokens by a ``[BK, NP]`` slice of ``fn``
    (``tl.dot`` in IEEE fp32: exact products, fp32 sums) and also sums ``x^2``; it writes its
    partial ``[TB, NP]`` and ``[TB]`` sums (no atomics: the result does not depend on timing).
-   For prompts (above ``SPLIT_MIN_TOKENS``) of bf16 / fp16 activations the fp32 ``fn`` slice is split into three parts of
-   the activations' type (``f1 = fn``, ``f2``, ``f3`` the rounded remainders: exact for bf16,
+   For prompts (above ``SPLIT_MIN_TOKENS``) of bf16 / fp16 activations the fp32 ``fn`` slice is
+   split into three parts of the activations' type (``f1 = fn``, ``f2``, ``f3`` the rounded remainders: exact for bf16,
    whose 8-bit exponent keeps every remainder; for fp16 to ~2^-22 of ``fn``) and multiplied on
    tensor cores, each product exact, fp32 sums (H100, Flash, 8192 tokens: ~1.15 ms a call on
    CUDA cores, 8.6% of a prefill step).
