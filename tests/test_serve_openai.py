@@ -133,9 +133,10 @@ def test_async_client_concurrent(aclient):
         chats = [aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"n{i}"}],
                                                  max_tokens=3, seed=i) for i in range(6)]
         comps = [aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=3) for i in range(6)]
-        # ignore_eos: a sample may draw the end token first and finish with "stop"
+        # seeded: a random draw may be markup (a stray <think>), which ends a chat choice with "stop"
         stream = await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
-                                                       max_tokens=3, stream=True, extra_body={"ignore_eos": True})
+                                                       max_tokens=3, stream=True, seed=0,
+                                                       extra_body={"ignore_eos": True})
         streamed = [c async for c in stream]
         return await asyncio.gather(*chats, *comps), streamed
 
@@ -143,6 +144,16 @@ def test_async_client_concurrent(aclient):
     assert all(r.usage.completion_tokens == 3 or r.choices[0].finish_reason == "stop" for r in results), \
         [(r.usage.completion_tokens, r.choices[0].finish_reason) for r in results]
     assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_ignore_eos_generates_past_the_end_token(client):
+    # On the tiny model seed 422 draws the end token first; under ignore_eos that is not the end (before
+    # the fix the parser took the next token for text after the end and stopped the choice).
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}], max_tokens=3,
+                                       seed=422, logprobs=True,
+                                       extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert "<｜end▁of▁sentence｜>" in [e.token for e in r.choices[0].logprobs.content]   # the draw happened
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
 @pytest.mark.parametrize("kwargs, status, param, words", [

@@ -32,7 +32,7 @@ from fastapi.responses import StreamingResponse
 from ..text.chat import (ChatFormatError, ContentDelta, ParseError, ReasoningDelta, StreamingParser, ToolCallEvent,
                          encode_messages)
 from ..engine.grammar import StructuredOutputsParams
-from ..text.markup import DSML, THINK_END, THINK_START, SpecialTextFilter
+from ..text.markup import DSML, EOS, THINK_END, THINK_START, SpecialTextFilter
 from ..text.tool_grammar import ToolGrammarError, shortest_block, tool_calls_grammar
 from .async_engine import Delta, EngineRequest, Submission
 from .errors import APIError, bad_request
@@ -65,6 +65,7 @@ class _Choice:
     error: str | None = None
     strip_reasoning: SpecialTextFilter | None = None      # skip_special_tokens, one filter per channel
     strip_content: SpecialTextFilter | None = None
+    ignore_eos: bool = False     # an end token is not the end (vLLM's ignore_eos): the parser never sees it
 
     @property
     def done(self) -> bool:
@@ -166,7 +167,8 @@ class ChatServing:
             check_request(self.ctx, ids, params, "messages")
             reqs.append(EngineRequest(ids, params, skip_special_tokens=False, cache_salt=req.cache_salt))
             parser = StreamingParser(thinking, call_id_prefix=f"call_{secrets.token_hex(8)}_")
-            choice = _Choice(k, parser, thinking, stop_ids, tools_allowed, in_reasoning=thinking)
+            choice = _Choice(k, parser, thinking, stop_ids, tools_allowed, in_reasoning=thinking,
+                             ignore_eos=req.ignore_eos)
             if req.skip_special_tokens:
                 choice.strip_reasoning, choice.strip_content = self.specials.fresh(), self.specials.fresh()
             choices.append(choice)
@@ -215,7 +217,9 @@ class ChatServing:
             c.error, c.finish_reason = d.error, "error"
             return []
         self._count(c, d)
-        events = c.parser.feed(d.text)
+        # An end token in the text would make everything after it "stray markup" and end the choice
+        # early; under ignore_eos the request asked for max_tokens tokens whatever they are.
+        events = c.parser.feed(d.text.replace(EOS, "") if c.ignore_eos else d.text)
         if d.finished:
             events += c.parser.finish()
         out: list[dict] = []
