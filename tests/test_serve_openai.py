@@ -133,10 +133,9 @@ def test_async_client_concurrent(aclient):
         chats = [aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"n{i}"}],
                                                  max_tokens=3, seed=i) for i in range(6)]
         comps = [aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=3) for i in range(6)]
-        # seeded: a random draw may be markup (a stray <think>), which ends a chat choice with "stop"
+        # ignore_eos: exactly max_tokens tokens, whatever a random draw is (the end token, stray markup)
         stream = await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
-                                                       max_tokens=3, stream=True, seed=0,
-                                                       extra_body={"ignore_eos": True})
+                                                       max_tokens=3, stream=True, extra_body={"ignore_eos": True})
         streamed = [c async for c in stream]
         return await asyncio.gather(*chats, *comps), streamed
 
@@ -146,14 +145,21 @@ def test_async_client_concurrent(aclient):
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
-def test_chat_ignore_eos_generates_past_the_end_token(client):
-    # On the tiny model seed 422 draws the end token first; under ignore_eos that is not the end (before
-    # the fix the parser took the next token for text after the end and stopped the choice).
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}], max_tokens=3,
-                                       seed=422, logprobs=True,
-                                       extra_body={"ignore_eos": True, "skip_special_tokens": False})
-    assert "<｜end▁of▁sentence｜>" in [e.token for e in r.choices[0].logprobs.content]   # the draw happened
+@pytest.mark.parametrize("seed, first", [(422, "<｜end▁of▁sentence｜>"), (7, "</think>")])
+def test_chat_ignore_eos_generates_past_the_end_token_and_stray_markup(client, seed, first):
+    # On the tiny model these seeds draw the end token / a stray </think> first. Under ignore_eos neither
+    # ends the choice: the parser never sees the end token, and text after bad markup is raw content.
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "s"}], max_tokens=3, seed=seed)
+    extra = {"ignore_eos": True, "skip_special_tokens": False}
+    r = client.chat.completions.create(**kwargs, logprobs=True, extra_body=extra)
+    assert [e.token for e in r.choices[0].logprobs.content][0] == first        # the draw happened
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body=extra))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content
+    plain = client.chat.completions.create(**kwargs, extra_body={"skip_special_tokens": False})
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 1   # without it: the end
 
 
 @pytest.mark.parametrize("kwargs, status, param, words", [

@@ -7,9 +7,11 @@ reasoning goes to ``reasoning_content``, content to ``content``, each complete D
 holds back anything that may still become markup, so markup never reaches ``content`` whatever
 the chunking. Markup that does not parse (a malformed tool block, a stray ``</think>``) ends the
 choice with ``finish_reason: "stop"``: its raw text goes to ``content``, the log says what was
-wrong, and the engine request ends (never a half-parsed call). Special tokens the parser does not
-read (``<｜User｜>``, ...) are left out of ``content`` and ``reasoning_content`` unless the request
-says ``skip_special_tokens: false`` (vLLM's field and default).
+wrong, and the engine request ends (never a half-parsed call); under ``ignore_eos`` (a request for
+exactly ``max_tokens`` tokens) generation goes on and the rest is raw ``content`` too. Special
+tokens the parser does not read (``<｜User｜>``, ...) are left out of ``content`` and
+``reasoning_content`` unless the request says ``skip_special_tokens: false`` (vLLM's field and
+default).
 
 Thinking mode: ``chat_template_kwargs: {"thinking": true}`` (or ``enable_thinking``), DeepSeek's
 ``thinking: {"type": "enabled"}``, or a ``reasoning_effort`` (``high`` | ``max``), which turns it on
@@ -217,11 +219,14 @@ class ChatServing:
             c.error, c.finish_reason = d.error, "error"
             return []
         self._count(c, d)
-        # An end token in the text would make everything after it "stray markup" and end the choice
-        # early; under ignore_eos the request asked for max_tokens tokens whatever they are.
-        events = c.parser.feed(d.text.replace(EOS, "") if c.ignore_eos else d.text)
-        if d.finished:
-            events += c.parser.finish()
+        if c.malformed:          # ignore_eos after markup that did not parse: the rest is raw content
+            events: list = [ContentDelta(d.text)]
+        else:
+            # An end token in the text would make everything after it "stray markup" and end the
+            # choice early; under ignore_eos the request asked for max_tokens tokens whatever they are.
+            events = c.parser.feed(d.text.replace(EOS, "") if c.ignore_eos else d.text)
+            if d.finished:
+                events += c.parser.finish()
         out: list[dict] = []
         for ev in events:
             if isinstance(ev, ReasoningDelta):
@@ -232,11 +237,14 @@ class ChatServing:
                 out += self._tool_call(c, ev)
             elif isinstance(ev, ParseError):
                 what = "malformed tool-call markup" if "DSML" in ev.message or DSML in ev.raw else "stray markup"
-                log.warning("%s choice %d: %s (%s); its raw text returned as content, generation stopped",
-                            sub.request_ids[c.index].rsplit("-", 1)[0], c.index, what, ev.message)
+                log.warning("%s choice %d: %s (%s); its raw text returned as content, generation %s",
+                            sub.request_ids[c.index].rsplit("-", 1)[0], c.index, what, ev.message,
+                            "goes on (ignore_eos)" if c.ignore_eos else "stopped")
                 out += self._text(c, "content", ev.raw)
-                c.malformed, c.finish_reason = True, "stop"
-                sub.finish(c.index, "stop")      # the metric counts what the client is told, not an abort
+                c.malformed = True
+                if not c.ignore_eos:             # ignore_eos asked for max_tokens tokens: they go on as content
+                    c.finish_reason = "stop"
+                    sub.finish(c.index, "stop")  # the metric counts what the client is told, not an abort
                 break
         if d.finished and not c.done:
             reason = d.finish_reason
