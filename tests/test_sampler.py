@@ -12,6 +12,7 @@ from dsv4.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     StopChecker,
+    SlotSampling,
     _mix32,
     apply_penalties,
     sample,
@@ -410,6 +411,86 @@ def test_length_flushes_held_text():
         checker.check("y", 7)
 
 
+# ----------------------------------------------------------------------------- logit bias, min_tokens
+
+
+def test_logit_bias_is_the_dense_bias_added_first():
+    """A row's logit_bias draws exactly what its logits plus the dense bias draw without one (same
+    seeds, fp32), penalties and logprobs included; a row without one in the same batch is untouched."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, V, generator=g)
+    bias = {IDS[0]: -100.0, IDS[5]: 2.5, 39: 0.75}
+    dense = torch.zeros(V)
+    dense[list(bias)] = torch.tensor(list(bias.values()))
+    knobs = dict(seed=11, presence_penalty=0.5, repetition_penalty=1.3, logprobs=3)
+    rows = [SamplingParams(logit_bias=bias, **knobs), SamplingParams(temperature=0, logit_bias=bias, **knobs),
+            SamplingParams(**knobs)]
+    plain = [replace(p, logit_bias=None) for p in rows]
+    a = SamplingBatch(rows, V, prompt_ids=[[1, 2]] * 3)
+    b = SamplingBatch(plain, V, prompt_ids=[[1, 2]] * 3)
+    assert a.use_bias and not b.use_bias
+    want_logits = logits + torch.stack([dense, dense, torch.zeros(V)])
+    for _ in range(4):
+        got, want = sample(logits, a), sample(want_logits, b)
+        assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.logprobs, want.logprobs)
+        assert torch.equal(got.top_logprobs[1], want.top_logprobs[1])
+        a.update(got.token_ids)
+        b.update(want.token_ids)
+    forced = SamplingBatch([SamplingParams(seed=s, logit_bias={IDS[7]: 100.0}) for s in range(50)], V)
+    assert sample(hand_logits().expand(50, V), forced).token_ids.eq(IDS[7]).all()
+
+
+def test_min_tokens_holds_the_stop_ids_back_until_then():
+    """Rows whose logits all but force a stop id draw something else for their first min_tokens
+    draws (EOS and stop_token_ids alike), then the stop id; a row without min_tokens stops at once."""
+    logits = hand_logits().clone()
+    logits[[5, 9]] = 30.0                                       # the stop ids: 5 (EOS here) and 9
+    params = [SamplingParams(min_tokens=3, seed=1), SamplingParams(min_tokens=2, temperature=0),
+              SamplingParams(seed=2)]
+    batch = SamplingBatch(params, V, stop_ids=[[5, 9], [5, 9], [5, 9]])
+    drawn = [sample(logits.expand(3, V), batch).token_ids.tolist() for _ in range(4)]
+    stop = {5, 9}
+    assert [d[0] in stop for d in drawn] == [False, False, False, True]
+    assert [d[1] in stop for d in drawn] == [False, False, True, True]
+    assert all(d[2] in stop for d in drawn)
+    assert drawn[0][1] == IDS[0]                                # greedy: the best id that may be drawn
+    # only the row's own stop ids are held back (its stop_token_ids when no stop_ids are given)
+    own = SamplingBatch([SamplingParams(min_tokens=1, temperature=0, stop_token_ids=[9])], V)
+    assert sample(logits[None], own).token_ids.item() == 5
+
+
+def test_slot_rows_bias_like_a_batch():
+    """The runner's per-slot rows (gathered by a device index, the captured decode step's way) apply
+    the same bias and min_tokens as a SamplingBatch of the same params."""
+    from dsv4.engine.sampling import SampleFlags
+
+    logits = hand_logits().clone()
+    logits[5] = 30.0
+    params = [SamplingParams(seed=4, logit_bias={IDS[1]: 3.0}, min_tokens=2), SamplingParams(seed=6)]
+    slots = SlotSampling(4, V, "cpu")
+    for slot, p in zip((2, 0), params):
+        slots.assign(slot, p, [1], stop_ids=[5])
+    flags = SampleFlags.of(params, V)
+    assert flags.bias
+    batch = SamplingBatch(params, V, prompt_ids=[[1], [1]], stop_ids=[[5], [5]])
+    idx = torch.tensor([2, 0])
+    for _ in range(3):
+        assert torch.equal(slots.sample(logits.expand(2, V), idx, flags).token_ids,
+                           sample(logits.expand(2, V), batch).token_ids)
+
+
+def test_stop_checker_waits_for_min_tokens():
+    checker = StopChecker(["AB"], [7], eos_id=2, min_tokens=3)
+    assert checker.check("AB", 7) == ("AB", False, None)           # token 1: no stop id, no string
+    assert checker.check("x", 2) == ("x", False, None)              # token 2
+    assert checker.check("AB", 1) == ("", True, "stop")             # token 3: strings count again
+    assert StopChecker(eos_id=2, max_tokens=2, min_tokens=5).check("a", 1) == ("a", False, None)
+    short = StopChecker(max_tokens=1, min_tokens=1)
+    assert short.check("a", 1) == ("a", True, "length")
+    with pytest.raises(ValueError, match=r"min_tokens \(5\) must be <= max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 # ----------------------------------------------------------------------------- params
 
 
@@ -424,8 +505,10 @@ def test_params_defaults_and_normalisation():
     ("temperature", float("nan")), ("top_k", -1), ("top_k", True), ("top_p", 0.0), ("top_p", 1.5),
     ("min_p", -0.1), ("min_p", 1.1), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
     ("frequency_penalty", -3.0), ("seed", 1.5), ("logprobs", 21), ("logprobs", -1),
-    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop", [""]), ("stop", [3]),
-    ("ignore_eos", 1),
+    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", list(range(65))), ("stop", [""]),
+    ("stop", [3]), ("ignore_eos", 1), ("min_tokens", -1), ("min_tokens", 1.0), ("logit_bias", {3: 101}),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {"3": 1.0}), ("logit_bias", {3: float("nan")}),
+    ("logit_bias", {t: 1.0 for t in range(1025)}),
 ])
 def test_params_validation_names_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*got {re_escape(value)}"):

@@ -177,6 +177,11 @@ def test_chat_ignore_eos_generates_past_the_end_token_and_stray_markup(client, s
     (dict(reasoning_effort="medium"), 400, "reasoning_effort", "'high' or 'max'"),
     (dict(tool_choice={"type": "function", "function": {"name": "g"}},
           tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice", "no tool named 'g'"),
+    (dict(logit_bias={"x7": 1}), 400, "logit_bias", "keys must be token ids"),
+    (dict(logit_bias={"7": 101}), 400, "logit_bias", "numbers in [-100, 100]"),
+    (dict(logit_bias={"100000": 1}), 400, "logit_bias", "outside [0, "),
+    (dict(extra_body={"min_tokens": 3}), 400, "min_tokens", "must be <= max_tokens (2)"),
+    (dict(extra_body={"stop_token_ids": list(range(65))}), 400, "stop_token_ids", "at most 64"),
 ])
 def test_chat_errors(client, kwargs, status, param, words):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
@@ -186,6 +191,26 @@ def test_chat_errors(client, kwargs, status, param, words):
     err = e.value.body
     assert set(err) == {"message", "type", "param", "code"}, err
     assert err["param"] == param and words in err["message"], err
+
+
+def test_logit_bias_and_min_tokens(client):
+    """OpenAI's logit_bias (string keys) forces or bans a token, sampled or greedy, streamed or not;
+    vLLM's min_tokens holds a stop token id back until then, even one the bias all but forces."""
+    ask = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, logprobs=0)
+    forced = client.completions.create(**ask, seed=3, logit_bias={"7": 100})
+    tokens = forced.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1
+    chunks = list(client.completions.create(**ask, temperature=0, logit_bias={"7": 100}, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == forced.choices[0].text
+    greedy = client.completions.create(**ask, temperature=0).choices[0].logprobs.tokens
+    banned = client.completions.create(**ask, temperature=0, logit_bias={"7": -100}).choices[0].logprobs.tokens
+    assert tokens[0] not in banned and (tokens[0] in greedy or banned == greedy)
+    stop = dict(ask, max_tokens=6, temperature=0, logit_bias={"7": 100}, extra_body={"stop_token_ids": [7]})
+    at_once = client.completions.create(**stop)
+    assert at_once.usage.completion_tokens == 1 and at_once.choices[0].finish_reason == "stop"
+    held = client.completions.create(**{**stop, "extra_body": {"stop_token_ids": [7], "min_tokens": 3}})
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+    assert tokens[0] not in held.choices[0].logprobs.tokens[:3]
 
 
 def test_prompt_too_long_names_both_lengths(client):

@@ -142,22 +142,33 @@ def _engine(model, spec, slots: int = 3, budget: int = 64):
 
 
 def _greedy_requests(seed: int, n: int = 3, max_tokens: int = 160):
-    """Prompts with repeats (the n-gram drafter finds matches), greedy with logprobs; the third with
-    repetition, frequency and presence penalties (each verify position sees the drafts before it)."""
+    """Prompts with repeats (the n-gram drafter finds matches), greedy with logprobs; the second with a
+    logit bias that all but forces a stop id which min_tokens holds back for 50 tokens (each verify
+    position sees its own step), the third with repetition, frequency and presence penalties (each
+    verify position sees the drafts before it)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         base = [rng.randrange(2, 512) for _ in range(rng.randint(3, 9))]
         prompt = (base * 4)[:rng.randint(5, 40)]
-        penalties = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2) if i == 2 else {}
+        knobs = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2) if i == 2 else \
+            dict(logit_bias={base[0]: 40.0, base[1]: -3.0}, stop_token_ids=[base[0]], min_tokens=50) if i == 1 else {}
         out.append((prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True,
-                                           **penalties)))
+                                           **knobs)))
     return out
 
 
 @pytest.fixture(scope="module")
 def plain_outputs(model):
     return generate(_engine(model, None), _greedy_requests(1))
+
+
+def test_min_tokens_holds_a_forced_stop_id_back(plain_outputs):
+    """The biased request (plain decoding): its stop id, which the bias all but forces, comes as token 51."""
+    (_, params), out = _greedy_requests(1)[1], plain_outputs[1]
+    stop = params.stop_token_ids[0]
+    assert len(out.token_ids) == 51 and out.token_ids[-1] == stop and stop not in out.token_ids[:-1]
+    assert out.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("method, k", [("ngram", 1), ("ngram", 2), ("ngram", 3), ("ngram", 4),

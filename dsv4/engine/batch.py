@@ -44,11 +44,14 @@ class Save:
 class NewSequence:
     """A row that starts a sequence: the slot is emptied and takes these sampling parameters (the
     whole prompt is needed for the repetition penalties). ``cached``: the slot first gets this
-    cached prefix's state, and the row starts at its end."""
+    cached prefix's state, and the row starts at its end. ``stop_ids``: the ids that would stop the
+    sequence (EOS unless ``ignore_eos``, its ``stop_token_ids``), which ``min_tokens`` holds back;
+    None: its ``stop_token_ids``."""
 
     params: SamplingParams
     prompt_ids: tuple[int, ...]
     cached: CachedPrefix | None = None
+    stop_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class _Track:
                       if tokenizer is not None and detokenize else None)
         # max_tokens is the scheduler's (it must not schedule past it); stops are ours
         p = request.params
-        self.stops = StopChecker(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, None)
+        self.stops = StopChecker(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, None, p.min_tokens)
         self.pending = 0          # tokens launched on the device, not yet seen on the host
         self.constraint: Constraint | None = None     # the grammar / thinking budget, if any
         self.acceptance: Acceptance | None = None      # speculative decoding: the policy's state
@@ -234,6 +234,10 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt "
                 "and at least one generated token must fit)")
         self.scheduler.check(list(prompt_ids), params)
+        for what, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"{what}: token ids outside [0, {self.vocab_size}): {sorted(bad)[:5]}", param=what)
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise RequestError("structured outputs need a tokenizer", param=params.structured_outputs.param)
@@ -371,7 +375,8 @@ class Engine:
             req = chunk.request
             new = None
             if chunk.first:
-                new = NewSequence(req.params, tuple(req.prompt_ids), req.cached)
+                new = NewSequence(req.params, tuple(req.prompt_ids), req.cached,
+                                  tuple(sorted(self.tracks[req.request_id].stops.stop_ids)))
                 restored.append(req)
                 self.tracks[req.request_id].out.num_cached_tokens = req.num_cached_tokens
             end = chunk.start + len(chunk.token_ids)

@@ -146,10 +146,12 @@ class Runner:
             self.lengths[s] = 0
         self.state.reset(list(slots))
 
-    def start(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        """Make ``slot`` empty and give it a request's sampling parameters."""
+    def start(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int],
+              stop_ids: Sequence[int] | None = None) -> None:
+        """Make ``slot`` empty and give it a request's sampling parameters (``stop_ids``: what its
+        ``min_tokens`` holds back, :class:`~dsv4.engine.batch.NewSequence`)."""
         self.reset([slot])
-        self.sampling.assign(slot, params, prompt_ids)
+        self.sampling.assign(slot, params, prompt_ids, stop_ids)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_num_seqs:
@@ -225,7 +227,7 @@ class Runner:
                 snaps.setdefault(sv.slot, []).append((r.start, end, staged[i]))
         for r in rows:
             if r.new is not None:
-                self.start(r.slot, r.new.params, r.new.prompt_ids)
+                self.start(r.slot, r.new.params, r.new.prompt_ids, r.new.stop_ids)
                 if r.new.cached is not None:
                     self._restore(r.slot, r.new.cached)
         if steps > 1:

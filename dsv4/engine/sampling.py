@@ -7,6 +7,10 @@ live in tensors of a :class:`SamplingBatch`, greedy rows are picked with ``torch
 and the only Python branches test flags fixed when the batch is built (``any row uses
 top-p?``), never tensor values. One step over ``logits [B, V]``:
 
+0. logit bias (OpenAI's ``logit_bias``: a number in [-100, 100] added to a token's logit) and
+   ``min_tokens`` (vLLM's: the ids that would stop the request -- EOS unless ``ignore_eos``, and
+   ``stop_token_ids`` -- are -inf until it has that many tokens), as vLLM orders them: before
+   the penalties. Both live in small per-row tables (ids and values), made dense only here;
 1. penalties -- repetition (CTRL / HF: a seen token's logit is divided by ``r`` when
    positive, multiplied by ``r`` when negative; "seen" = prompt or output), then
    presence / frequency (OpenAI: ``l -= freq * count + pres * (count > 0)`` over
@@ -56,6 +60,8 @@ from .grammar import StructuredOutputsParams, TokenBitmask, apply_token_bitmask
 from .h2d import copy_into
 
 MAX_LOGPROBS = 20  # most top alternatives one request may ask for
+MAX_LOGIT_BIAS = 1024  # most logit_bias entries one request may give (a row of each slot's table)
+MAX_STOP_TOKEN_IDS = 64  # most stop_token_ids one request may give (min_tokens holds them back, and EOS)
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
 _M32 = 0xFFFFFFFF
 
@@ -92,11 +98,18 @@ class SamplingParams:
     model's distribution, before penalties and temperature; None for the first token) and the top
     n at each position. Delivered with the request's first output (lm-eval's loglikelihood)."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end generation (their text is not emitted)."""
+    """Token ids that end generation (their text is not emitted); at most ``MAX_STOP_TOKEN_IDS``."""
     stop: list[str] = field(default_factory=list)
     """Strings that end generation; the output stops right before the first match."""
     ignore_eos: bool = False
     """Keep generating past the EOS token (``stop_token_ids`` still stop)."""
+    min_tokens: int = 0
+    """Generate at least this many tokens (<= ``max_tokens``): until then the ids that would stop the
+    request (EOS unless ``ignore_eos``, ``stop_token_ids``) are never drawn and stop strings are not
+    matched (vLLM's)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a number in [-100, 100] added to its logit before anything else (OpenAI's; -100
+    bans a token in practice, +100 all but forces it); at most ``MAX_LOGIT_BIAS`` entries."""
     structured_outputs: StructuredOutputsParams | None = None
     """A :class:`~dsv4.engine.grammar.StructuredOutputsParams`: the output must match its grammar
     (enforced by a token bitmask; with thinking on, from the token after ``</think>``)."""
@@ -111,7 +124,11 @@ class SamplingParams:
             problem = field_problem(name, getattr(self, name))
             if problem:
                 raise RequestError(f"SamplingParams.{name} {problem}")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= max_tokens "
+                               f"({self.max_tokens})")
         self.stop_token_ids, self.stop = list(self.stop_token_ids), list(self.stop)
+        self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()} if self.logit_bias else None
 
     @property
     def greedy(self) -> bool:
@@ -163,14 +180,21 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         f"None or an int in [0, {MAX_LOGPROBS}]",
     ),
     "stop_token_ids": (
-        lambda v: _is_list_of(v, lambda t: _is_int(t) and t >= 0),
-        "a list of ints >= 0",
+        lambda v: _is_list_of(v, lambda t: _is_int(t) and t >= 0) and len(v) <= MAX_STOP_TOKEN_IDS,
+        f"a list of at most {MAX_STOP_TOKEN_IDS} ints >= 0",
     ),
     "stop": (
         lambda v: _is_list_of(v, lambda t: isinstance(t, str) and t != ""),
         "a list of non-empty strings",
     ),
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+    "min_tokens": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "logit_bias": (
+        lambda v: v is None or (isinstance(v, dict) and len(v) <= MAX_LOGIT_BIAS
+                                and all(_is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100
+                                        for t, b in v.items())),
+        f"None or a dict of at most {MAX_LOGIT_BIAS} token ids (ints >= 0) to numbers in [-100, 100]",
+    ),
     "structured_outputs": (lambda v: v is None or isinstance(v, StructuredOutputsParams),
                            "None or a StructuredOutputsParams"),
     "thinking_token_budget": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an int >= 0"),
@@ -187,11 +211,14 @@ class SamplingBatch:
     int64 (V when off), ``top_p``, ``min_p``, ``log_min_p``, ``repetition_penalty``,
     ``presence_penalty``, ``frequency_penalty`` [B] fp32, ``seed_lo`` / ``seed_hi`` [B] int64
     (32-bit halves of the 64-bit seed), ``step`` [B] int64 (draws made so far).
+    Biases: ``bias_ids`` [B, MAX_LOGIT_BIAS] int64 / ``bias_vals`` fp32 (a row's logit_bias, padded
+    with id 0 and value 0), ``min_tokens`` [B] int64, ``ban_ids`` [B, MAX_STOP_TOKEN_IDS + 1] int64 /
+    ``ban_on`` fp32 (1 for the ids min_tokens holds back, 0 on padding).
     Penalty state, allocated only when some row has a penalty (else None): ``counts`` [B, V]
     int32 (generated-token counts) and ``prompt_mask`` [B, V] bool (tokens seen in the prompt
     *or* the output). Host side: ``params``, the effective ``seeds``, and flags derived from
     the params (``all_greedy``, ``use_top_k``, ``use_top_p``, ``use_min_p``, ``max_top_k``,
-    ``num_logprobs``) that let :func:`sample` skip work without reading tensors.
+    ``num_logprobs``, ``use_bias``) that let :func:`sample` skip work without reading tensors.
     """
 
     def __init__(
@@ -202,8 +229,12 @@ class SamplingBatch:
         prompt_ids: Sequence[Sequence[int]] | None = None,
         output_ids: Sequence[Sequence[int]] | None = None,
         rng: random.Random | None = None,
+        stop_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Build the state once per batch; one host-to-device copy per tensor.
+
+        ``stop_ids[i]``: the ids that would stop row i (EOS unless ``ignore_eos``, and its
+        ``stop_token_ids``), which ``min_tokens`` holds back; default its ``stop_token_ids``.
 
         ``prompt_ids[i]`` feeds row i's repetition penalty. ``output_ids[i]`` resumes a row
         (e.g. after preemption): its counts and its ``step = len(output_ids[i])``, so a
@@ -238,6 +269,20 @@ class SamplingBatch:
         self.seed_lo = col([s & _M32 for s in self.seeds], torch.int64)
         self.seed_hi = col([s >> 32 for s in self.seeds], torch.int64)
         self.step = col([len(o) for o in output_ids], torch.int64)
+        biases = [sorted((p.logit_bias or {}).items()) for p in params]
+        bad = [t for row in biases for t, _ in row if t >= V]
+        if bad:
+            raise RequestError(f"logit_bias: token ids outside [0, {V}): {bad[:5]}", param="logit_bias")
+        self.bias_ids = col([[t for t, _ in row] + [0] * (MAX_LOGIT_BIAS - len(row)) for row in biases], torch.int64)
+        self.bias_vals = col([[b for _, b in row] + [0.0] * (MAX_LOGIT_BIAS - len(row)) for row in biases],
+                             torch.float32)
+        self.min_tokens = col([p.min_tokens for p in params], torch.int64)
+        stops = [sorted(set(ids)) for ids in (stop_ids if stop_ids is not None else [p.stop_token_ids for p in params])]
+        if len(stops) != B or any(len(ids) > MAX_STOP_TOKEN_IDS + 1 or any(not 0 <= t < V for t in ids) for ids in stops):
+            raise ValueError(f"stop_ids need {B} rows of at most {MAX_STOP_TOKEN_IDS + 1} ids in [0, {V})")
+        width = MAX_STOP_TOKEN_IDS + 1
+        self.ban_ids = col([ids + [0] * (width - len(ids)) for ids in stops], torch.int64)
+        self.ban_on = col([[1.0] * len(ids) + [0.0] * (width - len(ids)) for ids in stops], torch.float32)
         self.counts: Tensor | None = None
         self.prompt_mask: Tensor | None = None
         #: allowed-token bitmask rows [B, ceil(V/32)] int32 (dsv4.engine.grammar), or None: no constraint
@@ -257,6 +302,7 @@ class SamplingBatch:
         self.use_min_p = any(not p.greedy and p.min_p > 0 for p in ps)
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         self.num_logprobs: int | None = max(asked) if asked else None
+        self.use_bias = any(_has_bias(p) for p in ps)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -288,6 +334,14 @@ class SamplingBatch:
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def _has_bias(p: SamplingParams) -> bool:
+    return bool(p.logit_bias) or p.min_tokens > 0
+
+
+#: the per-row tables :func:`apply_logit_bias` reads (besides ``step``)
+BIAS_TABLES = ("bias_ids", "bias_vals", "min_tokens", "ban_ids", "ban_on")
 
 
 def _count_ids(rows: Sequence[Sequence[int]], V: int, device: torch.device) -> Tensor:
@@ -329,7 +383,10 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     if logits.dim() != 2 or logits.shape[0] != len(batch) or logits.shape[1] != batch.vocab_size:
         want = [len(batch), batch.vocab_size]
         raise ValueError(f"logits must be {want}, got {list(logits.shape)}")
-    logits = apply_penalties(logits.float(), batch)  # [B, V] fp32
+    logits = logits.float()
+    if batch.use_bias:
+        logits = apply_logit_bias(logits, batch)
+    logits = apply_penalties(logits, batch)  # [B, V] fp32
     logp = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
     if batch.token_bitmask is not None:   # a grammar truncates like top-k: logprobs stay the model's
         logits = apply_token_bitmask(logits, batch.token_bitmask)
@@ -347,6 +404,16 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     chosen = logp.gather(1, token_ids[:, None]).squeeze(1)  # [B]
     top = logp.topk(batch.num_logprobs, dim=-1) if batch.num_logprobs else None  # sorted
     return SampleOutput(token_ids, chosen, None if top is None else (top.indices, top.values))
+
+
+def apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Each row's ``logit_bias`` added, and the ids its ``min_tokens`` holds back at -inf while the
+    row has drawn fewer than ``min_tokens`` tokens (``batch.step``); ``logits`` [B, V] fp32 -> new
+    [B, V] fp32. The padding entries add 0 and ban nothing."""
+    bias = torch.zeros_like(logits).scatter_add_(1, batch.bias_ids, batch.bias_vals)
+    held = torch.zeros_like(logits).scatter_add_(1, batch.ban_ids, batch.ban_on) > 0
+    held &= (batch.step < batch.min_tokens)[:, None]
+    return (logits + bias).masked_fill(held, -math.inf)
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -407,6 +474,7 @@ class SampleFlags:
     penalties: bool = False
     logprobs: int | None = None
     grammar: bool = False    # some row is constrained: apply the slots' token bitmasks
+    bias: bool = False       # some row has a logit_bias or a min_tokens: apply the slots' bias tables
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> "SampleFlags":
@@ -421,7 +489,8 @@ class SampleFlags:
                    min_p=any(p.min_p > 0 for p in sampling),
                    penalties=any(_has_penalty(p) for p in params),
                    logprobs=MAX_LOGPROBS if asked and max(asked) > 0 else (0 if asked else None),
-                   grammar=any(p.constrained for p in params))
+                   grammar=any(p.constrained for p in params),
+                   bias=any(_has_bias(p) for p in params))
 
 
 class SlotSampling:
@@ -438,11 +507,15 @@ class SlotSampling:
         self.bitmask = TokenBitmask(slots, vocab_size, self.device)
         self.params: list[SamplingParams | None] = [None] * slots
 
-    def assign(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+    def assign(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int],
+               stop_ids: Sequence[int] | None = None) -> None:
         """Write ``slot``'s row for a new request (host to device; never inside a graph). The row
         is built on the host and copied through page-locked memory, and the penalty rows are
-        cleared with ``fill_``: admitting a request never makes the host wait for the device."""
-        one = SamplingBatch([params], self.vocab_size, "cpu", prompt_ids=[prompt_ids])
+        cleared with ``fill_``: admitting a request never makes the host wait for the device.
+        ``stop_ids``: the ids that would stop it, which ``min_tokens`` holds back (default its
+        ``stop_token_ids``; the engine adds EOS unless ``ignore_eos``)."""
+        one = SamplingBatch([params], self.vocab_size, "cpu", prompt_ids=[prompt_ids],
+                            stop_ids=None if stop_ids is None else [stop_ids])
         for name, value in vars(one).items():
             if isinstance(value, Tensor) and name not in ("counts", "prompt_mask"):
                 copy_into(getattr(self.rows, name)[slot], value[0])
@@ -474,6 +547,10 @@ class SlotSampling:
         batch.max_top_k = flags.max_top_k or self.vocab_size
         batch.num_logprobs = flags.logprobs
         batch.token_bitmask = self.bitmask.gather(slot_idx) if flags.grammar else None
+        batch.use_bias = flags.bias
+        if flags.bias:
+            for name in BIAS_TABLES:
+                setattr(batch, name, getattr(rows, name).index_select(0, slot_idx))
         out = sample(logits, batch)
         rows.step.index_copy_(0, slot_idx, batch.step)
         if flags.penalties:
@@ -545,6 +622,8 @@ class StopChecker:
     split over tokens ("ST" + "OP"), so any tail of the text that is a prefix of a stop
     string is held back until it either completes a match (then dropped with everything
     after it) or stops matching (then emitted). A stop token's own text is not emitted.
+    Until the ``min_tokens``-th token nothing stops the request but ``max_tokens`` (the sampler
+    never draws a stop id then) and stop strings are not looked for (vLLM's).
     """
 
     def __init__(
@@ -554,8 +633,10 @@ class StopChecker:
         eos_id: int | None = None,
         ignore_eos: bool = False,
         max_tokens: int | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.stop_strings = [s for s in stop_strings if s]
+        self.min_tokens = min_tokens
         self.stop_ids = set(stop_token_ids)
         if eos_id is not None and not ignore_eos:
             self.stop_ids.add(eos_id)
@@ -568,7 +649,7 @@ class StopChecker:
     def from_params(cls, params: SamplingParams, eos_id: int | None) -> StopChecker:
         """The checker for one request's params and the tokenizer's EOS id."""
         p = params
-        return cls(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, p.max_tokens)
+        return cls(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, p.max_tokens, p.min_tokens)
 
     def check(self, new_text: str, token_id: int) -> tuple[str, bool, FinishReason | None]:
         """Take one generated token; return ``(emit_text, stopped, reason)``.
@@ -579,6 +660,10 @@ class StopChecker:
         if self.stopped:
             raise RuntimeError("StopChecker.check called after the request stopped")
         self.num_tokens += 1
+        if self.num_tokens < self.min_tokens:
+            if self.max_tokens is not None and self.num_tokens >= self.max_tokens:
+                return self._end(new_text, "length")
+            return new_text, False, None
         if token_id in self.stop_ids:
             return self._end(self._held, "stop")
         text = self._held + new_text

@@ -81,7 +81,8 @@ from torch import Tensor
 
 from ..errors import UsageError
 from .grammar import apply_token_bitmask
-from .sampling import SampleOutput, SamplingBatch, apply_penalties, apply_top_k_top_p_min_p, gumbel_noise, uniform_noise
+from .sampling import (BIAS_TABLES, SampleOutput, SamplingBatch, apply_logit_bias, apply_penalties,
+                       apply_top_k_top_p_min_p, gumbel_noise, uniform_noise)
 
 METHODS = ("ngram", "mtp")
 #: ``disable_by_batch_size``'s default (module docstring: above 64 rows a verify step's cost ratio
@@ -311,7 +312,10 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
     for name in ("greedy", "temperature", "top_k", "top_p", "min_p", "log_min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "seed_lo", "seed_hi", "step"):
         setattr(batch, name, getattr(rows, name).index_select(0, idx))
-    batch.step = batch.step + pos.repeat(b)
+    batch.step = batch.step + pos.repeat(b)         # position i is the row's draw step + i (min_tokens)
+    if flags.bias:
+        for name in BIAS_TABLES:
+            setattr(batch, name, getattr(rows, name).index_select(0, idx))
     batch.counts = batch.prompt_mask = None
     if flags.penalties:
         # position i has seen the drafts d_1..d_i as generated tokens
@@ -324,7 +328,8 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
     batch.use_top_k = flags.top_k and not flags.top_p
     batch.max_top_k = flags.max_top_k or V
 
-    pen = apply_penalties(logits.flatten(0, 1).float(), batch)                    # [b*S, V]
+    pen = logits.flatten(0, 1).float()                                            # [b*S, V]
+    pen = apply_penalties(apply_logit_bias(pen, batch) if flags.bias else pen, batch)
     # a grammar truncates like top-k (logprobs stay the model's): each position's own mask
     allowed = apply_token_bitmask(pen, sampling.bitmask.gather_drafts(slot_idx, S)) if flags.grammar else pen
     target = allowed.argmax(-1)

@@ -2,7 +2,7 @@
 schema is generated from these).
 
 Requests accept OpenAI's fields plus the usual engine extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``chat_template_kwargs``). Unknown
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``chat_template_kwargs``). Unknown
 fields are accepted and logged (SDKs send fields we do not use); values are range-checked here,
 so a bad value is a 400 naming the field before anything runs. Streamed chunks are plain dicts
 built in the serving modules (their keys mirror the models below).
@@ -97,7 +97,10 @@ class _Sampling(_Request):
                                                         "returned text (vLLM's default)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string, as OpenAI sends it) -> a number in [-100, 100] added to its logit")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: at least this many tokens before EOS, a stop token id or "
+                                                 "a stop string may end the output")
     user: str | None = None
     response_format: ResponseFormat | None = Field(
         None, description="json_object or json_schema: the output is valid JSON (matching the schema), enforced")

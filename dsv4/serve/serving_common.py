@@ -145,8 +145,11 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, pr
                     structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's parameters for choice ``choice`` of a request (seeded choices differ by index);
     ``seed`` is the request's (:meth:`ServingContext.request_seed`); ``structured`` its constraint."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    bad = [t for t in req.logit_bias or {} if not (t.isascii() and t.strip().isdigit())]
+    if bad:
+        raise bad_request(f"logit_bias: keys must be token ids (integers >= 0, as strings), got {bad[:5]}",
+                          "logit_bias")
+    bias = {int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -156,9 +159,11 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, pr
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             seed=None if seed is None else seed + choice, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-            structured_outputs=structured, thinking_token_budget=req.thinking_token_budget)
-    except RequestError as e:   # the ranges are checked by the protocol; this names any that slipped by
-        raise bad_request(str(e).replace("SamplingParams.", "")) from None
+            structured_outputs=structured, thinking_token_budget=req.thinking_token_budget,
+            min_tokens=req.min_tokens, logit_bias=bias)
+    except RequestError as e:   # most ranges are checked by the protocol; this names the field of any other
+        message = str(e).replace("SamplingParams.", "")
+        raise bad_request(message, e.param or message.split(" ")[0]) from None
 
 
 def check_stop_ids(ids: list[int] | None, vocab: int) -> None:
