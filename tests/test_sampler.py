@@ -316,9 +316,10 @@ def test_noise_is_finite_at_the_top_hash():
 
 def test_sample_has_no_host_sync():
     """On the meta device any .item()/.tolist()/bool(tensor) raises, so this proves no sync."""
-    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(top_k=5, top_p=0.9, min_p=0.1,
-              repetition_penalty=1.2, presence_penalty=0.5, seed=1)]
+    params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias={3: 1.0}, min_tokens=2),
+              SamplingParams(top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5, seed=1)]
     batch = SamplingBatch(params, 50, device="meta")
+    assert batch.use_bias
     out = sample(torch.empty(2, 50, device="meta"), batch)
     batch.update(out.token_ids)
     assert out.token_ids.shape == (2,) and out.top_logprobs[0].shape == (2, 3)
