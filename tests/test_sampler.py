@@ -480,6 +480,16 @@ def test_slot_rows_bias_like_a_batch():
                            sample(logits.expand(2, V), batch).token_ids)
 
 
+def test_stop_checker_includes_the_stop_when_asked():
+    inc = dict(include_stop=True)
+    assert feed(StopChecker(["YZ", "XYZ"], **inc), ["ok X", "YZ tail"], ids=[1, 2])[0] == ["ok ", "XYZ"]  # earliest
+    assert feed(StopChecker(["XY", "XYZ"], **inc), ["ok X", "YZ"], ids=[1, 2])[0] == ["ok ", "XY"]  # first listed
+    emitted, stopped, reason = feed(StopChecker(["XYZ"], [7], **inc), ["ok X", "<stop>"], ids=[1, 7])
+    assert emitted == ["ok ", "X<stop>"] and stopped and reason == "stop"
+    p = SamplingParams(stop=["b"], include_stop_str_in_output=True)
+    assert StopChecker.from_params(p, eos_id=0).check("abc", 3) == ("ab", True, "stop")
+
+
 def test_stop_checker_waits_for_min_tokens():
     checker = StopChecker(["AB"], [7], eos_id=2, min_tokens=3)
     assert checker.check("AB", 7) == ("AB", False, None)           # token 1: no stop id, no string

@@ -213,6 +213,54 @@ def test_logit_bias_and_min_tokens(client):
     assert tokens[0] not in held.choices[0].logprobs.tokens[:3]
 
 
+def test_vllm_stop_usage_and_truncation_extras(client):
+    """include_stop_str_in_output, stream_options.continuous_usage_stats, truncate_prompt_tokens."""
+    base = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    text = base.choices[0].text
+    stop = text[2:4]
+    cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, stop=[stop])
+    kept = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    first = text.find(stop)
+    assert cut.choices[0].text == text[:first] and kept.choices[0].text == text[:first + len(stop)]
+    assert cut.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+    for create, kw in ((client.completions.create, dict(prompt="Hello")),
+                       (client.chat.completions.create, dict(messages=[{"role": "user", "content": "Hello"}]))):
+        chunks = list(create(model=MODEL, max_tokens=4, temperature=0, stream=True, **kw, extra_body={"ignore_eos": True},
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        used = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None for c in chunks) and used == sorted(used) and used[-1] == 4
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+        plain = list(create(model=MODEL, max_tokens=4, temperature=0, stream=True, **kw,
+                            stream_options={"include_usage": True}))
+        assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    short = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, logprobs=0,
+                                      extra_body={"truncate_prompt_tokens": 3})
+    tail = client.completions.create(model=MODEL, prompt=ids[-3:], max_tokens=3, temperature=0, logprobs=0)
+    assert short.usage.prompt_tokens == 3 and short.choices[0].text == tail.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 40}],
+                                          max_tokens=1, extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage.prompt_tokens == 7
+
+
+@pytest.mark.parametrize("route, field, value", [
+    ("chat", "use_beam_search", True), ("completions", "bad_words", ["x"]), ("chat", "allowed_token_ids", [1]),
+    ("completions", "guided_json", {"type": "object"}), ("chat", "continue_final_message", True),
+    ("chat", "echo", True), ("chat", "add_generation_prompt", False), ("completions", "prompt_logprobs", 1),
+    ("chat", "truncate_prompt_tokens", 0),
+])
+def test_vllm_fields_not_implemented_are_refused_by_name(client, route, field, value):
+    create = client.chat.completions.create if route == "chat" else client.completions.create
+    kw = dict(messages=[{"role": "user", "content": "hi"}]) if route == "chat" else dict(prompt="hi")
+    with pytest.raises(openai.BadRequestError) as e:
+        create(model=MODEL, max_tokens=2, **kw, extra_body={field: value})
+    assert e.value.body["param"] == field and field in e.value.body["message"]
+    # the same fields at their defaults (as SDKs and vLLM clients send them) are fine
+    if field in ("use_beam_search", "add_generation_prompt", "echo"):
+        create(model=MODEL, max_tokens=1, **kw, extra_body={field: field == "add_generation_prompt"})
+
+
 def test_prompt_too_long_names_both_lengths(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[5] * 600, max_tokens=1)

@@ -129,7 +129,8 @@ class _Track:
                       if tokenizer is not None and detokenize else None)
         # max_tokens is the scheduler's (it must not schedule past it); stops are ours
         p = request.params
-        self.stops = StopChecker(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, None, p.min_tokens)
+        self.stops = StopChecker(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, None, p.min_tokens,
+                                 p.include_stop_str_in_output)
         self.pending = 0          # tokens launched on the device, not yet seen on the host
         self.constraint: Constraint | None = None     # the grammar / thinking budget, if any
         self.acceptance: Acceptance | None = None      # speculative decoding: the policy's state

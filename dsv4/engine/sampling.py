@@ -101,6 +101,8 @@ class SamplingParams:
     """Token ids that end generation (their text is not emitted); at most ``MAX_STOP_TOKEN_IDS``."""
     stop: list[str] = field(default_factory=list)
     """Strings that end generation; the output stops right before the first match."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the output (and a stop token's text) at its end (vLLM's)."""
     ignore_eos: bool = False
     """Keep generating past the EOS token (``stop_token_ids`` still stop)."""
     min_tokens: int = 0
@@ -188,6 +190,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a list of non-empty strings",
     ),
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "a bool"),
     "min_tokens": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
     "logit_bias": (
         lambda v: v is None or (isinstance(v, dict) and len(v) <= MAX_LOGIT_BIAS
@@ -634,9 +637,11 @@ class StopChecker:
         ignore_eos: bool = False,
         max_tokens: int | None = None,
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self.stop_strings = [s for s in stop_strings if s]
         self.min_tokens = min_tokens
+        self.include_stop = include_stop      # the matched stop string / stop token's text is emitted too
         self.stop_ids = set(stop_token_ids)
         if eos_id is not None and not ignore_eos:
             self.stop_ids.add(eos_id)
@@ -649,7 +654,8 @@ class StopChecker:
     def from_params(cls, params: SamplingParams, eos_id: int | None) -> StopChecker:
         """The checker for one request's params and the tokenizer's EOS id."""
         p = params
-        return cls(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, p.max_tokens, p.min_tokens)
+        return cls(p.stop, p.stop_token_ids, eos_id, p.ignore_eos, p.max_tokens, p.min_tokens,
+                   p.include_stop_str_in_output)
 
     def check(self, new_text: str, token_id: int) -> tuple[str, bool, FinishReason | None]:
         """Take one generated token; return ``(emit_text, stopped, reason)``.
@@ -665,11 +671,12 @@ class StopChecker:
                 return self._end(new_text, "length")
             return new_text, False, None
         if token_id in self.stop_ids:
-            return self._end(self._held, "stop")
+            return self._end(self._held + (new_text if self.include_stop else ""), "stop")
         text = self._held + new_text
-        cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
-        if cut >= 0:
-            return self._end(text[:cut], "stop")
+        found = [(i, n) for n, i in enumerate(text.find(s) for s in self.stop_strings) if i >= 0]
+        if found:
+            cut, n = min(found)       # the earliest match (the first listed of those at one place)
+            return self._end(text[:cut + (len(self.stop_strings[n]) if self.include_stop else 0)], "stop")
         if self.max_tokens is not None and self.num_tokens >= self.max_tokens:
             return self._end(text, "length")
         keep = self._partial_match_len(text)

@@ -33,7 +33,7 @@ from .. import __version__
 from ..errors import Dsv4Error, RequestError
 from ..text.tokenizer import TokenizerNotFoundError
 from .async_engine import AsyncEngine
-from .errors import ANTHROPIC_PATHS, APIError, validation_message
+from .errors import ANTHROPIC_PATHS, APIError, bad_request, validation_message
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health, ModelCard, ModelList,
@@ -326,20 +326,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", responses={
         200: {"model": CompletionResponse, "content": {"text/event-stream": {}}}, **_GEN_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
-        _warn_extra(body, "/v1/completions")
+        _check_extra(body, "/v1/completions")
         return _json(await state.completions.create(body, request))
 
     @app.post("/v1/chat/completions", responses={
         200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {}}}, **_GEN_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _warn_extra(body, "/v1/chat/completions")
+        _check_extra(body, "/v1/chat/completions")
         return _json(await state.chat.create(body, request))
 
     @app.post("/v1/messages", responses={200: {"content": {"application/json": {}, "text/event-stream": {}}},
                                          **{c: {"model": AnthropicError} for c in (400, 401, 404, 500, 503)}})
     async def messages(body: MessagesRequest, request: Request):
         """Anthropic's Messages API (errors in Anthropic's shape)."""
-        _warn_extra(body, "/v1/messages")
+        _check_extra(body, "/v1/messages")
         return _json(await state.messages.create(body, request))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 503))
@@ -390,7 +390,37 @@ def _json(result):
     return result
 
 
-def _warn_extra(body, route: str) -> None:
+#: vLLM's request fields this server does not implement -> (what counts as asking for it, what to do
+#: instead): a request that asks is refused by name rather than answered as if it had not asked
+_UNSUPPORTED = {
+    "use_beam_search": (bool, "beam search is not supported"),
+    "length_penalty": (lambda v: v is not None and v != 1, "it applies to beam search, which is not supported"),
+    "bad_words": (bool, "not supported (logit_bias bans single tokens)"),
+    "allowed_token_ids": (lambda v: v is not None, "not supported (structured_outputs.choice or regex restricts "
+                                                   "the output)"),
+    "logits_processors": (bool, "not supported"),
+    "return_tokens_as_token_ids": (bool, "not supported"),
+    "continue_final_message": (bool, "not supported"),
+    "prompt_logprobs": (lambda v: v is not None, "not supported as a field (/v1/completions gives the prompt's "
+                                                 "logprobs with echo and logprobs)"),
+    **{f"guided_{k}": (lambda v: v is not None, "vLLM's old name: give structured_outputs (or response_format)")
+       for k in ("json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")},
+}
+_UNSUPPORTED_CHAT = {
+    "echo": (bool, "not supported in chat (/v1/completions has echo)"),
+    "add_generation_prompt": (lambda v: v is not True, "not supported: the assistant turn always starts"),
+}
+
+
+def _check_extra(body, route: str) -> None:
+    """Refuse a vLLM field this server does not implement when the request asks for it (a 400 naming
+    it); log the other unknown fields (SDKs send fields nobody uses)."""
     extra = body.model_extra or {}
+    known = {**_UNSUPPORTED, **(_UNSUPPORTED_CHAT if route == "/v1/chat/completions" else {})}
+    for name, value in extra.items():
+        if name in known and route != "/v1/messages":
+            asks, instead = known[name]
+            if asks(value):
+                raise bad_request(f"{name}: {instead}", name)
     if extra:
         log.info("%s: ignoring unknown field(s) %s", route, ", ".join(sorted(extra)[:10]))

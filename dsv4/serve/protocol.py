@@ -2,10 +2,12 @@
 schema is generated from these).
 
 Requests accept OpenAI's fields plus the usual engine extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``chat_template_kwargs``). Unknown
-fields are accepted and logged (SDKs send fields we do not use); values are range-checked here,
-so a bad value is a 400 naming the field before anything runs. Streamed chunks are plain dicts
-built in the serving modules (their keys mirror the models below).
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``chat_template_kwargs``).
+Unknown fields are accepted and logged (SDKs send fields we do not use), except vLLM's fields this
+server does not implement, which are refused by name when a request asks for them
+(``dsv4.serve.app``); values are range-checked here, so a bad value is a 400 naming the field before
+anything runs. Streamed chunks are plain dicts built in the serving modules (their keys mirror the
+models below).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class ErrorResponse(BaseModel):
 # ------------------------------------------------------------------ shared
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk carries the "
+                                                            "usage so far")
 
 
 class CompletionTokensDetails(BaseModel):
@@ -93,6 +97,10 @@ class _Sampling(_Request):
     stop: str | list[str] | None = Field(None, description="up to 16 strings that end generation")
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: keep the stop string (or stop token's "
+                                                                "text) that ended the output at its end")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="vLLM's: keep only the last N prompt tokens "
+                                                                        "(-1: max_model_len)")
     skip_special_tokens: bool = Field(True, description="leave special tokens (<｜User｜>, EOS, ...) out of the "
                                                         "returned text (vLLM's default)")
     stream: bool = False

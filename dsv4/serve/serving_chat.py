@@ -40,7 +40,8 @@ from .async_engine import Delta, EngineRequest, Submission
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, ChatMessage
 from .serving_common import (ServingContext, aclosing_iter, check_request, check_stop_ids, log_request,
-                             sampling_params, sse, structured_outputs, until_done_or_disconnect)
+                             sampling_params, sse, stream_usage, structured_outputs, truncate_prompt,
+                             until_done_or_disconnect)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -154,6 +155,7 @@ class ChatServing:
         kwargs = req.chat_template_kwargs or {}
         ids = self.prompt(req.messages, thinking=thinking, effort=effort, tools=tools, response_format=response_format,
                           drop_thinking=bool(kwargs.get("drop_thinking", True)))
+        ids = truncate_prompt(self.ctx, req, ids)
         limit = self.ctx.max_model_len
         if len(ids) >= limit:
             raise bad_request(f"messages: the prompt has {len(ids)} tokens, but max_model_len is {limit} (the prompt "
@@ -187,8 +189,7 @@ class ChatServing:
         head = {"id": rid, "created": int(time.time()), "model": model}
         want_logprobs = req.logprobs
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(sub, choices, head, usage, want_logprobs, len(ids), started)
+            body = self._stream(sub, choices, head, stream_usage(req), want_logprobs, len(ids), started)
             return StreamingResponse(aclosing_iter(body, sub.abort), media_type="text/event-stream")
         ok = await until_done_or_disconnect(raw, self._collect(sub, choices), sub.abort)
         if ok is None:
@@ -301,16 +302,19 @@ class ChatServing:
                 break
         return True
 
-    async def _stream(self, sub: Submission, choices: list[_Choice], head: dict, usage: bool, want_logprobs: bool,
-                      prompt_tokens: int, started: float):
+    async def _stream(self, sub: Submission, choices: list[_Choice], head: dict, usages: tuple[bool, bool],
+                      want_logprobs: bool, prompt_tokens: int, started: float):
         status = "200"
-        extra = {"usage": None} if usage else {}
+        usage, continuous = usages
 
         def chunk(c: _Choice, delta: dict, finish: str | None = None) -> str:
             choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": None}
             if want_logprobs and c.pending:
                 choice["logprobs"] = {"content": self._logprobs(c.pending), "refusal": None}
                 c.pending = []
+            extra = {}
+            if usage:       # null in every chunk but the last, or the usage so far (continuous_usage_stats)
+                extra["usage"] = _usage(prompt_tokens, choices, sub.cached(len(choices))) if continuous else None
             return sse({**head, "object": "chat.completion.chunk", "choices": [choice], **extra})
 
         try:

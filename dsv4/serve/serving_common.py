@@ -160,10 +160,29 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, pr
             seed=None if seed is None else seed + choice, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             structured_outputs=structured, thinking_token_budget=req.thinking_token_budget,
-            min_tokens=req.min_tokens, logit_bias=bias)
+            min_tokens=req.min_tokens, logit_bias=bias, include_stop_str_in_output=req.include_stop_str_in_output)
     except RequestError as e:   # most ranges are checked by the protocol; this names the field of any other
         message = str(e).replace("SamplingParams.", "")
         raise bad_request(message, e.param or message.split(" ")[0]) from None
+
+
+def truncate_prompt(ctx: ServingContext, req: _Sampling, ids: list[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last N of the prompt's ids (-1: ``max_model_len``)."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n == 0:
+        raise bad_request("truncate_prompt_tokens: must be -1 (max_model_len) or at least 1", "truncate_prompt_tokens")
+    n = ctx.max_model_len if n == -1 else n
+    return ids[-n:]
+
+
+def stream_usage(req: _Sampling) -> tuple[bool, bool]:
+    """(a final usage chunk, usage in every chunk): ``stream_options`` ``include_usage`` and vLLM's
+    ``continuous_usage_stats`` (which needs ``include_usage``, as in vLLM)."""
+    opts = req.stream_options
+    usage = bool(opts and opts.include_usage)
+    return usage, usage and bool(opts.continuous_usage_stats)
 
 
 def check_stop_ids(ids: list[int] | None, vocab: int) -> None:

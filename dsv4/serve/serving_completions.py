@@ -21,7 +21,8 @@ from .async_engine import Delta, EngineRequest, Submission
 from .errors import APIError, bad_request
 from .protocol import CompletionLogprobs, CompletionRequest
 from .serving_common import (ServingContext, aclosing_iter, check_request, check_stop_ids, log_request,
-                             sampling_params, sse, structured_outputs, until_done_or_disconnect)
+                             sampling_params, sse, stream_usage, structured_outputs, truncate_prompt,
+                             until_done_or_disconnect)
 
 MAX_CHOICES = 1024
 
@@ -104,6 +105,10 @@ class CompletionServing:
             prompts = self._prompts(req.prompt)
         except RequestError as e:
             raise bad_request(f"prompt: {e}", "prompt") from None
+        if req.truncate_prompt_tokens is not None:
+            tok = self.ctx.tokenizer
+            cut = [truncate_prompt(self.ctx, req, ids) for _, ids in prompts]
+            prompts = [(text if len(c) == len(ids) else tok.decode(c), c) for (text, ids), c in zip(prompts, cut)]
         return (prompts, *self._engine_requests(req, prompts))
 
     async def create(self, req: CompletionRequest, raw: Request):
@@ -121,8 +126,7 @@ class CompletionServing:
             self.ctx.metrics.admitted(sum(len(r.prompt_ids) for r in reqs))
         head = {"id": rid, "created": int(time.time()), "model": model}
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(sub, choices, head, usage, req.logprobs, prompt_tokens, started, req.n)
+            body = self._stream(sub, choices, head, stream_usage(req), req.logprobs, prompt_tokens, started, req.n)
             return StreamingResponse(aclosing_iter(body, sub.abort), media_type="text/event-stream")
         result = await until_done_or_disconnect(raw, self._collect(sub, choices), sub.abort)
         if result is None:
@@ -173,10 +177,10 @@ class CompletionServing:
                 sub.abort()
         return error
 
-    async def _stream(self, sub: Submission, choices: list[_Choice], head: dict, usage: bool, logprobs,
+    async def _stream(self, sub: Submission, choices: list[_Choice], head: dict, usages: tuple[bool, bool], logprobs,
                       prompt_tokens: int, started: float, per_prompt: int = 1):
         status = "200"
-        extra = {"usage": None} if usage else {}
+        usage, continuous = usages
         try:
             async for i, d in sub:
                 c = choices[i]
@@ -191,6 +195,9 @@ class CompletionServing:
                     continue
                 choice = {"index": c.index, "text": text, "finish_reason": c.finish_reason if d.finished else None,
                           "logprobs": self._logprobs(c, entries) if logprobs is not None else None}
+                extra = {}
+                if usage:   # null in every chunk but the last, or the usage so far (continuous_usage_stats)
+                    extra["usage"] = _usage(prompt_tokens, choices, sub.cached(per_prompt)) if continuous else None
                 yield sse({**head, "object": "text_completion", "choices": [choice], **extra})
             if usage and status == "200":
                 yield sse({**head, "object": "text_completion", "choices": [], "usage": _usage(prompt_tokens, choices,
