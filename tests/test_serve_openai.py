@@ -210,7 +210,9 @@ def test_logit_bias_and_min_tokens(client):
     assert at_once.usage.completion_tokens == 1 and at_once.choices[0].finish_reason == "stop"
     held = client.completions.create(**{**stop, "extra_body": {"stop_token_ids": [7], "min_tokens": 3}})
     assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
-    assert tokens[0] not in held.choices[0].logprobs.tokens[:3]
+    assert tokens[0] not in held.choices[0].logprobs.tokens[:3] and len(held.choices[0].logprobs.tokens) == 3
+    shown = client.completions.create(**{**stop, "extra_body": {"stop_token_ids": [7], "include_stop_str_in_output": True}})
+    assert shown.choices[0].logprobs.tokens == tokens[:1]      # the stop token's entry kept with its text
 
 
 def test_vllm_stop_usage_and_truncation_extras(client):

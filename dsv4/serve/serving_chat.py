@@ -163,7 +163,10 @@ class ChatServing:
         max_tokens = req.max_completion_tokens or req.max_tokens or limit - len(ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         eos = self.ctx.tokenizer.eos_id
-        stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
+        # the ids whose logprob entry is dropped when they end the output (kept with their text under
+        # include_stop_str_in_output)
+        stop_ids = set() if req.include_stop_str_in_output else \
+            set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
         reqs, choices = [], []
         seed = self.ctx.request_seed(req.seed)
         for k in range(req.n):

@@ -85,7 +85,10 @@ class CompletionServing:
         check_stop_ids(req.stop_token_ids, self.ctx.engine.vocab_size)
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
         eos = self.ctx.tokenizer.eos_id
-        stop_ids = set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
+        # the ids whose logprob entry is dropped when they end the output (kept with their text under
+        # include_stop_str_in_output)
+        stop_ids = set() if req.include_stop_str_in_output else \
+            set(req.stop_token_ids or []) | (set() if req.ignore_eos else {eos})
         reqs, choices = [], []
         seed = self.ctx.request_seed(req.seed)
         structured = structured_outputs(req)
