@@ -276,16 +276,15 @@ class SamplingBatch:
         bad = [t for row in biases for t, _ in row if t >= V]
         if bad:
             raise RequestError(f"logit_bias: token ids outside [0, {V}): {bad[:5]}", param="logit_bias")
-        self.bias_ids = col([[t for t, _ in row] + [0] * (MAX_LOGIT_BIAS - len(row)) for row in biases], torch.int64)
-        self.bias_vals = col([[b for _, b in row] + [0.0] * (MAX_LOGIT_BIAS - len(row)) for row in biases],
-                             torch.float32)
+        self.bias_ids, self.bias_vals = _padded_table([[t for t, _ in row] for row in biases],
+                                                      [[b for _, b in row] for row in biases], MAX_LOGIT_BIAS,
+                                                      self.device)
         self.min_tokens = col([p.min_tokens for p in params], torch.int64)
         stops = [sorted(set(ids)) for ids in (stop_ids if stop_ids is not None else [p.stop_token_ids for p in params])]
         if len(stops) != B or any(len(ids) > MAX_STOP_TOKEN_IDS + 1 or any(not 0 <= t < V for t in ids) for ids in stops):
             raise ValueError(f"stop_ids need {B} rows of at most {MAX_STOP_TOKEN_IDS + 1} ids in [0, {V})")
-        width = MAX_STOP_TOKEN_IDS + 1
-        self.ban_ids = col([ids + [0] * (width - len(ids)) for ids in stops], torch.int64)
-        self.ban_on = col([[1.0] * len(ids) + [0.0] * (width - len(ids)) for ids in stops], torch.float32)
+        self.ban_ids, self.ban_on = _padded_table(stops, [[1.0] * len(ids) for ids in stops], MAX_STOP_TOKEN_IDS + 1,
+                                                  self.device)
         self.counts: Tensor | None = None
         self.prompt_mask: Tensor | None = None
         #: allowed-token bitmask rows [B, ceil(V/32)] int32 (dsv4.engine.grammar), or None: no constraint
@@ -337,6 +336,19 @@ class SamplingBatch:
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def _padded_table(ids: Sequence[Sequence[int]], values: Sequence[Sequence[float]], width: int,
+                  device: torch.device) -> tuple[Tensor, Tensor]:
+    """Ragged rows of (id, value) as ``[rows, width]`` int64 ids and fp32 values, padded with id 0 and
+    value 0 (built on the host, one copy each to ``device``)."""
+    out_ids = torch.zeros(len(ids), width, dtype=torch.int64)
+    out_values = torch.zeros(len(ids), width, dtype=torch.float32)
+    for i, (row_ids, row_values) in enumerate(zip(ids, values)):
+        if row_ids:
+            out_ids[i, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.int64)
+            out_values[i, :len(row_values)] = torch.tensor(row_values, dtype=torch.float32)
+    return out_ids.to(device), out_values.to(device)
 
 
 def _has_bias(p: SamplingParams) -> bool:
