@@ -441,6 +441,28 @@ def test_logit_bias_is_the_dense_bias_added_first():
     assert sample(hand_logits().expand(50, V), forced).token_ids.eq(IDS[7]).all()
 
 
+def test_allowed_token_ids_restrict_every_draw():
+    """Rows with allowed ids draw only those (sampled and greedy) with the probabilities renormalised
+    over them (the same draws as the logits with every other id at -inf); other rows are untouched."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, V, generator=g)
+    allowed = [IDS[3], IDS[6], 2, 39]
+    rows = [SamplingParams(seed=7, allowed_token_ids=allowed, logprobs=2),
+            SamplingParams(temperature=0, allowed_token_ids=allowed[1:], logprobs=2), SamplingParams(seed=8, logprobs=2)]
+    a = SamplingBatch(rows, V)
+    b = SamplingBatch([replace(p, allowed_token_ids=None) for p in rows], V)
+    masked = logits.clone()
+    keep = torch.zeros(3, V, dtype=torch.bool)
+    keep[0, allowed], keep[1, allowed[1:]], keep[2] = True, True, True
+    masked[~keep] = -math.inf
+    for _ in range(5):
+        got, want = sample(logits, a), sample(masked, b)
+        assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.logprobs, want.logprobs)
+        assert got.token_ids[0].item() in allowed and got.token_ids[1].item() in allowed[1:]
+    freq = draw_many(hand_logits(), SamplingParams(allowed_token_ids=[IDS[0], IDS[2], IDS[7]]), seeds=1000)
+    assert_matches(freq, expected([IDS[0], IDS[2], IDS[7]]), n=10000)
+
+
 def test_min_tokens_holds_the_stop_ids_back_until_then():
     """Rows whose logits all but force a stop id draw something else for their first min_tokens
     draws (EOS and stop_token_ids alike), then the stop id; a row without min_tokens stops at once."""
@@ -519,7 +541,8 @@ def test_params_defaults_and_normalisation():
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", list(range(65))), ("stop", [""]),
     ("stop", [3]), ("ignore_eos", 1), ("min_tokens", -1), ("min_tokens", 1.0), ("logit_bias", {3: 101}),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {"3": 1.0}), ("logit_bias", {3: float("nan")}),
-    ("logit_bias", {t: 1.0 for t in range(1025)}),
+    ("logit_bias", {t: 1.0 for t in range(1025)}), ("allowed_token_ids", []), ("allowed_token_ids", [-2]),
+    ("allowed_token_ids", list(range(1025))),
 ])
 def test_params_validation_names_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*got {re_escape(value)}"):

@@ -213,6 +213,11 @@ def test_logit_bias_and_min_tokens(client):
     assert tokens[0] not in held.choices[0].logprobs.tokens[:3] and len(held.choices[0].logprobs.tokens) == 3
     shown = client.completions.create(**{**stop, "extra_body": {"stop_token_ids": [7], "include_stop_str_in_output": True}})
     assert shown.choices[0].logprobs.tokens == tokens[:1]      # the stop token's entry kept with its text
+    # vLLM's allowed_token_ids: one id forces it, two give a draw of those two only
+    t300 = client.completions.create(**ask, extra_body={"allowed_token_ids": [300]}).choices[0].logprobs.tokens
+    assert len(set(t300)) == 1 and t300[0] != tokens[0]
+    two = client.completions.create(**dict(ask, max_tokens=12), seed=5, extra_body={"allowed_token_ids": [7, 300]})
+    assert set(two.choices[0].logprobs.tokens) == {tokens[0], t300[0]}
 
 
 def test_vllm_stop_usage_and_truncation_extras(client):
@@ -247,7 +252,7 @@ def test_vllm_stop_usage_and_truncation_extras(client):
 
 
 @pytest.mark.parametrize("route, field, value", [
-    ("chat", "use_beam_search", True), ("completions", "bad_words", ["x"]), ("chat", "allowed_token_ids", [1]),
+    ("chat", "use_beam_search", True), ("completions", "bad_words", ["x"]), ("chat", "allowed_token_ids", []),
     ("completions", "guided_json", {"type": "object"}), ("chat", "continue_final_message", True),
     ("chat", "echo", True), ("chat", "add_generation_prompt", False), ("completions", "prompt_logprobs", 1),
     ("chat", "truncate_prompt_tokens", 0),

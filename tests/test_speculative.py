@@ -142,7 +142,8 @@ def _engine(model, spec, slots: int = 3, budget: int = 64):
 
 
 def _greedy_requests(seed: int, n: int = 3, max_tokens: int = 160):
-    """Prompts with repeats (the n-gram drafter finds matches), greedy with logprobs; the second with a
+    """Prompts with repeats (the n-gram drafter finds matches), greedy with logprobs; the first drawing
+    from a fifth of the vocabulary (allowed_token_ids: drafts outside it are rejected); the second with a
     logit bias that all but forces a stop id which min_tokens holds back for 50 tokens (each verify
     position sees its own step), the third with repetition, frequency and presence penalties (each
     verify position sees the drafts before it)."""
@@ -152,7 +153,8 @@ def _greedy_requests(seed: int, n: int = 3, max_tokens: int = 160):
         base = [rng.randrange(2, 512) for _ in range(rng.randint(3, 9))]
         prompt = (base * 4)[:rng.randint(5, 40)]
         knobs = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2) if i == 2 else \
-            dict(logit_bias={base[0]: 40.0, base[1]: -3.0}, stop_token_ids=[base[0]], min_tokens=50) if i == 1 else {}
+            dict(logit_bias={base[0]: 40.0, base[1]: -3.0}, stop_token_ids=[base[0]], min_tokens=50) if i == 1 else \
+            dict(allowed_token_ids=base + list(range(2, 512, 5)))
         out.append((prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True,
                                            **knobs)))
     return out
@@ -161,6 +163,11 @@ def _greedy_requests(seed: int, n: int = 3, max_tokens: int = 160):
 @pytest.fixture(scope="module")
 def plain_outputs(model):
     return generate(_engine(model, None), _greedy_requests(1))
+
+
+def test_allowed_token_ids_hold_through_the_engine(plain_outputs):
+    (_, params), out = _greedy_requests(1)[0], plain_outputs[0]
+    assert len(out.token_ids) == 160 and set(out.token_ids) <= set(params.allowed_token_ids)
 
 
 def test_min_tokens_holds_a_forced_stop_id_back(plain_outputs):

@@ -235,10 +235,15 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt "
                 "and at least one generated token must fit)")
         self.scheduler.check(list(prompt_ids), params)
-        for what, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+        for what, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"{what}: token ids outside [0, {self.vocab_size}): {sorted(bad)[:5]}", param=what)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos or self.eos_id is None else {self.eos_id})
+        if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= stops:
+            raise RequestError("allowed_token_ids: every allowed id stops the request, so min_tokens leaves none "
+                               "to draw", param="allowed_token_ids")
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise RequestError("structured outputs need a tokenizer", param=params.structured_outputs.param)

@@ -7,10 +7,11 @@ live in tensors of a :class:`SamplingBatch`, greedy rows are picked with ``torch
 and the only Python branches test flags fixed when the batch is built (``any row uses
 top-p?``), never tensor values. One step over ``logits [B, V]``:
 
-0. logit bias (OpenAI's ``logit_bias``: a number in [-100, 100] added to a token's logit) and
-   ``min_tokens`` (vLLM's: the ids that would stop the request -- EOS unless ``ignore_eos``, and
-   ``stop_token_ids`` -- are -inf until it has that many tokens), as vLLM orders them: before
-   the penalties. Both live in small per-row tables (ids and values), made dense only here;
+0. vLLM's ``allowed_token_ids`` (every other id -inf), the logit bias (OpenAI's ``logit_bias``: a
+   number in [-100, 100] added to a token's logit) and ``min_tokens`` (vLLM's: the ids that would
+   stop the request -- EOS unless ``ignore_eos``, and ``stop_token_ids`` -- are -inf until it has
+   that many tokens), as vLLM orders them: before the penalties. All three live in small per-row
+   tables (ids and values), made dense only here;
 1. penalties -- repetition (CTRL / HF: a seen token's logit is divided by ``r`` when
    positive, multiplied by ``r`` when negative; "seen" = prompt or output), then
    presence / frequency (OpenAI: ``l -= freq * count + pres * (count > 0)`` over
@@ -62,6 +63,7 @@ from .h2d import copy_into
 MAX_LOGPROBS = 20  # most top alternatives one request may ask for
 MAX_LOGIT_BIAS = 1024  # most logit_bias entries one request may give (a row of each slot's table)
 MAX_STOP_TOKEN_IDS = 64  # most stop_token_ids one request may give (min_tokens holds them back, and EOS)
+MAX_ALLOWED_TOKEN_IDS = 1024  # most allowed_token_ids one request may give
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
 _M32 = 0xFFFFFFFF
 
@@ -112,6 +114,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """Token id -> a number in [-100, 100] added to its logit before anything else (OpenAI's; -100
     bans a token in practice, +100 all but forces it); at most ``MAX_LOGIT_BIAS`` entries."""
+    allowed_token_ids: list[int] | None = None
+    """Only these ids may be drawn (vLLM's); None: all. At most ``MAX_ALLOWED_TOKEN_IDS``."""
     structured_outputs: StructuredOutputsParams | None = None
     """A :class:`~dsv4.engine.grammar.StructuredOutputsParams`: the output must match its grammar
     (enforced by a token bitmask; with thinking on, from the token after ``</think>``)."""
@@ -131,6 +135,8 @@ class SamplingParams:
                                f"({self.max_tokens})")
         self.stop_token_ids, self.stop = list(self.stop_token_ids), list(self.stop)
         self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()} if self.logit_bias else None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -198,6 +204,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                         for t, b in v.items())),
         f"None or a dict of at most {MAX_LOGIT_BIAS} token ids (ints >= 0) to numbers in [-100, 100]",
     ),
+    "allowed_token_ids": (
+        lambda v: v is None or (_is_list_of(v, lambda t: _is_int(t) and t >= 0) and 1 <= len(v) <= MAX_ALLOWED_TOKEN_IDS),
+        f"None or a list of 1 to {MAX_ALLOWED_TOKEN_IDS} ints >= 0",
+    ),
     "structured_outputs": (lambda v: v is None or isinstance(v, StructuredOutputsParams),
                            "None or a StructuredOutputsParams"),
     "thinking_token_budget": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an int >= 0"),
@@ -216,7 +226,9 @@ class SamplingBatch:
     (32-bit halves of the 64-bit seed), ``step`` [B] int64 (draws made so far).
     Biases: ``bias_ids`` [B, MAX_LOGIT_BIAS] int64 / ``bias_vals`` fp32 (a row's logit_bias, padded
     with id 0 and value 0), ``min_tokens`` [B] int64, ``ban_ids`` [B, MAX_STOP_TOKEN_IDS + 1] int64 /
-    ``ban_on`` fp32 (1 for the ids min_tokens holds back, 0 on padding).
+    ``ban_on`` fp32 (1 for the ids min_tokens holds back, 0 on padding), ``allow_ids``
+    [B, MAX_ALLOWED_TOKEN_IDS] int64 / ``allow_on`` fp32 (1 for a row's allowed ids; a row without
+    any allows every id).
     Penalty state, allocated only when some row has a penalty (else None): ``counts`` [B, V]
     int32 (generated-token counts) and ``prompt_mask`` [B, V] bool (tokens seen in the prompt
     *or* the output). Host side: ``params``, the effective ``seeds``, and flags derived from
@@ -273,9 +285,14 @@ class SamplingBatch:
         self.seed_hi = col([s >> 32 for s in self.seeds], torch.int64)
         self.step = col([len(o) for o in output_ids], torch.int64)
         biases = [sorted((p.logit_bias or {}).items()) for p in params]
-        bad = [t for row in biases for t, _ in row if t >= V]
-        if bad:
-            raise RequestError(f"logit_bias: token ids outside [0, {V}): {bad[:5]}", param="logit_bias")
+        allowed = [p.allowed_token_ids or [] for p in params]
+        for what, ids in (("logit_bias", [t for row in biases for t, _ in row]),
+                          ("allowed_token_ids", [t for row in allowed for t in row])):
+            bad = [t for t in ids if t >= V]
+            if bad:
+                raise RequestError(f"{what}: token ids outside [0, {V}): {bad[:5]}", param=what)
+        self.allow_ids, self.allow_on = _padded_table(allowed, [[1.0] * len(row) for row in allowed],
+                                                      MAX_ALLOWED_TOKEN_IDS, self.device)
         self.bias_ids, self.bias_vals = _padded_table([[t for t, _ in row] for row in biases],
                                                       [[b for _, b in row] for row in biases], MAX_LOGIT_BIAS,
                                                       self.device)
@@ -352,11 +369,11 @@ def _padded_table(ids: Sequence[Sequence[int]], values: Sequence[Sequence[float]
 
 
 def _has_bias(p: SamplingParams) -> bool:
-    return bool(p.logit_bias) or p.min_tokens > 0
+    return bool(p.logit_bias) or p.min_tokens > 0 or p.allowed_token_ids is not None
 
 
 #: the per-row tables :func:`apply_logit_bias` reads (besides ``step``)
-BIAS_TABLES = ("bias_ids", "bias_vals", "min_tokens", "ban_ids", "ban_on")
+BIAS_TABLES = ("bias_ids", "bias_vals", "min_tokens", "ban_ids", "ban_on", "allow_ids", "allow_on")
 
 
 def _count_ids(rows: Sequence[Sequence[int]], V: int, device: torch.device) -> Tensor:
@@ -422,9 +439,12 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
 
 
 def apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Each row's ``logit_bias`` added, and the ids its ``min_tokens`` holds back at -inf while the
-    row has drawn fewer than ``min_tokens`` tokens (``batch.step``); ``logits`` [B, V] fp32 -> new
-    [B, V] fp32. The padding entries add 0 and ban nothing."""
+    """Each row's ids outside its ``allowed_token_ids`` at -inf, its ``logit_bias`` added, and the ids
+    its ``min_tokens`` holds back at -inf while the row has drawn fewer than ``min_tokens`` tokens
+    (``batch.step``); ``logits`` [B, V] fp32 -> new [B, V] fp32. The padding entries add 0 and ban
+    or allow nothing."""
+    allowed = torch.zeros_like(logits).scatter_add_(1, batch.allow_ids, batch.allow_on) > 0
+    logits = logits.masked_fill(~allowed & (batch.allow_on[:, :1] > 0), -math.inf)   # rows with a list only
     bias = torch.zeros_like(logits).scatter_add_(1, batch.bias_ids, batch.bias_vals)
     held = torch.zeros_like(logits).scatter_add_(1, batch.ban_ids, batch.ban_on) > 0
     held &= (batch.step < batch.min_tokens)[:, None]
@@ -489,7 +509,7 @@ class SampleFlags:
     penalties: bool = False
     logprobs: int | None = None
     grammar: bool = False    # some row is constrained: apply the slots' token bitmasks
-    bias: bool = False       # some row has a logit_bias or a min_tokens: apply the slots' bias tables
+    bias: bool = False       # some row has a logit_bias, min_tokens or allowed ids: apply the slots' tables
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> "SampleFlags":

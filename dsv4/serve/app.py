@@ -396,8 +396,6 @@ _UNSUPPORTED = {
     "use_beam_search": (bool, "beam search is not supported"),
     "length_penalty": (lambda v: v is not None and v != 1, "it applies to beam search, which is not supported"),
     "bad_words": (bool, "not supported (logit_bias bans single tokens)"),
-    "allowed_token_ids": (lambda v: v is not None, "not supported (structured_outputs.choice or regex restricts "
-                                                   "the output)"),
     "logits_processors": (bool, "not supported"),
     "return_tokens_as_token_ids": (bool, "not supported"),
     "continue_final_message": (bool, "not supported"),

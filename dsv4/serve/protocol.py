@@ -107,6 +107,8 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (a string, as OpenAI sends it) -> a number in [-100, 100] added to its logit")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=1024,
+                                                description="vLLM's: only these token ids may be drawn")
     min_tokens: int = Field(0, ge=0, description="vLLM's: at least this many tokens before EOS, a stop token id or "
                                                  "a stop string may end the output")
     user: str | None = None

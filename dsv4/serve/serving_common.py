@@ -160,7 +160,8 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: int | None, pr
             seed=None if seed is None else seed + choice, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             structured_outputs=structured, thinking_token_budget=req.thinking_token_budget,
-            min_tokens=req.min_tokens, logit_bias=bias, include_stop_str_in_output=req.include_stop_str_in_output)
+            min_tokens=req.min_tokens, logit_bias=bias, include_stop_str_in_output=req.include_stop_str_in_output,
+            allowed_token_ids=req.allowed_token_ids)
     except RequestError as e:   # most ranges are checked by the protocol; this names the field of any other
         message = str(e).replace("SamplingParams.", "")
         raise bad_request(message, e.param or message.split(" ")[0]) from None
