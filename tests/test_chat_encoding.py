@@ -173,6 +173,22 @@ def test_multi_turn_chat():
     assert encode_messages(msgs) == expected
 
 
+def test_continue_final_message_leaves_the_assistant_turn_open():
+    msgs = [user("U1"), asst("A1"), user("U2"), asst('Sure: {"a"', reasoning="R2")]
+    assert encode_messages(msgs, continue_final_message=True) == (
+        "<｜begin▁of▁sentence｜><｜User｜>U1<｜Assistant｜></think>A1<｜end▁of▁sentence｜>"
+        '<｜User｜>U2<｜Assistant｜></think>Sure: {"a"')
+    assert encode_messages(msgs, thinking=True, continue_final_message=True).endswith(
+        '<｜User｜>U2<｜Assistant｜><think>R2</think>Sure: {"a"')            # the reasoning closed before it
+    assert encode_messages([user("U"), asst(None)], continue_final_message=True).endswith("<｜Assistant｜></think>")
+    with pytest.raises(ChatFormatError, match=r"messages\[0\]\.role: continuing the final message needs an "
+                                              r"assistant message last, got 'user'"):
+        encode_messages([user("U")], continue_final_message=True)
+    call = {"id": "c", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    with pytest.raises(ChatFormatError, match=r"messages\[1\]\.tool_calls: a message to continue cannot carry"):
+        encode_messages([user("U"), {**asst("A"), "tool_calls": [call]}], continue_final_message=True)
+
+
 def test_no_generation_prompt():
     assert encode_messages([sys_("S"), user("U")], add_generation_prompt=False) == "<｜begin▁of▁sentence｜>S<｜User｜>U"
 

@@ -80,6 +80,25 @@ def test_tool_use_round_trip(client, stream):
     assert follow.stop_reason in ("end_turn", "max_tokens") and follow.usage.input_tokens > msg.usage.input_tokens
 
 
+def test_a_final_assistant_message_is_a_prefill(client, served_long):
+    """Anthropic's prefill: the answer continues the final assistant message (only the new text comes
+    back), the same tokens as the chat route's continue_final_message; refused with thinking or
+    trailing white space."""
+    import openai
+    convo = [{"role": "user", "content": "Give me JSON."}, {"role": "assistant", "content": 'Here: {"a":'}]
+    msg = client.messages.create(model=MODEL, max_tokens=5, messages=convo, extra_body={"temperature": 0})
+    chat = openai.OpenAI(base_url=served_long.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model=MODEL, max_tokens=5, temperature=0, messages=convo,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert msg.content[0].text == chat.choices[0].message.content and msg.usage.output_tokens == 5
+    assert msg.usage.input_tokens == chat.usage.prompt_tokens
+    for bad, words in (({"thinking": {"type": "enabled", "budget_tokens": 16}}, "thinking enabled"),
+                       ({"messages": [convo[0], {"role": "assistant", "content": "Here: "}]}, "trailing whitespace")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(**{"model": MODEL, "max_tokens": 64, "messages": convo, **bad})
+        assert words in e.value.body["error"]["message"]
+
+
 def test_errors_in_anthropic_shape(client, served_long):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "x"}])

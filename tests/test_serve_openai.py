@@ -251,10 +251,34 @@ def test_vllm_stop_usage_and_truncation_extras(client):
     assert chat.usage.prompt_tokens == 7
 
 
+def test_continue_final_message_goes_on_from_the_prefix(client, served):
+    """vLLM's continue_final_message: the answer continues the last assistant message; its tokens are
+    the greedy continuation of the rendered prompt, which ends in the message's text (no end token)."""
+    convo = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1, 2,"}]
+    r = client.chat.completions.create(model=MODEL, messages=convo, max_tokens=4, temperature=0, logprobs=True,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                   "ignore_eos": True})
+    prompt = "<｜begin▁of▁sentence｜><｜User｜>Count.<｜Assistant｜></think>1, 2,"
+    raw = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True})
+    assert [e.token for e in r.choices[0].logprobs.content] == raw.choices[0].logprobs.tokens
+    assert r.usage.prompt_tokens == raw.usage.prompt_tokens
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"add_generation_prompt": False}, "add_generation_prompt"),
+                         ({"continue_final_message": True, "add_generation_prompt": False,
+                           "response_format": {"type": "json_object"}}, "continue_final_message")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=convo, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=convo[:1], max_tokens=2,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert "needs an assistant message last" in e.value.body["message"]
+
+
 @pytest.mark.parametrize("route, field, value", [
     ("chat", "use_beam_search", True), ("completions", "bad_words", ["x"]), ("chat", "allowed_token_ids", []),
-    ("completions", "guided_json", {"type": "object"}), ("chat", "continue_final_message", True),
-    ("chat", "echo", True), ("chat", "add_generation_prompt", False), ("completions", "prompt_logprobs", 1),
+    ("completions", "guided_json", {"type": "object"}), ("chat", "echo", True), ("completions", "prompt_logprobs", 1),
     ("chat", "truncate_prompt_tokens", 0),
 ])
 def test_vllm_fields_not_implemented_are_refused_by_name(client, route, field, value):
@@ -264,8 +288,8 @@ def test_vllm_fields_not_implemented_are_refused_by_name(client, route, field, v
         create(model=MODEL, max_tokens=2, **kw, extra_body={field: value})
     assert e.value.body["param"] == field and field in e.value.body["message"]
     # the same fields at their defaults (as SDKs and vLLM clients send them) are fine
-    if field in ("use_beam_search", "add_generation_prompt", "echo"):
-        create(model=MODEL, max_tokens=1, **kw, extra_body={field: field == "add_generation_prompt"})
+    if field in ("use_beam_search", "echo"):
+        create(model=MODEL, max_tokens=1, **kw, extra_body={field: False})
 
 
 def test_prompt_too_long_names_both_lengths(client):

@@ -398,7 +398,6 @@ _UNSUPPORTED = {
     "bad_words": (bool, "not supported (logit_bias bans single tokens)"),
     "logits_processors": (bool, "not supported"),
     "return_tokens_as_token_ids": (bool, "not supported"),
-    "continue_final_message": (bool, "not supported"),
     "prompt_logprobs": (lambda v: v is not None, "not supported as a field (/v1/completions gives the prompt's "
                                                  "logprobs with echo and logprobs)"),
     **{f"guided_{k}": (lambda v: v is not None, "vLLM's old name: give structured_outputs (or response_format)")
@@ -406,7 +405,6 @@ _UNSUPPORTED = {
 }
 _UNSUPPORTED_CHAT = {
     "echo": (bool, "not supported in chat (/v1/completions has echo)"),
-    "add_generation_prompt": (lambda v: v is not True, "not supported: the assistant turn always starts"),
 }
 
 

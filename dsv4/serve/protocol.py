@@ -218,6 +218,9 @@ class ChatCompletionRequest(_Sampling):
         None, description='{"thinking": true} turns thinking mode on')
     thinking: bool | dict[str, Any] | None = Field(
         None, description='DeepSeek API style: {"type": "enabled"} or {"type": "disabled"}')
+    continue_final_message: bool = Field(False, description="vLLM's: the last (assistant) message is a prefix the "
+                                                            "answer continues; needs add_generation_prompt: false")
+    add_generation_prompt: bool = Field(True, description="vLLM's: false only with continue_final_message")
 
 
 class ToolCallFunction(BaseModel):

@@ -105,13 +105,15 @@ class ChatServing:
         return thinking, effort
 
     def prompt(self, req_messages: list[ChatMessage], *, thinking: bool, effort: str | None, tools, response_format,
-               drop_thinking: bool = True, add_generation_prompt: bool = True) -> list[int]:
+               drop_thinking: bool = True, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> list[int]:
         """The prompt's token ids (400 naming the field for anything the encoding refuses)."""
         messages = [_message_dict(m, i) for i, m in enumerate(req_messages)]
         try:
             text = encode_messages(messages, thinking=thinking, reasoning_effort=effort, tools=tools,
                                    response_format=response_format, drop_thinking=drop_thinking,
-                                   add_generation_prompt=add_generation_prompt)
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
         except ChatFormatError as e:
             raise bad_request(str(e), str(e).split(":")[0].split(".")[0].split("[")[0] or "messages") from None
         return self.ctx.tokenizer.encode(text)
@@ -141,6 +143,12 @@ class ChatServing:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         check_stop_ids(req.stop_token_ids, self.ctx.engine.vocab_size)
         thinking, effort = self._thinking(req)
+        prefill = req.continue_final_message
+        if prefill == req.add_generation_prompt:
+            raise bad_request("continue_final_message: true goes with add_generation_prompt: false (vLLM's rule)"
+                              if prefill else "add_generation_prompt: false is supported only with "
+                              "continue_final_message: true (the answer continues the last assistant message)",
+                              "continue_final_message" if prefill else "add_generation_prompt")
         tools_allowed = bool(req.tools) and choice != "none"
         tools = [_tool_dict(t) for t in req.tools] if tools_allowed else None
         fmt = req.response_format
@@ -152,9 +160,13 @@ class ChatServing:
                 raise bad_request(f"tool_choice {_choice_name(choice)} and {structured.param}: give one of them",
                                   "tool_choice")
             structured = forced
+        if prefill and structured is not None:
+            raise bad_request(f"continue_final_message and {structured.param}: a constraint applies to a whole answer, "
+                              "not to the rest of a message", "continue_final_message")
         kwargs = req.chat_template_kwargs or {}
         ids = self.prompt(req.messages, thinking=thinking, effort=effort, tools=tools, response_format=response_format,
-                          drop_thinking=bool(kwargs.get("drop_thinking", True)))
+                          drop_thinking=bool(kwargs.get("drop_thinking", True)), continue_final_message=prefill)
+        thinking = thinking and not prefill     # a continued message goes on in its content
         ids = truncate_prompt(self.ctx, req, ids)
         limit = self.ctx.max_model_len
         if len(ids) >= limit:

@@ -7,7 +7,8 @@ earlier turns) map to DSV4 messages and tool calls; ``tools`` (``input_schema``)
 ``none`` (``any`` and ``tool`` force a tool-call block whose arguments follow the schemas, as in chat;
 ``disable_parallel_tool_use`` gives one call); ``thinking: {"type": "enabled", "budget_tokens": N}``
 to thinking mode with ``thinking_token_budget`` N; ``stop_sequences``, ``max_tokens``, ``temperature``,
-``top_p``, ``top_k`` to the sampling parameters. The output goes through the chat route's parser, so
+``top_p``, ``top_k`` to the sampling parameters; a final ``assistant`` message is a prefill the answer
+continues (not with thinking). The output goes through the chat route's parser, so
 reasoning, text and tool calls come back as ``thinking``, ``text`` and ``tool_use`` blocks; streamed
 as Anthropic's events (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``,
 ``message_delta`` with the stop reason and usage, ``message_stop``). Errors use Anthropic's shape
@@ -122,9 +123,6 @@ class MessagesServing:
             out.append(ChatMessage(role="system", content=system))
         if not req.messages:
             raise bad_request("messages: expected at least one message", "messages")
-        if req.messages[-1].role != "user":
-            raise bad_request("messages: the last message must be a user turn (continuing an assistant turn is not "
-                              "supported)", "messages")
         for i, m in enumerate(req.messages):
             blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
             where = f"messages[{i}].content"
@@ -174,7 +172,24 @@ class MessagesServing:
         if tools and choice is not None and choice.type in ("any", "tool"):
             named = "required" if choice.type == "any" else NamedToolChoice(function=NamedFunction(name=choice.name))
             forced = self.chat.forced_tool_calls(tools, named, not choice.disable_parallel_tool_use)
-        ids = self.chat.prompt(self._messages(req), thinking=thinking, effort=None, tools=tools, response_format=None)
+        # a final assistant message is a prefill: the answer goes on from it (Anthropic's rules: not with
+        # thinking, no trailing white space; and here no forced tool call, which is a whole answer)
+        messages = self._messages(req)
+        prefill = messages[-1].role == "assistant"
+        if prefill:
+            last = messages[-1]
+            if thinking:
+                raise bad_request("messages: a final assistant message (a prefill) cannot be continued with "
+                                  "thinking enabled", "messages")
+            if forced is not None:
+                raise bad_request("tool_choice: a forced tool call is a whole answer; it cannot continue a final "
+                                  "assistant message", "tool_choice")
+            if last.tool_calls:
+                raise bad_request("messages: a final assistant message (a prefill) cannot end in tool_use", "messages")
+            if (last.content or "") != (last.content or "").rstrip():
+                raise bad_request("messages: final assistant content cannot end with trailing whitespace", "messages")
+        ids = self.chat.prompt(messages, thinking=thinking, effort=None, tools=tools, response_format=None,
+                               continue_final_message=prefill)
         limit = self.ctx.max_model_len
         if len(ids) >= limit:
             raise bad_request(f"messages: the prompt has {len(ids)} tokens, but the context is {limit} tokens",

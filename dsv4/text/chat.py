@@ -92,6 +92,7 @@ def encode_messages(
     tools: list[dict] | None = None,
     response_format: dict | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
     """Encode OpenAI-style chat messages into the DSV4 prompt string (DSV4_FACTS 6 and 6b).
 
@@ -110,6 +111,10 @@ def encode_messages(
         response_format: request-level response format, placed like `tools`; `{}` adds nothing.
         add_generation_prompt: end with `<｜Assistant｜>` + `<think>`/`</think>` when the
             conversation ends in a user, tool or developer turn.
+        continue_final_message: the last message is an assistant turn the model goes on writing (a
+            prefill, vLLM's `continue_final_message`, Anthropic's trailing assistant message): it is
+            rendered without its end token. Its text continues its content; in thinking mode its
+            reasoning (possibly empty) is closed before it. It may not carry tool calls.
     Returns:
         The prompt text, special tokens written as strings (BOS first).
     Raises:
@@ -118,12 +123,20 @@ def encode_messages(
     if reasoning_effort not in REASONING_EFFORTS:
         raise ChatFormatError(f"reasoning_effort: expected None, 'high' or 'max', got {reasoning_effort!r}")
     _check_messages(messages)
+    if continue_final_message:
+        last = len(messages) - 1
+        if messages[last]["role"] != "assistant":
+            raise ChatFormatError(f"messages[{last}].role: continuing the final message needs an assistant "
+                                  f"message last, got {messages[last]['role']!r}")
+        if messages[last].get("tool_calls"):
+            raise ChatFormatError(f"messages[{last}].tool_calls: a message to continue cannot carry tool calls")
     turns = _turns(_with_request_fields(messages, tools, response_format))
     keep_reasoning = not drop_thinking or any(turn.has_tools for turn in turns)
     if thinking and not keep_reasoning:
         turns = _drop_earlier_developer_turns(turns)
     preamble = REASONING_EFFORT_MAX if thinking and reasoning_effort == "max" else ""
-    return BOS + preamble + _render(turns, thinking, keep_reasoning, add_generation_prompt)
+    text = BOS + preamble + _render(turns, thinking, keep_reasoning, add_generation_prompt)
+    return text[:-len(EOS)] if continue_final_message else text      # the assistant turn stays open
 
 
 # ------------------------------------------------------------------------ checks and fields
