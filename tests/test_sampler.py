@@ -480,6 +480,9 @@ def test_min_tokens_holds_the_stop_ids_back_until_then():
     # only the row's own stop ids are held back (its stop_token_ids when no stop_ids are given)
     own = SamplingBatch([SamplingParams(min_tokens=1, temperature=0, stop_token_ids=[9])], V)
     assert sample(logits[None], own).token_ids.item() == 5
+    # an engine without an end token passes -1: nothing to hold back for it
+    none = SamplingBatch([SamplingParams(min_tokens=1, temperature=0)], V, stop_ids=[[-1, 9]])
+    assert sample(logits[None], none).token_ids.item() == 5
 
 
 def test_slot_rows_bias_like_a_batch():

@@ -297,9 +297,11 @@ class SamplingBatch:
                                                       [[b for _, b in row] for row in biases], MAX_LOGIT_BIAS,
                                                       self.device)
         self.min_tokens = col([p.min_tokens for p in params], torch.int64)
-        stops = [sorted(set(ids)) for ids in (stop_ids if stop_ids is not None else [p.stop_token_ids for p in params])]
-        if len(stops) != B or any(len(ids) > MAX_STOP_TOKEN_IDS + 1 or any(not 0 <= t < V for t in ids) for ids in stops):
-            raise ValueError(f"stop_ids need {B} rows of at most {MAX_STOP_TOKEN_IDS + 1} ids in [0, {V})")
+        # an id outside the vocabulary (an engine without an end token passes -1) is never drawn anyway
+        stops = [sorted({t for t in ids if 0 <= t < V})
+                 for ids in (stop_ids if stop_ids is not None else [p.stop_token_ids for p in params])]
+        if len(stops) != B or any(len(ids) > MAX_STOP_TOKEN_IDS + 1 for ids in stops):
+            raise ValueError(f"stop_ids need {B} rows of at most {MAX_STOP_TOKEN_IDS + 1} ids")
         self.ban_ids, self.ban_on = _padded_table(stops, [[1.0] * len(ids) for ids in stops], MAX_STOP_TOKEN_IDS + 1,
                                                   self.device)
         self.counts: Tensor | None = None
