@@ -515,6 +515,19 @@ def test_stop_checker_includes_the_stop_when_asked():
     assert StopChecker.from_params(p, eos_id=0).check("abc", 3) == ("ab", True, "stop")
 
 
+def test_stop_reason_names_the_stop_string_or_stop_token_id():
+    by_string = StopChecker(["XY"], [7], eos_id=2)
+    feed(by_string, ["aX", "Yb"], ids=[1, 3])
+    assert by_string.stop_reason == "XY"
+    by_id, by_eos = StopChecker(["XY"], [7], eos_id=2), StopChecker(["XY"], [7], eos_id=2)
+    feed(by_id, ["a", "b"], ids=[1, 7])
+    feed(by_eos, ["a", "b"], ids=[1, 2])
+    assert by_id.stop_reason == 7 and by_eos.stop_reason is None
+    both = StopChecker([], [2], eos_id=2)     # EOS listed as a stop token id too: the id is named
+    feed(both, ["a"], ids=[2])
+    assert both.stop_reason == 2
+
+
 def test_stop_checker_waits_for_min_tokens():
     checker = StopChecker(["AB"], [7], eos_id=2, min_tokens=3)
     assert checker.check("AB", 7) == ("AB", False, None)           # token 1: no stop id, no string

@@ -231,6 +231,12 @@ def test_vllm_stop_usage_and_truncation_extras(client):
     first = text.find(stop)
     assert cut.choices[0].text == text[:first] and kept.choices[0].text == text[:first + len(stop)]
     assert cut.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra["stop_reason"] == stop and base.choices[0].model_extra["stop_reason"] is None
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                                 max_tokens=4, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True, "stop_token_ids": [7],
+                                                             "logit_bias": {"7": 100}}))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == 7
     for create, kw in ((client.completions.create, dict(prompt="Hello")),
                        (client.chat.completions.create, dict(messages=[{"role": "user", "content": "Hello"}]))):
         chunks = list(create(model=MODEL, max_tokens=4, temperature=0, stream=True, **kw, extra_body={"ignore_eos": True},

@@ -66,6 +66,8 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    #: vLLM's: the stop string or stop token id (of ``stop_token_ids``) that ended it, else None
+    stop_reason: int | str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     #: with ``SamplingParams.prompt_logprobs``: each prompt token's logprob (None for the first) and
@@ -639,6 +641,7 @@ class Engine:
         self.scheduler.append_token(req, token)        # finishes the request at max_tokens
         if stopped:
             self.scheduler.finish(req, reason)
+            out.stop_reason = track.stops.stop_reason
         elif req.finished:                              # length
             emit += (track.detok.flush() if track.detok else "") + track.stops.finish()
             reason = "length"

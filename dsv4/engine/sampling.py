@@ -679,6 +679,10 @@ class StopChecker:
         self.stop_ids = set(stop_token_ids)
         if eos_id is not None and not ignore_eos:
             self.stop_ids.add(eos_id)
+        self._custom_ids = set(stop_token_ids)
+        #: what ended the output, vLLM's ``stop_reason``: the stop string or the stop token id (from
+        #: ``stop_token_ids``); None for the end token, ``max_tokens`` or before the end
+        self.stop_reason: int | str | None = None
         self.max_tokens = max_tokens
         self.num_tokens = 0
         self.stopped = False
@@ -705,11 +709,13 @@ class StopChecker:
                 return self._end(new_text, "length")
             return new_text, False, None
         if token_id in self.stop_ids:
+            self.stop_reason = token_id if token_id in self._custom_ids else None
             return self._end(self._held + (new_text if self.include_stop else ""), "stop")
         text = self._held + new_text
         found = [(i, n) for n, i in enumerate(text.find(s) for s in self.stop_strings) if i >= 0]
         if found:
             cut, n = min(found)       # the earliest match (the first listed of those at one place)
+            self.stop_reason = self.stop_strings[n]
             return self._end(text[:cut + (len(self.stop_strings[n]) if self.include_stop else 0)], "stop")
         if self.max_tokens is not None and self.num_tokens >= self.max_tokens:
             return self._end(text, "length")

@@ -41,6 +41,7 @@ class Delta:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: int | str | None = None         # vLLM's: the stop string or stop token id that ended it
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None          # first delta only
@@ -317,7 +318,8 @@ def _delta(out: RequestOutput) -> Delta:
     """Copy what the loop needs out of a :class:`RequestOutput` (on the engine thread)."""
     o, n = out.output, len(out.new_token_ids)
     d = Delta(list(out.new_token_ids), out.new_text, out.finished, o.finish_reason if out.finished else None,
-              error=o.error if out.finished else None, num_cached_tokens=o.num_cached_tokens)
+              o.stop_reason if out.finished else None, error=o.error if out.finished else None,
+              num_cached_tokens=o.num_cached_tokens)
     if o.logprobs is not None and n:
         d.logprobs, d.top_logprobs = list(o.logprobs[-n:]), [list(t) for t in o.top_logprobs[-n:]]
     if o.prompt_logprobs is not None and n and len(o.token_ids) == n:   # the first output

@@ -145,6 +145,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="vLLM's: the stop string or stop token id that ended "
+                                                            "the output (None: the end token or max_tokens)")
 
 
 class CompletionResponse(BaseModel):
@@ -261,6 +263,8 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="vLLM's: the stop string or stop token id that ended "
+                                                            "the output (None: the end token or max_tokens)")
 
 
 class ChatCompletionResponse(BaseModel):

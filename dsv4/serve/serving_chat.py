@@ -64,6 +64,7 @@ class _Choice:
     entries: list[tuple[int, float, list]] = field(default_factory=list)
     pending: list[tuple[int, float, list]] = field(default_factory=list)   # logprobs not yet streamed
     finish_reason: str | None = None
+    stop_reason: int | str | None = None    # vLLM's: the stop string or stop token id that ended it
     malformed: bool = False
     error: str | None = None
     strip_reasoning: SpecialTextFilter | None = None      # skip_special_tokens, one filter per channel
@@ -223,7 +224,7 @@ class ChatServing:
         content = "".join(c.content)
         message = {"role": "assistant", "content": content if content or not c.calls else None,
                    "reasoning_content": "".join(c.reasoning) if c.thinking else None, "tool_calls": c.calls}
-        return {"index": c.index, "message": message, "finish_reason": c.finish_reason,
+        return {"index": c.index, "message": message, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "logprobs": {"content": self._logprobs(c.entries), "refusal": None} if want_logprobs else None}
 
     # ------------------------------------------------------------------ engine -> choices
@@ -265,6 +266,7 @@ class ChatServing:
         if d.finished and not c.done:
             reason = d.finish_reason
             c.finish_reason = "tool_calls" if reason == "stop" and c.calls else reason
+            c.stop_reason = d.stop_reason
         if c.done:       # text a special-token filter held back is text after all
             out += self._text(c, "reasoning", "", end=True) + self._text(c, "content", "", end=True)
         return out
@@ -324,6 +326,8 @@ class ChatServing:
 
         def chunk(c: _Choice, delta: dict, finish: str | None = None) -> str:
             choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": None}
+            if finish is not None:
+                choice["stop_reason"] = c.stop_reason
             if want_logprobs and c.pending:
                 choice["logprobs"] = {"content": self._logprobs(c.pending), "refusal": None}
                 c.pending = []

@@ -41,6 +41,7 @@ class _Choice:
     tokens: int = 0
     entries: list[tuple[int, float | None, list]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     offset: int = 0
     started: bool = False
 
@@ -143,7 +144,7 @@ class CompletionServing:
         usage = _usage(prompt_tokens, choices, sub.cached(req.n))
         return {**head, "object": "text_completion", "system_fingerprint": None, "usage": usage,
                 "choices": [{"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
-                             "logprobs": self._logprobs(c, c.entries) if req.logprobs is not None else None}
+                             "stop_reason": c.stop_reason, "logprobs": self._logprobs(c, c.entries) if req.logprobs is not None else None}
                             for c in choices]}
 
     # ------------------------------------------------------------------ engine -> choices
@@ -165,7 +166,7 @@ class CompletionServing:
                     new = new[:-1]          # the stop token's text is not in the output
                 entries += new
         if d.finished:
-            c.finish_reason = d.finish_reason
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
         c.text.append(text)
         return text, entries
 
@@ -197,7 +198,7 @@ class CompletionServing:
                 if not text and not entries and not d.finished:
                     continue
                 choice = {"index": c.index, "text": text, "finish_reason": c.finish_reason if d.finished else None,
-                          "logprobs": self._logprobs(c, entries) if logprobs is not None else None}
+                          "stop_reason": c.stop_reason if d.finished else None, "logprobs": self._logprobs(c, entries) if logprobs is not None else None}
                 extra = {}
                 if usage:   # null in every chunk but the last, or the usage so far (continuous_usage_stats)
                     extra["usage"] = _usage(prompt_tokens, choices, sub.cached(per_prompt)) if continuous else None
