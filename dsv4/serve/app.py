@@ -40,6 +40,7 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        TokenizeRequest, TokenizeResponse, TokenizerInfo)
 from .serving_chat import ChatServing
 from .serving_messages import AnthropicError, MessagesRequest, MessagesServing
+from .serving_responses import ResponsesRequest, ResponsesServing
 from .serving_common import ServingContext, log_request
 from .serving_completions import CompletionServing
 
@@ -68,6 +69,7 @@ class ServerState:
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
         self.messages: MessagesServing | None = None
+        self.responses: ResponsesServing | None = None
         self.llm = None
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
@@ -122,6 +124,7 @@ class ServerState:
                                   self.metrics, seeds)
         self.completions, self.chat = CompletionServing(self.ctx), ChatServing(self.ctx)
         self.messages = MessagesServing(self.ctx, self.chat)
+        self.responses = ResponsesServing(self.ctx, self.chat)
         self.status = "ready"
         self.ready_event.set()
         log.info("ready: serving %s (max_model_len %d, max_num_seqs %d)", ", ".join(self.model_names),
@@ -335,6 +338,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         _check_extra(body, "/v1/chat/completions")
         return _json(await state.chat.create(body, request))
 
+    @app.post("/v1/responses", responses={200: {"content": {"application/json": {}, "text/event-stream": {}}},
+                                          **_GEN_ERRORS})
+    async def responses(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API (function tools, reasoning, stored responses)."""
+        _check_extra(body, "/v1/responses")
+        return _json(await state.responses.create(body, request))
+
+    @app.get("/v1/responses/{response_id}", responses=_errors(401, 404, 503))
+    async def get_response(response_id: str):
+        return state.responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=_errors(401, 404, 503))
+    async def delete_response(response_id: str):
+        return state.responses.delete(response_id)
+
     @app.post("/v1/messages", responses={200: {"content": {"application/json": {}, "text/event-stream": {}}},
                                          **{c: {"model": AnthropicError} for c in (400, 401, 404, 500, 503)}})
     async def messages(body: MessagesRequest, request: Request):
@@ -406,15 +424,23 @@ _UNSUPPORTED = {
 _UNSUPPORTED_CHAT = {
     "echo": (bool, "not supported in chat (/v1/completions has echo)"),
 }
+#: the same for OpenAI's Responses API fields
+_UNSUPPORTED_RESPONSES = {
+    "conversation": (lambda v: v is not None, "the Conversations API is not supported (previous_response_id "
+                                              "continues a stored response)"),
+    "prompt": (lambda v: v is not None, "stored prompt templates are not supported"),
+    "top_logprobs": (bool, "not supported on /v1/responses (/v1/chat/completions gives logprobs)"),
+}
 
 
 def _check_extra(body, route: str) -> None:
     """Refuse a vLLM field this server does not implement when the request asks for it (a 400 naming
     it); log the other unknown fields (SDKs send fields nobody uses)."""
     extra = body.model_extra or {}
-    known = {**_UNSUPPORTED, **(_UNSUPPORTED_CHAT if route == "/v1/chat/completions" else {})}
+    known = {"/v1/completions": _UNSUPPORTED, "/v1/chat/completions": {**_UNSUPPORTED, **_UNSUPPORTED_CHAT},
+             "/v1/responses": _UNSUPPORTED_RESPONSES}.get(route, {})
     for name, value in extra.items():
-        if name in known and route != "/v1/messages":
+        if name in known:
             asks, instead = known[name]
             if asks(value):
                 raise bad_request(f"{name}: {instead}", name)

@@ -26,7 +26,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -308,6 +308,20 @@ class ChatServing:
         return [{"tool_calls": [{"index": k, "id": call.id, "type": "function",
                                  "function": {"name": call.name, "arguments": ""}}]},
                 {"tool_calls": [{"index": k, "function": {"arguments": call.arguments_json}}]}]
+
+    async def choice_deltas(self, c: _Choice, sub: Submission, seen: Callable[[Delta], None] | None = None):
+        """One choice's message deltas, a list per engine step, until it is done (the other routes fold
+        them into their own shapes); an engine error aborts the request. ``seen`` gets every delta."""
+        async for _, d in sub:
+            if seen is not None:
+                seen(d)
+            out = self._take(c, d, sub)
+            if c.error:
+                sub.abort()
+            if out:
+                yield out
+            if c.done:
+                break
 
     async def _collect(self, sub: Submission, choices: list[_Choice]) -> bool:
         async for i, d in sub:

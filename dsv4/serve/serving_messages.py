@@ -280,17 +280,8 @@ class _Run:
         self.serving, self.choice, self.sub, self.stops = serving, choice, sub, stops
         self.tokens: list[int] = []
 
-    async def deltas(self):
-        c = self.choice
-        async for _, d in self.sub:
-            self.tokens += d.token_ids
-            out = self.serving.chat._take(c, d, self.sub)
-            if c.error:
-                self.sub.abort()
-            if out:
-                yield out
-            if c.done:
-                break
+    def deltas(self):
+        return self.serving.chat.choice_deltas(self.choice, self.sub, lambda d: self.tokens.extend(d.token_ids))
 
     async def collect(self) -> bool:
         async for _ in self.deltas():
