@@ -107,6 +107,18 @@ def test_function_call_round_trip_and_the_store(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_a_stored_conversation_is_never_changed(client):
+    """Two continuations of one stored response: the first starts with a function call (which joins the
+    stored answer's turn in its own prompt), and the second sees the stored conversation as it was."""
+    first = client.responses.create(model=MODEL, input="hi", max_output_tokens=3, temperature=0)
+    before = client.responses.create(model=MODEL, previous_response_id=first.id, input="again", max_output_tokens=1)
+    client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER], max_output_tokens=1, input=[
+        {"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_9", "output": "rain"}])
+    after = client.responses.create(model=MODEL, previous_response_id=first.id, input="again", max_output_tokens=1)
+    assert after.usage.input_tokens == before.usage.input_tokens
+
+
 def test_json_schema_output_is_enforced(client):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}

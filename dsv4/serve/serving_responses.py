@@ -135,7 +135,9 @@ class ResponsesServing:
                         "function": {"name": name, "arguments": item.get("arguments") or "{}"}}
                 last = out[-1] if out else None
                 if last is not None and last.role == "assistant" and reasoning is None:
-                    last.tool_calls = (last.tool_calls or []) + [call]      # one assistant turn, several calls
+                    # one assistant turn, several calls (a new message: a stored one is never changed)
+                    calls = [tc.model_dump(exclude_none=True) for tc in last.tool_calls or []] + [call]
+                    out[-1] = ChatMessage.model_validate({**last.model_dump(exclude_none=True), "tool_calls": calls})
                     continue
                 out.append(ChatMessage.model_validate({"role": "assistant", "content": None,
                                                        "reasoning_content": reasoning, "tool_calls": [call]}))
