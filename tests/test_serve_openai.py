@@ -181,6 +181,10 @@ def test_chat_ignore_eos_generates_past_the_end_token_and_stray_markup(client, s
     (dict(logit_bias={"7": 101}), 400, "logit_bias", "numbers in [-100, 100]"),
     (dict(logit_bias={"100000": 1}), 400, "logit_bias", "outside [0, "),
     (dict(extra_body={"min_tokens": 3}), 400, "min_tokens", "must be <= max_tokens (2)"),
+    (dict(extra_body={"min_tokens": 1}, response_format={"type": "json_object"}), 400, "min_tokens",
+     "the grammar decides"),
+    (dict(extra_body={"allowed_token_ids": [5]}, response_format={"type": "json_object"}), 400,
+     "allowed_token_ids", "the grammar decides"),
     (dict(extra_body={"stop_token_ids": list(range(65))}), 400, "stop_token_ids", "at most 64"),
 ])
 def test_chat_errors(client, kwargs, status, param, words):

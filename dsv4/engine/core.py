@@ -246,6 +246,11 @@ class Engine:
         if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= stops:
             raise RequestError("allowed_token_ids: every allowed id stops the request, so min_tokens leaves none "
                                "to draw", param="allowed_token_ids")
+        if params.structured_outputs is not None:      # the grammar decides which ids may come, and the end
+            for what, given in (("min_tokens", params.min_tokens), ("allowed_token_ids", params.allowed_token_ids)):
+                if given:
+                    raise RequestError(f"{what} and structured outputs: the grammar decides which tokens may come "
+                                       "and where the answer ends; give one of them", param=what)
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise RequestError("structured outputs need a tokenizer", param=params.structured_outputs.param)
