@@ -205,7 +205,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         f"None or a dict of at most {MAX_LOGIT_BIAS} token ids (ints >= 0) to numbers in [-100, 100]",
     ),
     "allowed_token_ids": (
-        lambda v: v is None or (_is_list_of(v, lambda t: _is_int(t) and t >= 0) and 1 <= len(v) <= MAX_ALLOWED_TOKEN_IDS),
+        lambda v: v is None or (_is_list_of(v, lambda t: _is_int(t) and t >= 0)
+                                and 1 <= len(v) <= MAX_ALLOWED_TOKEN_IDS),
         f"None or a list of 1 to {MAX_ALLOWED_TOKEN_IDS} ints >= 0",
     ),
     "structured_outputs": (lambda v: v is None or isinstance(v, StructuredOutputsParams),

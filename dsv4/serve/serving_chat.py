@@ -134,7 +134,9 @@ class ChatServing:
         reserve = len(self.ctx.tokenizer.encode(shortest_block(tools, name)))
         return StructuredOutputsParams(grammar=grammar, param="tools", min_reserve=reserve)
 
-    def _request(self, req: ChatCompletionRequest):
+    def engine_requests(self, req: ChatCompletionRequest) -> tuple[list[int], list[EngineRequest], list[_Choice]]:
+        """A chat request's prompt ids, its engine requests (one per choice) and the choices that fold
+        their output (400 naming the field for anything wrong; the Responses route builds on it)."""
         if not req.messages:
             raise bad_request("messages: expected a non-empty list of messages", "messages")
         choice = req.tool_choice
@@ -197,7 +199,7 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest, raw: Request):
         started = time.monotonic()
         model = self.ctx.check_model(req.model)
-        ids, reqs, choices = await self.ctx.prepare(self._request, req)
+        ids, reqs, choices = await self.ctx.prepare(self.engine_requests, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = self.ctx.engine.submit(rid, reqs)
         if self.ctx.metrics is not None:

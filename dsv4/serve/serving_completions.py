@@ -144,7 +144,8 @@ class CompletionServing:
         usage = _usage(prompt_tokens, choices, sub.cached(req.n))
         return {**head, "object": "text_completion", "system_fingerprint": None, "usage": usage,
                 "choices": [{"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason, "logprobs": self._logprobs(c, c.entries) if req.logprobs is not None else None}
+                             "stop_reason": c.stop_reason,
+                             "logprobs": self._logprobs(c, c.entries) if req.logprobs is not None else None}
                             for c in choices]}
 
     # ------------------------------------------------------------------ engine -> choices
@@ -198,7 +199,8 @@ class CompletionServing:
                 if not text and not entries and not d.finished:
                     continue
                 choice = {"index": c.index, "text": text, "finish_reason": c.finish_reason if d.finished else None,
-                          "stop_reason": c.stop_reason if d.finished else None, "logprobs": self._logprobs(c, entries) if logprobs is not None else None}
+                          "stop_reason": c.stop_reason if d.finished else None,
+                          "logprobs": self._logprobs(c, entries) if logprobs is not None else None}
                 extra = {}
                 if usage:   # null in every chunk but the last, or the usage so far (continuous_usage_stats)
                     extra["usage"] = _usage(prompt_tokens, choices, sub.cached(per_prompt)) if continuous else None

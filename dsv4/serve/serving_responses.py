@@ -1,6 +1,6 @@
 """``POST /v1/responses``: OpenAI's Responses API on the same engine and chat encoding.
 
-A request becomes a chat request that the chat route prepares (:meth:`ChatServing._request`: the
+A request becomes a chat request that the chat route prepares (:meth:`ChatServing.engine_requests`: the
 prompt, tools, the JSON constraint, sampling): ``instructions`` is the first (system) message;
 ``input`` is a string (one user message) or a list of items -- messages (``role`` and ``content``, a
 string or ``input_text`` / ``output_text`` parts), ``function_call`` items (an assistant's tool calls),
@@ -213,7 +213,7 @@ class ResponsesServing:
         conversation = self._conversation(req)
         chat_req = self._chat_request(req, conversation)
         try:
-            ids, reqs, choices = self.chat._request(chat_req)
+            ids, reqs, choices = self.chat.engine_requests(chat_req)
         except APIError as e:       # name the Responses fields, not the chat route's
             param = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
                      "reasoning_effort": "reasoning", "chat_template_kwargs": "reasoning"}.get(e.param, e.param)
@@ -299,7 +299,8 @@ class _Run:
             "output": output or [], "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-            "temperature": 1.0 if r.temperature is None else r.temperature, "top_p": 1.0 if r.top_p is None else r.top_p,
+            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "top_p": 1.0 if r.top_p is None else r.top_p,
             "tools": r.tools or [], "tool_choice": r.tool_choice or "auto",
             "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
             "reasoning": r.reasoning, "text": r.text or {"format": {"type": "text"}}, "store": r.store,
@@ -373,8 +374,9 @@ class _Items:
                     out += self._added({"id": f"rs_{secrets.token_hex(12)}", "type": "reasoning", "summary": [],
                                         "content": [], "status": "in_progress"})
                 self.text.append(d["reasoning_content"])
-                out.append(("response.reasoning_text.delta", {"item_id": self.open["id"], "output_index": len(self.done),
-                                                              "content_index": 0, "delta": d["reasoning_content"]}))
+                out.append(("response.reasoning_text.delta", {
+                    "item_id": self.open["id"], "output_index": len(self.done), "content_index": 0,
+                    "delta": d["reasoning_content"]}))
             elif "content" in d:
                 if self.open is None or self.open["type"] != "message":
                     out += self._added({"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "assistant",
