@@ -75,3 +75,23 @@ def test_unauthorized_says_pass_api_key(tiny_checkpoint):
     finally:
         server.stop()
         llm.close()
+
+
+def test_serve_overhead_bench_runs(tmp_path):
+    """bench/serve_overhead.py (the HTTP side over a stand-in engine): every client gets every token,
+    on both endpoints."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "bench/serve_overhead.py", "--concurrency", "3", "--output-len", "5",
+                        "--requests-per-client", "2", "--step-ms", "1", "--port", str(port)],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [line for line in p.stdout.splitlines() if "tok/s delivered" in line]
+    assert [line.split()[0] for line in lines] == ["chat", "completions"]

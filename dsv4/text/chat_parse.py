@@ -134,7 +134,10 @@ def _scan(buf: str, markers: tuple[str, ...], final: bool, start: int = 0) -> tu
     if final:
         return pos, found
     longest = max(map(len, markers))
+    firsts = {m[0] for m in markers}      # a tail can grow into a marker only from a marker's first character
     for s in range(max(0, len(buf) - longest + 1), len(buf)):
+        if buf[s] not in firsts:
+            continue
         tail = buf[s:]
         if any(len(m) > len(tail) and m.startswith(tail) for m in markers):
             return (pos, found) if found is not None and pos < s else (min(s, pos), None)
