@@ -104,14 +104,16 @@ def serve(args) -> int:
 
     sock = _listen("127.0.0.1", args.port)
     if not args.profile:
-        return run_server(load, model_names=["instant"], host="127.0.0.1", port=args.port, sock=sock)
+        return run_server(load, model_names=["instant"], host="127.0.0.1", port=args.port, sock=sock,
+                          stream_interval=args.stream_interval)
     import cProfile
     import pstats
 
     prof = cProfile.Profile()       # the event loop's thread: the HTTP side, not the stand-in engine
     prof.enable()
     try:
-        return run_server(load, model_names=["instant"], host="127.0.0.1", port=args.port, sock=sock)
+        return run_server(load, model_names=["instant"], host="127.0.0.1", port=args.port, sock=sock,
+                          stream_interval=args.stream_interval)
     finally:
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
@@ -159,6 +161,7 @@ def main() -> int:
     p.add_argument("--requests-per-client", type=int, default=2, help="requests = concurrency x this")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--step-ms", type=float, default=10.0, help="the stand-in engine's step time")
+    p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     p.add_argument("--endpoint", nargs="+", default=["chat", "completions"], choices=["chat", "completions"])
     p.add_argument("--port", type=int, default=8931)
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -172,7 +175,8 @@ def main() -> int:
 
     top = max(args.concurrency)
     server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port), "--step-ms",
-                               str(args.step_ms), "--max-num-seqs", str(top), "--profile", str(args.profile)],
+                               str(args.step_ms), "--max-num-seqs", str(top), "--profile", str(args.profile),
+                               "--stream-interval", str(args.stream_interval)],
                               stderr=None if args.profile else subprocess.DEVNULL)
     base = f"http://127.0.0.1:{args.port}"
     try:
@@ -186,7 +190,8 @@ def main() -> int:
         else:
             raise SystemExit("the server did not start")
         print(f"stand-in engine: a step every {args.step_ms} ms, one token per running request; "
-              f"{args.output_len} tokens a request; {os.cpu_count()} CPUs shared by server and clients")
+              f"{args.output_len} tokens a request; --stream-interval {args.stream_interval}; "
+              f"{os.cpu_count()} CPUs shared by server and clients")
         for endpoint in args.endpoint:
             for c in args.concurrency:
                 cpu0 = _cpu_seconds(server.pid)

@@ -75,13 +75,13 @@ class ServerProcess:
 class InProcessServer:
     """The app for an already-loaded ``LLM`` under uvicorn on a thread."""
 
-    def __init__(self, llm, model_names=("tiny",), api_key: str | None = None):
+    def __init__(self, llm, model_names=("tiny",), api_key: str | None = None, **app_kwargs):
         import uvicorn
 
         from dsv4.serve.app import create_app
         from dsv4.serve.server import setup_logging
         setup_logging("info")
-        self.app = create_app(llm, model_names=list(model_names), api_key=api_key)
+        self.app = create_app(llm, model_names=list(model_names), api_key=api_key, **app_kwargs)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

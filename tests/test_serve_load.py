@@ -114,3 +114,29 @@ def _or0(page: str, name: str) -> float:
         return metric(page, name)
     except KeyError:
         return 0.0
+
+
+def test_stream_interval_sends_the_same_tokens_in_fewer_chunks(tiny_checkpoint):
+    """--stream-interval 4: the first token alone (time to first token unchanged), then chunks of at
+    least 4 tokens, the end with whatever is left; the streamed text and logprobs equal the
+    non-streamed answer's."""
+    import openai
+
+    from dsv4.engine.llm import LLM
+    from serve_util import InProcessServer
+
+    llm = LLM(tiny_checkpoint, max_num_seqs=2, max_model_len=64, progress=False)
+    server = InProcessServer(llm, stream_interval=4)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        ask = dict(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=0,
+                   extra_body={"ignore_eos": True})
+        whole = client.completions.create(**ask).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+        sizes = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 10 and len(sizes) < 10, sizes
+        assert "".join(c.text for c in chunks) == whole.text
+        assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == whole.logprobs.token_logprobs
+        assert chunks[-1].finish_reason == "length"
+    finally:
+        server.stop()

@@ -61,8 +61,10 @@ class ServerState:
     """What the app serves and its lifecycle: ``starting`` -> ``ready`` -> ``draining`` -> ``stopped``
     (``failed`` when the model could not be loaded)."""
 
-    def __init__(self, load, model_names: list[str], api_key: str | None = None, default_seed: int | None = None):
+    def __init__(self, load, model_names: list[str], api_key: str | None = None, default_seed: int | None = None,
+                 stream_interval: int = 1):
         self.load, self.model_names, self.api_key, self.default_seed = load, model_names, api_key, default_seed
+        self.stream_interval = stream_interval
         self.status = "starting"
         self.metrics = Metrics(model_names[0])
         self.ctx: ServingContext | None = None
@@ -115,7 +117,8 @@ class ServerState:
         self.llm = llm
         on_cpu = getattr(getattr(llm, "device", None), "type", None) == "cpu"
         engine = AsyncEngine(llm.engine, llm.max_model_len, self.metrics,
-                             threads=getattr(llm, "threads", None) if on_cpu else None)
+                             threads=getattr(llm, "threads", None) if on_cpu else None,
+                             stream_interval=self.stream_interval)
         engine.start()
         if hasattr(llm.engine, "prepare_grammars"):     # test stand-ins offer only the request API
             llm.engine.prepare_grammars()
@@ -237,10 +240,11 @@ async def _checked_body(scope, receive, path: str):
 
 
 def create_app(load: Callable[[], Any] | Any, *, model_names: list[str], api_key: str | None = None,
-               default_seed: int | None = None) -> FastAPI:
+               default_seed: int | None = None, stream_interval: int = 1) -> FastAPI:
     """The server app for ``load`` (an ``LLM``, or a function that builds one on a thread).
-    ``default_seed``: requests without a ``seed`` draw theirs from a stream seeded with it (``--seed``)."""
-    state = ServerState(load, model_names, api_key, default_seed)
+    ``default_seed``: requests without a ``seed`` draw theirs from a stream seeded with it (``--seed``);
+    ``stream_interval``: streamed output goes out every that many tokens (``--stream-interval``)."""
+    state = ServerState(load, model_names, api_key, default_seed, stream_interval)
 
     async def lifespan(app: FastAPI):
         await state.start()

@@ -72,6 +72,8 @@ class _Live:
     last: float | None = None
     tokens: int = 0
     reason: str | None = None     # the finish reason the client was given, when the handler ended it
+    held: Delta | None = None     # --stream-interval: output not handed to the handler yet
+    sent: bool = False            # some output (the first token) has been handed over
 
 
 class Submission:
@@ -135,8 +137,11 @@ class AsyncEngine:
     """Drives an :class:`Engine` from its own thread for an asyncio server."""
 
     def __init__(self, engine: Engine, max_model_len: int, metrics=None, threads: int | str | None = None,
-                 threads_interval: float = 5.0):
+                 threads_interval: float = 5.0, stream_interval: int = 1):
         self.engine, self.max_model_len, self.metrics = engine, max_model_len, metrics
+        #: vLLM's --stream-interval: after the first token, a request's output goes to its handler
+        #: (and so to its client) once it holds this many tokens, or when it ends
+        self.stream_interval = stream_interval
         # the CPU-thread policy ("auto" only) is re-evaluated between steps: load comes and goes
         self.thread_monitor = ThreadMonitor(threads, threads_interval)
         self.vocab_size = engine.vocab_size
@@ -298,6 +303,13 @@ class AsyncEngine:
                                               live.reason or delta.finish_reason)
             live.submission.completion_tokens[live.index] = live.tokens
             live.submission.cached_tokens[live.index] = delta.num_cached_tokens
+            if live.held is not None:
+                delta, live.held = _merged(live.held, delta), None
+            if self.stream_interval > 1 and live.sent and not delta.finished \
+                    and len(delta.token_ids) < self.stream_interval:
+                live.held = delta
+                continue
+            live.sent = live.sent or bool(delta.token_ids)
             live.submission.queue.put_nowait((live.index, delta))
 
     def _timing(self, live: _Live, now: float, n: int) -> None:
@@ -312,6 +324,17 @@ class AsyncEngine:
         live.tokens += n
         if self.metrics is not None:
             self.metrics.generated(n)
+
+
+def _merged(a: Delta, b: Delta) -> Delta:
+    """Two consecutive deltas of one request as one (``b`` the later)."""
+    def both(x, y):
+        return None if x is None and y is None else (x or []) + (y or [])
+    return Delta(a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, b.stop_reason,
+                 both(a.logprobs, b.logprobs), both(a.top_logprobs, b.top_logprobs),
+                 a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+                 a.prompt_top_logprobs if a.prompt_top_logprobs is not None else b.prompt_top_logprobs,
+                 b.error, b.num_cached_tokens)
 
 
 def _delta(out: RequestOutput) -> Delta:

@@ -62,12 +62,13 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(load: Callable[[], Any] | Any, *, model_names: list[str], host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
-               access_log: bool = False, sock=None, default_seed: int | None = None) -> int:
+               access_log: bool = False, sock=None, default_seed: int | None = None, stream_interval: int = 1) -> int:
     """Serve until a signal drains and stops the server; returns the exit status 0. When the model
     could not be loaded (or the engine not started on it) the server stops at once and the error is
     re-raised for the CLI to print, once."""
     setup_logging(log_level)
-    app = create_app(load, model_names=model_names, api_key=api_key, default_seed=default_seed)
+    app = create_app(load, model_names=model_names, api_key=api_key, default_seed=default_seed,
+                     stream_interval=stream_interval)
     state = app.state.dsv4
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=30, timeout_graceful_shutdown=max(shutdown_timeout, 1.0) + 5)
