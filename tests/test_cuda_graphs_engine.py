@@ -1,7 +1,8 @@
 """Whole-step CUDA graphs in the engine (GPU only; run by bench/gpu_check.sh).
 
 For every tiny release (BF16, FP8+MXFP4, FP8+NVFP4) and QAT setting, graph replay gives the same
-tokens as eager steps (greedy and seeded sampling, every batch bucket as requests come and go; also
+tokens as eager steps (greedy and seeded sampling, a logit bias, min_tokens and an allow-list, every batch
+bucket as requests come and go; also
 with 4 decode steps of the running requests in each step that admits a prompt),
 and a replayed step allocates nothing: the allocator's counters are flat over 100 steps.
 """
@@ -26,8 +27,11 @@ def _requests(vocab):
     out = []
     for i in range(9):   # 9 requests through 5 slots: batches of 5..1 rows, buckets 8, 4, 2, 1
         prompt = torch.randint(2, vocab, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        # two requests take the sampler's bias tables (a flag set captured on first use)
+        bias = dict(logit_bias={prompt[0]: 4.0, 5: -100.0}, min_tokens=6, stop_token_ids=[7]) if i == 5 else \
+            dict(allowed_token_ids=sorted(set(prompt) | set(range(2, vocab, 7)))) if i == 6 else {}
         params = SamplingParams(max_tokens=8 + 3 * i, temperature=0.0 if i % 2 else 0.8, top_p=0.95 if i % 3 else 1.0,
-                                seed=i, ignore_eos=True, logprobs=2 if i == 4 else None)
+                                seed=i, ignore_eos=True, logprobs=2 if i == 4 else None, **bias)
         out.append((prompt, params))
     return out
 
