@@ -107,6 +107,27 @@ def test_function_call_round_trip_and_the_store(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_streamed_function_call_events(client):
+    """A forced call streamed: its item added (empty arguments), the arguments' delta and done events,
+    the item done; the final response's call equals the non-streamed one's (greedy)."""
+    kw = dict(model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required", max_output_tokens=200,
+              temperature=0)
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    calls = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert calls and calls[0].item.arguments == ""
+    item_id = calls[0].item.id
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                     and e.item_id == item_id)
+    done = [e for e in events if e.type == "response.function_call_arguments.done" and e.item_id == item_id]
+    assert done and done[0].arguments == deltas and json.loads(deltas)
+    got = [(o.name, o.arguments) for o in final.output if o.type == "function_call"]
+    assert got == [(o.name, o.arguments) for o in whole.output if o.type == "function_call"]
+    assert final.status == "completed"
+
+
 def test_a_stored_conversation_is_never_changed(client):
     """Two continuations of one stored response: the first starts with a function call (which joins the
     stored answer's turn in its own prompt), and the second sees the stored conversation as it was."""
