@@ -377,6 +377,9 @@ def _has_bias(p: SamplingParams) -> bool:
 
 #: the per-row tables :func:`apply_logit_bias` reads (besides ``step``)
 BIAS_TABLES = ("bias_ids", "bias_vals", "min_tokens", "ban_ids", "ban_on", "allow_ids", "allow_on")
+#: the per-row knobs and draw counters every step reads
+_ROW_KNOBS = ("greedy", "temperature", "top_k", "top_p", "min_p", "log_min_p", "repetition_penalty",
+              "presence_penalty", "frequency_penalty", "seed_lo", "seed_hi", "step")
 
 
 def _count_ids(rows: Sequence[Sequence[int]], V: int, device: torch.device) -> Tensor:
@@ -568,27 +571,33 @@ class SlotSampling:
     def flags(self, slots: Sequence[int]) -> SampleFlags:
         return SampleFlags.of([self.params[s] for s in slots if self.params[s] is not None], self.vocab_size)
 
+    def gather(self, idx: Tensor, flags: SampleFlags) -> SamplingBatch:
+        """A batch of the rows ``idx`` (device; a slot may repeat) with the host flags of ``flags``: the
+        knobs, draw counters and, under ``flags.bias``, the bias tables; no penalty state, no grammar
+        masks (the caller adds what its step needs). Device ops only."""
+        rows = self.rows
+        batch = SamplingBatch.__new__(SamplingBatch)
+        batch.vocab_size, batch.device = self.vocab_size, self.device
+        batch.params = [None] * idx.shape[0]          # only its length is read
+        for name in _ROW_KNOBS + (BIAS_TABLES if flags.bias else ()):
+            setattr(batch, name, getattr(rows, name).index_select(0, idx))
+        batch.counts = batch.prompt_mask = batch.token_bitmask = None
+        batch.all_greedy, batch.use_top_p, batch.use_min_p = flags.all_greedy, flags.top_p, flags.min_p
+        batch.use_top_k = flags.top_k and not flags.top_p
+        batch.max_top_k = flags.max_top_k or self.vocab_size
+        batch.num_logprobs, batch.use_bias = flags.logprobs, flags.bias
+        return batch
+
     def sample(self, logits: Tensor, slot_idx: Tensor, flags: SampleFlags) -> SampleOutput:
         """Sample one token per row of ``logits [B, V]`` with the rows of ``slot_idx [B]`` (device),
         then advance those rows' draw counters and penalty counts. Device ops only."""
         rows = self.rows
-        batch = SamplingBatch.__new__(SamplingBatch)
-        batch.vocab_size, batch.device = self.vocab_size, self.device
-        batch.params = [None] * slot_idx.shape[0]          # only its length is read
-        for name in ("greedy", "temperature", "top_k", "top_p", "min_p", "log_min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "seed_lo", "seed_hi", "step"):
-            setattr(batch, name, getattr(rows, name).index_select(0, slot_idx))
-        batch.counts = rows.counts.index_select(0, slot_idx) if flags.penalties else None
-        batch.prompt_mask = rows.prompt_mask.index_select(0, slot_idx) if flags.penalties else None
-        batch.all_greedy, batch.use_top_p, batch.use_min_p = flags.all_greedy, flags.top_p, flags.min_p
-        batch.use_top_k = flags.top_k and not flags.top_p
-        batch.max_top_k = flags.max_top_k or self.vocab_size
-        batch.num_logprobs = flags.logprobs
-        batch.token_bitmask = self.bitmask.gather(slot_idx) if flags.grammar else None
-        batch.use_bias = flags.bias
-        if flags.bias:
-            for name in BIAS_TABLES:
-                setattr(batch, name, getattr(rows, name).index_select(0, slot_idx))
+        batch = self.gather(slot_idx, flags)
+        if flags.penalties:
+            batch.counts = rows.counts.index_select(0, slot_idx)
+            batch.prompt_mask = rows.prompt_mask.index_select(0, slot_idx)
+        if flags.grammar:
+            batch.token_bitmask = self.bitmask.gather(slot_idx)
         out = sample(logits, batch)
         rows.step.index_copy_(0, slot_idx, batch.step)
         if flags.penalties:

@@ -81,8 +81,8 @@ from torch import Tensor
 
 from ..errors import UsageError
 from .grammar import apply_token_bitmask
-from .sampling import (BIAS_TABLES, SampleOutput, SamplingBatch, apply_logit_bias, apply_penalties,
-                       apply_top_k_top_p_min_p, gumbel_noise, uniform_noise)
+from .sampling import (SampleOutput, apply_logit_bias, apply_penalties, apply_top_k_top_p_min_p, gumbel_noise,
+                       uniform_noise)
 
 METHODS = ("ngram", "mtp")
 #: ``disable_by_batch_size``'s default (module docstring: above 64 rows a verify step's cost ratio
@@ -306,17 +306,8 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
     rows = sampling.rows
     idx = slot_idx.repeat_interleave(S)                                          # [b*S]
     pos = torch.arange(S, device=logits.device)
-    batch = SamplingBatch.__new__(SamplingBatch)
-    batch.vocab_size, batch.device = V, logits.device
-    batch.params = [None] * (b * S)
-    for name in ("greedy", "temperature", "top_k", "top_p", "min_p", "log_min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "seed_lo", "seed_hi", "step"):
-        setattr(batch, name, getattr(rows, name).index_select(0, idx))
+    batch = sampling.gather(idx, flags)
     batch.step = batch.step + pos.repeat(b)         # position i is the row's draw step + i (min_tokens)
-    if flags.bias:
-        for name in BIAS_TABLES:
-            setattr(batch, name, getattr(rows, name).index_select(0, idx))
-    batch.counts = batch.prompt_mask = None
     if flags.penalties:
         # position i has seen the drafts d_1..d_i as generated tokens
         seen = torch.zeros(b, S, V, dtype=rows.counts.dtype, device=logits.device)
@@ -324,9 +315,6 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
         seen = seen.cumsum(1, dtype=seen.dtype)
         batch.counts = (rows.counts.index_select(0, slot_idx).unsqueeze(1) + seen).flatten(0, 1)
         batch.prompt_mask = (rows.prompt_mask.index_select(0, slot_idx).unsqueeze(1) | (seen > 0)).flatten(0, 1)
-    batch.all_greedy, batch.use_top_p, batch.use_min_p = flags.all_greedy, flags.top_p, flags.min_p
-    batch.use_top_k = flags.top_k and not flags.top_p
-    batch.max_top_k = flags.max_top_k or V
 
     pen = logits.flatten(0, 1).float()                                            # [b*S, V]
     pen = apply_penalties(apply_logit_bias(pen, batch) if flags.bias else pen, batch)
