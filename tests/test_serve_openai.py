@@ -186,6 +186,7 @@ def test_chat_ignore_eos_generates_past_the_end_token_and_stray_markup(client, s
     (dict(extra_body={"allowed_token_ids": [5]}, response_format={"type": "json_object"}), 400,
      "allowed_token_ids", "the grammar decides"),
     (dict(extra_body={"stop_token_ids": list(range(65))}), 400, "stop_token_ids", "at most 64"),
+    (dict(extra_body={"stop_token_ids": [3, 100000]}), 400, "stop_token_ids", "outside [0, "),
 ])
 def test_chat_errors(client, kwargs, status, param, words):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}

@@ -242,7 +242,7 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"{what}: token ids outside [0, {self.vocab_size}): {sorted(bad)[:5]}", param=what)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos or self.eos_id is None else {self.eos_id})
+        stops = StopChecker.from_params(params, self.eos_id).stop_ids
         if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= stops:
             raise RequestError("allowed_token_ids: every allowed id stops the request, so min_tokens leaves none "
                                "to draw", param="allowed_token_ids")

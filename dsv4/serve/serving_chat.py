@@ -39,7 +39,7 @@ from ..text.tool_grammar import ToolGrammarError, shortest_block, tool_calls_gra
 from .async_engine import Delta, EngineRequest, Submission
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, ChatMessage
-from .serving_common import (ServingContext, aclosing_iter, check_request, check_stop_ids, log_request,
+from .serving_common import (ServingContext, aclosing_iter, check_request, log_request,
                              sampling_params, sse, stream_usage, structured_outputs, truncate_prompt,
                              until_done_or_disconnect)
 
@@ -144,7 +144,6 @@ class ChatServing:
             raise bad_request(f"tool_choice {_choice_name(choice)} needs tools", "tool_choice")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        check_stop_ids(req.stop_token_ids, self.ctx.engine.vocab_size)
         thinking, effort = self._thinking(req)
         prefill = req.continue_final_message
         if prefill == req.add_generation_prompt:

@@ -186,12 +186,6 @@ def stream_usage(req: _Sampling) -> tuple[bool, bool]:
     return usage, usage and bool(opts.continuous_usage_stats)
 
 
-def check_stop_ids(ids: list[int] | None, vocab: int) -> None:
-    bad = [t for t in ids or [] if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"stop_token_ids: ids outside [0, {vocab}): {bad[:5]}", "stop_token_ids")
-
-
 def check_request(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
     """400 naming the problem (lengths included) when the engine could never run this request."""
     try:

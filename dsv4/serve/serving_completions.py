@@ -20,7 +20,7 @@ from ..text.markup import BOS
 from .async_engine import Delta, EngineRequest, Submission
 from .errors import APIError, bad_request
 from .protocol import CompletionLogprobs, CompletionRequest
-from .serving_common import (ServingContext, aclosing_iter, check_request, check_stop_ids, log_request,
+from .serving_common import (ServingContext, aclosing_iter, check_request, log_request,
                              sampling_params, sse, stream_usage, structured_outputs, truncate_prompt,
                              until_done_or_disconnect)
 
@@ -83,7 +83,6 @@ class CompletionServing:
             raise bad_request("max_tokens: must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
         if len(prompts) * req.n > MAX_CHOICES:
             raise bad_request(f"{len(prompts)} prompts x n={req.n} is over {MAX_CHOICES} choices", "n")
-        check_stop_ids(req.stop_token_ids, self.ctx.engine.vocab_size)
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
         eos = self.ctx.tokenizer.eos_id
         # the ids whose logprob entry is dropped when they end the output (kept with their text under
