@@ -77,18 +77,21 @@ class ResponsesServing:
 
     # ------------------------------------------------------------------ the store
     def get(self, response_id: str) -> dict:
-        with self._lock:
-            found = self._stored.get(response_id)
-        if found is None:
-            raise APIError(404, f"no stored response with id {response_id!r}", "response_id", "not_found")
-        return found[1]
+        return self._find(response_id, "response_id")[1]
 
     def delete(self, response_id: str) -> dict:
-        with self._lock:
-            found = self._stored.pop(response_id, None)
-        if found is None:
-            raise APIError(404, f"no stored response with id {response_id!r}", "response_id", "not_found")
+        self._find(response_id, "response_id", drop=True)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def _find(self, response_id: str, param: str, drop: bool = False) -> tuple[list[ChatMessage], dict]:
+        """A stored response's (conversation, response), dropped from the store with ``drop``; a 404
+        naming ``param`` when there is none."""
+        with self._lock:
+            found = self._stored.pop(response_id, None) if drop else self._stored.get(response_id)
+        if found is None:
+            where = "" if param == "response_id" else f"{param}: "
+            raise APIError(404, f"{where}no stored response with id {response_id!r}", param, "not_found")
+        return found
 
     def _keep(self, response: dict, conversation: list[ChatMessage]) -> None:
         with self._lock:
@@ -102,12 +105,7 @@ class ResponsesServing:
         this request's input items."""
         out: list[ChatMessage] = []
         if req.previous_response_id is not None:
-            with self._lock:
-                found = self._stored.get(req.previous_response_id)
-            if found is None:
-                raise APIError(404, f"previous_response_id: no stored response with id {req.previous_response_id!r}",
-                               "previous_response_id", "not_found")
-            out += found[0]
+            out += self._find(req.previous_response_id, "previous_response_id")[0]
         if isinstance(req.input, str):
             return out + [ChatMessage(role="user", content=req.input)]
         if not req.input:
@@ -316,11 +314,8 @@ class _Run:
         c = self.choice
         response = self.response("incomplete" if c.finish_reason == "length" else "completed", self.items.done)
         if self.req.store:
-            calls = [{"id": item["call_id"], "type": "function",
-                      "function": {"name": item["name"], "arguments": item["arguments"]}}
-                     for item in self.items.done if item["type"] == "function_call"]
             answer = ChatMessage.model_validate({
-                "role": "assistant", "content": "".join(c.content) or None, "tool_calls": calls or None,
+                "role": "assistant", "content": "".join(c.content) or None, "tool_calls": c.calls or None,
                 "reasoning_content": "".join(c.reasoning) if c.thinking else None})
             self.serving._keep(response, self.conversation + [answer])
         return response
