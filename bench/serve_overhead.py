@@ -103,20 +103,19 @@ def serve(args) -> int:
                                max_num_seqs=args.max_num_seqs, path="instant")
 
     sock = _listen("127.0.0.1", args.port)
-    if not args.profile:
-        return run_server(load, model_names=["instant"], host="127.0.0.1", port=args.port, sock=sock,
-                          stream_interval=args.stream_interval)
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()       # the event loop's thread: the HTTP side, not the stand-in engine
-    prof.enable()
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()       # the event loop's thread: the HTTP side, not the stand-in engine
+        prof.enable()
     try:
         return run_server(load, model_names=["instant"], host="127.0.0.1", port=args.port, sock=sock,
                           stream_interval=args.stream_interval)
     finally:
-        prof.disable()
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
+        if prof is not None:
+            import pstats
+            prof.disable()
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
 
 
 def _cpu_seconds(pid: int) -> float:
