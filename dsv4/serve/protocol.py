@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.sampling import MAX_LOGPROBS
+from ..engine.sampling import MAX_ALLOWED_TOKEN_IDS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 MAX_N = 128          # choices per prompt
 ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
@@ -95,7 +95,7 @@ class _Sampling(_Request):
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = Field(None, description="up to 16 strings that end generation")
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = Field(False, description="vLLM's: keep the stop string (or stop token's "
                                                                 "text) that ended the output at its end")
@@ -107,7 +107,7 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (a string, as OpenAI sends it) -> a number in [-100, 100] added to its logit")
-    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=1024,
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
                                                 description="vLLM's: only these token ids may be drawn")
     min_tokens: int = Field(0, ge=0, description="vLLM's: at least this many tokens before EOS, a stop token id or "
                                                  "a stop string may end the output")
