@@ -2,6 +2,7 @@
 
     python bench/decode_bench.py [--preset flash] [--layers 4] [--format bf16 fp8-mxfp4 fp8-nvfp4]
                                  [--batch 1 8 32] [--context 1024] [--ops reference kernels] [--no-hf]
+                                 [--temperature 0.7 [--top-p 0.95] [--top-k 50]]   (default: greedy rows)
 
 The default slice (the first 4 layers of V4-Flash) has every layer kind: sliding, CSA and HCA
 attention, hash-routed and top-k MoE. Weights are random, made directly on the device in each
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import sys
 import time
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dsv4 import ops  # noqa: E402
 from dsv4.config import ModelConfig, preset  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
+from dsv4.engine.sampling import SamplingParams  # noqa: E402
 from dsv4.model.cache import RowStore  # noqa: E402
 from dsv4.random_weights import build_random_model  # noqa: E402
 
@@ -127,7 +130,7 @@ def time_steps(step, steps: int) -> float:
 
 
 def bench_ours(config: ModelConfig, layout: str, batches: list[int], context: int, steps: int,
-               modes: list[str], qat_sim: bool) -> dict:
+               modes: list[str], qat_sim: bool, sampling: SamplingParams | None = None) -> dict:
     model = build_random_model(config, layout, DEVICE)
     results = {}
     for batch in batches:
@@ -135,6 +138,9 @@ def bench_ours(config: ModelConfig, layout: str, batches: list[int], context: in
         fill_state(runner, context)
         runner.tokens.random_(2, config.vocab_size)
         slots = list(range(batch))
+        if sampling is not None:       # every slot samples with these knobs (default: greedy)
+            for s in slots:
+                runner.sampling.assign(s, dataclasses.replace(sampling, seed=s), [1])
         for mode in modes:
             ops_kind, _, how = mode.partition("-")
             scope = ops.reference_only() if ops_kind == "reference" else contextlib.nullcontext()
@@ -226,19 +232,25 @@ def main() -> None:
                     help="auto: on for the quantized layouts, off for bf16")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' eager model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every row samples (default greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     args = ap.parse_args()
+    knobs = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     global DEVICE
     DEVICE = args.device
     config = preset(args.preset, num_layers=args.layers)
     bw = copy_bandwidth()
     kinds = ", ".join(f"{k} x{config.layer_kinds.count(k)}" for k in ("sliding", "csa", "hca"))
+    if not knobs.greedy:
+        print(f"every row samples: temperature {knobs.temperature}, top-p {knobs.top_p}, top-k {knobs.top_k}")
     print(f"{args.preset} x{args.layers} layers ({kinds}; hash MoE x{sum(config.hash_layers)}), "
           f"{torch.cuda.get_device_name() if DEVICE.startswith('cuda') else DEVICE}, copy bandwidth {bw / 1e9:.0f} GB/s, context {args.context}")
     hf = {} if args.no_hf else bench_hf(config, args.batch, args.context, args.steps)
     rows = []
     for layout in args.format:
         qat = args.qat_sim == "on" or (args.qat_sim == "auto" and layout != "bf16")
-        res = bench_ours(config, layout, args.batch, args.context, args.steps, args.ops, qat)
+        res = bench_ours(config, layout, args.batch, args.context, args.steps, args.ops, qat, knobs)
         for batch in args.batch:
             floor = res[(batch, "bytes")] / bw
             line = f"{layout:<10} qat={'on ' if qat else 'off'} batch {batch:>3}: floor {floor * 1e3:7.3f} ms"

@@ -22,6 +22,7 @@
 #   spec_tests (the verify step's GPU tests: rollback kernel, speculative graphs, the mixed varlen step),
 #   prefix (issue 27: prefix-caching GPU tests + bench/prefix_cost.py: no-hit cost, one conversation's TTFT off/on),
 #   nan_hunt / nan_hunt_fp32 (bench/nan_hunt.py: ops reading memory they do not own, on NaN-poisoned memory),
+#   sampler (the sampler kernel's GPU tests, bench/sampler_bench.py, the decode step with every row sampling: torch sampler vs kernel),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
 #   load: a later call, on a fresh machine, skips the compiles);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
@@ -171,6 +172,14 @@ nan_hunt)   # bench/nan_hunt.py: every op of many step shapes on NaN-poisoned me
   t 280 nan_hunt_bf16.txt python3 bench/nan_hunt.py --dtype bf16-qat ;;
 nan_hunt_fp32) t 400 nan_hunt_fp32.txt python3 bench/nan_hunt.py --dtype fp32 ;;
 spec_tests) pt 200 spec_tests.log tests/test_triton_rollback.py tests/test_gpu_speculative.py tests/test_gpu_batched_step.py ;;
+sampler)   # the sampler kernel: its GPU tests, the sampler alone (reference vs kernel), the decode step sampling
+  pt 120 sampler_tests.log tests/test_triton_sampling.py
+  t 120 sampler_bench.txt python3 bench/sampler_bench.py
+  t 150 decode_sampled_ref.txt env DSV4_KERNELS_OFF=draw_tokens python3 bench/decode_bench.py --layers 4 --batch 1 8 32 \
+    --context 8192 --format fp8-mxfp4 --ops kernels-graph --steps 10 --no-hf --temperature 0.7
+  t 150 decode_sampled.txt python3 bench/decode_bench.py --layers 4 --batch 1 8 32 --context 8192 --format fp8-mxfp4 \
+    --ops kernels-graph --steps 10 --no-hf --temperature 0.7
+  ;;
 tcache_save)   # in parts of 15 MB (a file that comes back from the device is at most 16 MB; ~20 MB in all, 2026-11-27)
   tar czf - -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" | split -b 15M - "$OUT/triton_cache.tgz.part"
   ls -la "$OUT"/triton_cache.tgz.part* ;;

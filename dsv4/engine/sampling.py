@@ -58,6 +58,8 @@ from torch import Tensor
 
 from ..errors import RequestError
 from .grammar import StructuredOutputsParams, TokenBitmask, apply_token_bitmask
+from ..ops import draw_tokens
+from ..ops.noise import M32 as _M32, _mix32, _mul32, gumbel_noise, uniform_noise, unit_interval  # noqa: F401
 from .h2d import copy_into
 
 MAX_LOGPROBS = 20  # most top alternatives one request may ask for
@@ -65,7 +67,6 @@ MAX_LOGIT_BIAS = 1024  # most logit_bias entries one request may give (a row of 
 MAX_STOP_TOKEN_IDS = 64  # most stop_token_ids one request may give (min_tokens holds them back, and EOS)
 MAX_ALLOWED_TOKEN_IDS = 1024  # most allowed_token_ids one request may give
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows fp32)
-_M32 = 0xFFFFFFFF
 
 
 # ----------------------------------------------------------------------------- params
@@ -382,6 +383,23 @@ _ROW_KNOBS = ("greedy", "temperature", "top_k", "top_p", "min_p", "log_min_p", "
               "presence_penalty", "frequency_penalty", "seed_lo", "seed_hi", "step")
 
 
+def _read_by(flags: SampleFlags) -> frozenset[str]:
+    """The per-row knobs a step with ``flags`` reads (a step gathers only those: at batch 1 each
+    gather is a few microseconds of a ~1.4 ms decode step)."""
+    names = {"greedy", "step"}
+    if not flags.all_greedy:
+        names |= {"temperature", "seed_lo", "seed_hi"}
+        if flags.top_p or flags.top_k:
+            names |= {"top_k", "top_p"}
+        if flags.min_p:
+            names.add("log_min_p")
+    if flags.penalties:
+        names |= {"repetition_penalty", "presence_penalty", "frequency_penalty"}
+    if flags.bias:
+        names |= set(BIAS_TABLES)
+    return frozenset(names)
+
+
 def _count_ids(rows: Sequence[Sequence[int]], V: int, device: torch.device) -> Tensor:
     """Token counts ``[len(rows), V]`` int32 from ragged id lists, with one device scatter."""
     flat = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
@@ -428,14 +446,13 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     logp = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
     if batch.token_bitmask is not None:   # a grammar truncates like top-k: logprobs stay the model's
         logits = apply_token_bitmask(logits, batch.token_bitmask)
-    if batch.all_greedy:
-        token_ids = logits.argmax(dim=-1)
-    else:
-        scaled = logits / batch.temperature[:, None]
-        scaled = apply_top_k_top_p_min_p(scaled, batch)
-        noise = gumbel_noise(batch.seed_lo, batch.seed_hi, batch.step, batch.vocab_size)
-        drawn = (scaled + noise).argmax(dim=-1)
-        token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), drawn)
+    # the argmax, or the draw with the noise made in the op (one kernel on a GPU); truncation needs
+    # the scaled logits as a tensor, the plain temperature draw only the temperatures
+    scaled = None
+    if not batch.all_greedy and (batch.use_top_p or batch.use_top_k or batch.use_min_p):
+        scaled = apply_top_k_top_p_min_p(logits / batch.temperature[:, None], batch)
+    token_ids = draw_tokens(logits, scaled, batch.temperature, batch.greedy, batch.seed_lo, batch.seed_hi,
+                            batch.step, sampling=not batch.all_greedy)
     batch.step += 1
     if logp is None:
         return SampleOutput(token_ids, None, None)
@@ -573,14 +590,15 @@ class SlotSampling:
 
     def gather(self, idx: Tensor, flags: SampleFlags) -> SamplingBatch:
         """A batch of the rows ``idx`` (device; a slot may repeat) with the host flags of ``flags``: the
-        knobs, draw counters and, under ``flags.bias``, the bias tables; no penalty state, no grammar
-        masks (the caller adds what its step needs). Device ops only."""
+        knobs and draw counters those flags read (the others None; ``flags.bias``: the bias tables);
+        no penalty state, no grammar masks (the caller adds what its step needs). Device ops only."""
         rows = self.rows
         batch = SamplingBatch.__new__(SamplingBatch)
         batch.vocab_size, batch.device = self.vocab_size, self.device
         batch.params = [None] * idx.shape[0]          # only its length is read
-        for name in _ROW_KNOBS + (BIAS_TABLES if flags.bias else ()):
-            setattr(batch, name, getattr(rows, name).index_select(0, idx))
+        read = _read_by(flags)
+        for name in _ROW_KNOBS + BIAS_TABLES:     # one gather (a kernel) per knob the flags read, None else
+            setattr(batch, name, getattr(rows, name).index_select(0, idx) if name in read else None)
         batch.counts = batch.prompt_mask = batch.token_bitmask = None
         batch.all_greedy, batch.use_top_p, batch.use_min_p = flags.all_greedy, flags.top_p, flags.min_p
         batch.use_top_k = flags.top_k and not flags.top_p
@@ -605,55 +623,6 @@ class SlotSampling:
             rows.counts.index_copy_(0, slot_idx, batch.counts)
             rows.prompt_mask.index_copy_(0, slot_idx, batch.prompt_mask)
         return out
-
-
-# ----------------------------------------------------------------------------- noise
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32): 16-bit halves of c, no overflow."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """lowbias32 (C. Wellons): a well-mixing bijection of 32-bit values held in int64."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab_size: int) -> Tensor:
-    """Counter-based uniforms in (0, 1): ``[B, V]`` fp32, a pure function of (seed, step, id).
-
-    ``seed_lo``, ``seed_hi`` [B] int64 hold the seed's 32-bit halves, ``step`` [B] int64. The
-    row keys (k1, k2) are injective in the seed for a fixed step; each row's values are
-    distinct across the vocabulary (bijections); 24 bits per value, centred in its bin.
-    """
-    k1 = _mix32(seed_lo ^ _mix32((step & _M32) ^ 0x9E3779B9))  # [B]
-    k2 = _mix32(seed_hi ^ _mix32(k1 ^ 0x85EBCA6B))  # [B]
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seed_lo.device)
-    h = _mix32(_mix32(vocab[None, :] ^ k1[:, None]) ^ k2[:, None])  # [B, V] in [0, 2**32)
-    return unit_interval(h)
-
-
-def unit_interval(h: Tensor) -> Tensor:
-    """32-bit hashes (int64 in [0, 2**32)) -> fp32 in (0, 1): the top 24 bits, centred in their bin.
-    The top bin's centre ``1 - 2**-25`` is not an fp32 number and would round to 1 (whose Gumbel
-    noise is +inf: that token would win whatever its probability, one draw in 2**24 per vocabulary
-    entry), so it is held at the largest fp32 below 1."""
-    return (((h >> 8).float() + 0.5) * 2.0**-24).clamp_(max=1.0 - 2.0**-24)
-
-
-def gumbel_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab_size: int) -> Tensor:
-    """Gumbel(0, 1) noise ``[B, V]`` fp32: ``-log E`` with ``E = -log U ~ Exp(1)``.
-
-    ``argmax(logits + noise)`` equals the exponential race ``argmax(p / E)``: it draws token
-    i with probability ``softmax(logits)_i``.
-    """
-    return -torch.log(-torch.log(uniform_noise(seed_lo, seed_hi, step, vocab_size)))
 
 
 # ----------------------------------------------------------------------------- stops

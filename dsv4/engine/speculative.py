@@ -80,9 +80,9 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
+from ..ops import draw_tokens
 from .grammar import apply_token_bitmask
-from .sampling import (SampleOutput, apply_logit_bias, apply_penalties, apply_top_k_top_p_min_p, gumbel_noise,
-                       uniform_noise)
+from .sampling import SampleOutput, apply_logit_bias, apply_penalties, apply_top_k_top_p_min_p, uniform_noise
 
 METHODS = ("ngram", "mtp")
 #: ``disable_by_batch_size``'s default (module docstring: above 64 rows a verify step's cost ratio
@@ -320,7 +320,8 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
     pen = apply_penalties(apply_logit_bias(pen, batch) if flags.bias else pen, batch)
     # a grammar truncates like top-k (logprobs stay the model's): each position's own mask
     allowed = apply_token_bitmask(pen, sampling.bitmask.gather_drafts(slot_idx, S)) if flags.grammar else pen
-    target = allowed.argmax(-1)
+    target = draw_tokens(allowed, None, batch.temperature, batch.greedy, batch.seed_lo, batch.seed_hi, batch.step,
+                         sampling=False)                                # [b*S] argmax
     padded = torch.cat([drafts, drafts.new_zeros(b, 1)], 1)                       # [b, S]: no draft after d_k
     if flags.all_greedy:
         accept, alt = drafts == target.view(b, S)[:, :k], target
@@ -331,10 +332,11 @@ def verify(sampling: Any, logits: Tensor, slot_idx: Tensor, drafts: Tensor, flag
         u = uniform_noise(batch.seed_lo ^ _ACCEPT_SALT, batch.seed_hi, batch.step, 1).squeeze(1)
         has_draft = (pos < k).repeat(b)
         residual = torch.where(has_draft.unsqueeze(1), scaled.scatter(1, d, -math.inf), scaled)
-        drawn = (residual + gumbel_noise(batch.seed_lo, batch.seed_hi, batch.step, V)).argmax(-1)
         accept = torch.where(batch.greedy.view(b, S)[:, :k], drafts == target.view(b, S)[:, :k],
                              (u < p_d).view(b, S)[:, :k])
-        alt = torch.where(batch.greedy, target, drawn)
+        # a greedy row's position takes the argmax, another draws from the residual
+        alt = draw_tokens(allowed, residual, batch.temperature, batch.greedy, batch.seed_lo, batch.seed_hi,
+                          batch.step)
     n_acc = accept.to(torch.int64).cumprod(1).sum(1)                              # [b] accepted drafts
     kept = n_acc + 1
     tokens = torch.where(pos < n_acc.unsqueeze(1), padded, alt.view(b, S))

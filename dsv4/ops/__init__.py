@@ -213,6 +213,14 @@ def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None
     return _call("topk_indices", scores.device, None, scores, k, limit)
 
 
+def draw_tokens(logits: torch.Tensor, scaled: torch.Tensor | None, temperature: torch.Tensor,
+                greedy: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor,
+                sampling: bool = True) -> torch.Tensor:
+    """The sampler's argmax or Gumbel draw per row; see :func:`reference.draw_tokens`."""
+    return _call("draw_tokens", logits.device, None, logits, scaled, temperature, greedy, seed_lo, seed_hi,
+                 step, sampling)
+
+
 def router(x: torch.Tensor, weight: object, func: str, k: int, bias: torch.Tensor | None = None,
            tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
            scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,4 +236,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 __all__ = ["register", "unregister", "implementation", "reference_only", "sync_free", "KernelUnsupported", "numerics", "reference", "FORMAT_OPS",
            "linear", "grouped_linear", "moe", "rms_norm", "rms_norm_unweighted", "rope_inv_freq", "rope_cos_sin",
            "apply_rope", "hadamard", "fp8_sim", "fp4_sim", "mhc_post", "sparse_attention",
-           "compress_windows", "indexer_scores", "topk_indices", "router", "swiglu"]
+           "compress_windows", "indexer_scores", "topk_indices", "draw_tokens", "router", "swiglu"]

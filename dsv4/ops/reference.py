@@ -561,4 +561,22 @@ def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None
     return picks
 
 
+def draw_tokens(logits: torch.Tensor, scaled: torch.Tensor | None, temperature: torch.Tensor,
+                greedy: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor,
+                sampling: bool = True) -> torch.Tensor:
+    """The sampler's last step (:mod:`dsv4.engine.sampling`): one token id per row of ``logits
+    [B, V]`` (any float dtype, taken as fp32), int64 ``[B]``. A ``greedy [B]`` row (every row when
+    not ``sampling``) takes ``argmax(logits)``; another draws ``argmax(scaled + gumbel)`` with the
+    counter-based noise of (``seed_lo``, ``seed_hi``, ``step``) (:func:`dsv4.ops.noise.gumbel_noise`),
+    where ``scaled`` is the row's truncated, temperature-scaled logits, or ``logits / temperature``
+    when None. Ties go to the lowest id, NaN counts as the largest value (``torch.argmax``). Without
+    ``sampling`` the rows' knobs are not read (they may be None)."""
+    if not sampling:
+        return logits.float().argmax(dim=-1)
+    from .noise import gumbel_noise
+    s = logits.float() / temperature[:, None] if scaled is None else scaled.float()
+    drawn = (s + gumbel_noise(seed_lo, seed_hi, step, logits.shape[-1])).argmax(dim=-1)
+    return torch.where(greedy, logits.float().argmax(dim=-1), drawn)
+
+
 from .reference_fused import *  # noqa

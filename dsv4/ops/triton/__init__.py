@@ -21,7 +21,7 @@ from .. import register
 #: the modules that register kernels, imported in this order (the others hold their parts:
 #: ``numerics`` the decoders and rounding, ``runtime`` buffers / counters / SM count, ``moe_*`` and
 #: ``small_*`` the kernels those two gather)
-MODULES: tuple[str, ...] = ("linear", "moe", "attention", "indexer", "small")
+MODULES: tuple[str, ...] = ("linear", "moe", "attention", "indexer", "small", "sampling")
 
 
 def available() -> bool:
