@@ -536,15 +536,18 @@ def test_indexer_scores():
 
 
 def test_topk_indices_breaks_exact_ties_by_lowest_index():
+    """The picks of the k largest (ties to the lowest index, -0 ties +0, -inf last), listed in
+    ascending index order; picks at or past the row's limit -1, at the end of the list."""
     scores = torch.tensor([[0.0, 2.0, -0.0, 2.0, -math.inf, 0.0, -1.0, 2.0]])
-    assert ref.topk_indices(scores, 8).tolist() == [[1, 3, 7, 0, 2, 5, 6, 4]]
-    assert ref.topk_indices(scores, 4).tolist() == [[1, 3, 7, 0]]
-    assert ref.topk_indices(scores, 4, torch.tensor([4])).tolist() == [[1, 3, -1, 0]]   # picks >= limit -> -1
+    assert ref.topk_indices(scores, 8).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert ref.topk_indices(scores, 4).tolist() == [[0, 1, 3, 7]]
+    assert ref.topk_indices(scores, 5).tolist() == [[0, 1, 2, 3, 7]]           # -0 ties +0: the lower index
+    assert ref.topk_indices(scores, 4, torch.tensor([4])).tolist() == [[0, 1, 3, -1]]   # picks >= limit -> -1
     x = torch.randn(4, 50, generator=gen(38)).round()          # many exact ties
     got = ref.topk_indices(x, 20)
     for r in range(4):
-        order = sorted(range(50), key=lambda i: (-x[r, i].item(), i))[:20]
-        assert got[r].tolist() == order
+        picked = sorted(range(50), key=lambda i: (-x[r, i].item(), i))[:20]
+        assert got[r].tolist() == sorted(picked)
 
 
 # ----------------------------------------------------------------------------- MoE

@@ -260,7 +260,8 @@ def _scores_with_ties(shape, seed, device="cpu"):
 
 @cpu_only
 def test_topk_indices_single_chunk(poison):
-    """Exactly the reference's indices, in its order: ties to the lowest index, -0 ties +0, -inf last."""
+    """Exactly the reference's picks, in its order (ascending index): ties to the lowest index, -0 ties
+    +0, -inf picked last."""
     x = _scores_with_ties((2, 3, 37), 30)
     limit = torch.randint(0, 40, (2, 3), generator=_gen(33))
     for k in (5, 37):
@@ -271,13 +272,33 @@ def test_topk_indices_single_chunk(poison):
 
 
 @cpu_only
-def test_topk_indices_levels(poison, monkeypatch):
-    """Rows longer than one chunk: chunk-wise top-k, then top-k of the candidates (three levels)."""
-    monkeypatch.setattr(ki, "TOPK_CHUNK", 16)
+def test_topk_indices_tiles(poison, monkeypatch):
+    """Rows longer than one tile: the histograms and the running counts of the last pass carry
+    across tiles (picks in several tiles, ties of the k-th value split by a tile edge)."""
+    monkeypatch.setattr(ki, "TOPK_BLOCK", 16)
     x = _scores_with_ties((1, 2, 70), 31)
-    assert torch.equal(ki.topk_indices_triton(x, 4), ref.topk_indices(x, 4))
-    limit = torch.tensor([[3, 70]])                   # the limit applies at the last level only
-    assert torch.equal(ki.topk_indices_triton(x, 4, limit), ref.topk_indices(x, 4, limit))
+    for k in (4, 33, 70):
+        assert torch.equal(ki.topk_indices_triton(x, k), ref.topk_indices(x, k))
+        limit = torch.tensor([[3, 70]])
+        assert torch.equal(ki.topk_indices_triton(x, k, limit), ref.topk_indices(x, k, limit))
+    x = torch.full((1, 1, 50), 1.5)                   # every score equal: the first k indices
+    assert ki.topk_indices_triton(x, 20).tolist() == [[list(range(20))]]
+
+
+@cpu_only
+def test_topk_indices_levels(poison, monkeypatch):
+    """Rows longer than TOPK_SPLIT: chunks ranked apart, then their picks (read through their
+    indices, the padding of short chunks skipped), in up to three levels; ties across chunks still
+    go to the lowest index."""
+    monkeypatch.setattr(ki, "TOPK_BLOCK", 16)
+    monkeypatch.setattr(ki, "TOPK_SPLIT", 24)
+    for shape, k, seed in (((1, 2, 70), 4, 31), ((2, 300), 7, 32), ((1, 1, 1000), 5, 33), ((3, 200), 70, 34)):
+        x = _scores_with_ties(shape, seed)
+        assert torch.equal(ki.topk_indices_triton(x, k), ref.topk_indices(x, k)), (shape, k)
+        limit = torch.randint(0, shape[-1] + 1, shape[:-1], generator=_gen(seed))
+        assert torch.equal(ki.topk_indices_triton(x, k, limit), ref.topk_indices(x, k, limit)), (shape, k)
+    x = torch.full((1, 500), 1.5)
+    assert ki.topk_indices_triton(x, 20).tolist() == [list(range(20))]
 
 
 # ----------------------------------------------------------------------------- GPU (real shapes)

@@ -543,9 +543,11 @@ def indexer_scores(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: 
 
 def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the ``k`` largest ``scores [..., n]`` (fp32), exact ties broken by the lowest
-    index first, so the pick never depends on the batch or the backend. ``-inf`` sorts last.
-    With ``limit [...]`` (int), a pick ``>= limit`` of its row becomes ``-1`` (the indexer's picks
-    past the visible entries).
+    index first, so the pick never depends on the batch or the backend (``-inf`` is picked last),
+    listed in ascending index order (what is picked is a set: the attention sums over it; the order
+    of reading is memory order, and a kernel finds the set without sorting it). With ``limit [...]``
+    (int), a pick ``>= limit`` of its row becomes ``-1`` (the indexer's picks past the visible
+    entries: the last ones of the list).
 
     The float's bits are mapped to an order-preserving int32, widened to int64 with the inverted
     index in the low half, so one integer top-k is exact and deterministic.
@@ -555,7 +557,7 @@ def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)     # monotone in the value
     idx = torch.arange(n, device=scores.device, dtype=torch.int64)
     key = (ordered << 32) | (0xFFFFFFFF - idx)
-    picks = 0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF)
+    picks = (0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF)).sort(dim=-1).values
     if limit is not None:
         picks = torch.where(picks < limit.unsqueeze(-1), picks, -1)
     return picks

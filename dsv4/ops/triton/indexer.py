@@ -16,11 +16,14 @@ tiles past every visible entry of the program's queries are written ``-inf`` wit
 The head weights are scaled in-kernel (``w * scale`` in fp32, as the reference) and, given each
 query's visible count, entries past it are written as ``-inf``: the indexer's mask costs no launch.
 
-**Top-k.** One program per row chunk ranks int64 keys (the score's order-preserving int32 in the
-high half, the inverted index in the low half: exactly the reference's order, ties to the lowest
-index) with Triton's bitonic ``tl.topk``; rows longer than :data:`TOPK_CHUNK` go through levels
-(each chunk's top-k keys, then the top-k of those). Given a limit per row, the final level writes
-``-1`` for a pick at or past it.
+**Top-k.** One program per row finds the ``k``-th largest score by radix selection (four
+256-bin histograms of one byte each of the score's order-preserving int32), then writes the
+indices of every score above it and of the lowest-indexed scores equal to it, in index order (the
+reference's picks and order: ties to the lowest index, ``-0 == +0``). No sort: a bitonic
+``tl.topk`` of 2048 int64 keys took ~70 us a row of a decode step on an H100, this 37 us. Rows
+longer than :data:`TOPK_SPLIT` scores go in levels: each chunk's picks (by the same kernel, chunks
+in parallel), then the picks of those (the kernel reading candidates' scores through their indices).
+Given a limit per row, a pick at or past it is written ``-1``.
 
 Everything is sized from host-known shapes: no host read of a device value, CUDA-graph capturable.
 """
@@ -222,50 +225,111 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
 
 
 # ----------------------------------------------------------------------------- top-k
-#: elements one top-k program ranks at once (int64 keys in registers); longer rows go in levels
-TOPK_CHUNK = 4096
-_INT64_MIN = -(1 << 63)
+#: scores one top-k program holds in registers per pass (a row longer than this is walked in tiles)
+TOPK_BLOCK = 4096
+#: rows longer than this are cut into chunks of this many scores, one program each, whose picks are
+#: then ranked together (one program a row walks a long row five times: 260 us at 65536 scores)
+TOPK_SPLIT = 16384
 
 
-@triton.jit(do_not_specialize=["n", "k", "src_stride", "dst_stride"])
-def _topk_kernel(src_ptr, dst_ptr, lim_ptr, n, k, src_stride, dst_stride, CHUNK: tl.constexpr, KP: tl.constexpr,
-                 FROM_SCORES: tl.constexpr, FINAL: tl.constexpr, LIMIT: tl.constexpr):
-    """One chunk of one row: the ``KP`` largest keys of ``CHUNK`` (bitonic top-k), where a key is
-    the score's order-preserving int32 in the high half and the inverted index in the low half
-    (exactly :func:`dsv4.ops.reference.topk_indices`: ties go to the lowest index, -0 == +0).
-    ``FINAL``: write the first ``k`` indices (with ``LIMIT``, ``-1`` for one at or past the row's
-    ``lim_ptr[row]``); else the ``KP`` keys, for the next level."""
+@triton.jit
+def _biased(v):
+    """fp32 ``v`` -> int64 in ``[0, 2^32)`` with the order of the values (``-0 == +0``): the
+    order-preserving int32 of :func:`dsv4.ops.reference.topk_indices`, plus ``2^31``."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _topk_tile(src_row, cand_row, off, lo, hi, BLOCK: tl.constexpr, GATHER: tl.constexpr):
+    """Elements ``[off, off + BLOCK)`` of ``[lo, hi)``: ``(biased values, in range, score indices)``.
+    With ``GATHER`` an element is a candidate: a score index (``-1``: none) read from ``cand_row``."""
+    j = off + tl.arange(0, BLOCK)
+    m = (j >= lo) & (j < hi)
+    if GATHER:
+        idx = tl.load(cand_row + j, mask=m, other=-1)
+        m = m & (idx >= 0)
+    else:
+        idx = j.to(tl.int64)
+    return _biased(tl.load(src_row + idx, mask=m, other=0.0).to(tl.float32)), m, idx
+
+
+@triton.jit(do_not_specialize=["n", "k", "chunk", "src_stride", "cand_stride", "dst_stride"])
+def _topk_kernel(src_ptr, cand_ptr, dst_ptr, lim_ptr, n, k, chunk, src_stride, cand_stride, dst_stride,
+                 BLOCK: tl.constexpr, LIMIT: tl.constexpr, GATHER: tl.constexpr):
+    """The ``k`` largest elements of chunk ``program_id(1)`` (``chunk`` elements; the whole row when
+    it is ``n``) of one row by radix selection, no sort: four passes of a 256-bin histogram of one
+    byte of the (biased) value, among the values whose higher bytes match the ``k``-th largest's so
+    far, find that value ``T`` byte by byte; a last pass keeps every value above ``T`` and the
+    lowest-indexed values equal to it, writing their score indices in index order (positions from a
+    running count) from ``dst[row, chunk_id * k]`` on (a chunk shorter than ``k`` writes all of
+    it). The elements are scores, or with ``GATHER`` the candidates an earlier launch picked
+    (``cand``: score indices in index order, ``-1`` none). With ``LIMIT``, ``-1`` for a score index
+    at or past ``lim[row]``."""
     row = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1)
-    i = ch * CHUNK + tl.arange(0, CHUNK)
-    m = i < n
-    if FROM_SCORES:
-        bits = tl.load(src_ptr + row * src_stride + i, mask=m, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
-        bits = tl.where(bits == -2147483648, 0, bits)                          # -0 ties with +0
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = (ordered << 32) | (4294967295 - i.to(tl.int64))
-        key = tl.where(m, key, -9223372036854775808)
-    else:
-        key = tl.load(src_ptr + row * src_stride + i, mask=m, other=-9223372036854775808)
-    top = tl.topk(key, KP)
-    j = tl.arange(0, KP)
-    if FINAL:
-        idx = 4294967295 - (top & 4294967295)
+    src_row = src_ptr + row * src_stride
+    cand_row = cand_ptr + row * cand_stride
+    lo = ch * chunk
+    hi = tl.minimum(lo + chunk, n)
+    bins = tl.arange(0, 256)
+    prefix = tl.full((), 0, tl.int64)                    # the bytes of T found so far
+    need = tl.minimum(hi - lo, k)                        # how many of the values matching them to pick
+    for d in tl.static_range(4):
+        shift = 24 - 8 * d                               # (a constexpr: d is)
+        hist = tl.zeros((256,), tl.int32)
+        for off in range(lo, hi, BLOCK):
+            u, m, idx = _topk_tile(src_row, cand_row, off, lo, hi, BLOCK, GATHER)
+            if d > 0:
+                m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
+        at_least = tl.cumsum(hist, 0, reverse=True)      # count of bytes >= b
+        b = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1          # T's byte
+        need -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
+        prefix = prefix | (b.to(tl.int64) << shift)
+    if LIMIT:
+        lim = tl.load(lim_ptr + row)
+    eq_seen = tl.full((), 0, tl.int32)
+    written = tl.full((), 0, tl.int32)
+    dst_row = dst_ptr + row * dst_stride + ch * k
+    for off in range(lo, hi, BLOCK):
+        u, m, idx = _topk_tile(src_row, cand_row, off, lo, hi, BLOCK, GATHER)
+        eq = (m & (u == prefix)).to(tl.int32)
+        sel = (m & (u > prefix)) | ((eq != 0) & (eq_seen + tl.cumsum(eq, 0) - eq < need))
+        s32 = sel.to(tl.int32)
+        pos = written + tl.cumsum(s32, 0) - s32
         if LIMIT:
-            idx = tl.where(idx < tl.load(lim_ptr + row), idx, -1)
-        tl.store(dst_ptr + row * dst_stride + j, idx, mask=j < k)
-    else:
-        tl.store(dst_ptr + row * dst_stride + ch * KP + j, top)
+            idx = tl.where(idx < lim, idx, -1)
+        tl.store(dst_row + pos, idx, mask=sel)
+        eq_seen += tl.sum(eq, axis=0)
+        written += tl.sum(s32, axis=0)
+
+
+def _topk_launch(src: torch.Tensor, cand: torch.Tensor | None, dst: torch.Tensor, limit: torch.Tensor | None,
+                 n: int, k: int, chunk: int) -> None:
+    """One launch: the top ``k`` of each ``chunk`` of the ``n`` elements of every row (scores, or
+    the candidates ``cand`` picked from them) into ``dst [rows, ceil(n / chunk) * k]``."""
+    rows = src.shape[0]
+    block = min(TOPK_BLOCK, max(16, triton.next_power_of_2(chunk)))
+    _topk_kernel[(rows, triton.cdiv(n, chunk))](
+        src, dst if cand is None else cand, dst, dst if limit is None else limit, n, k, chunk, src.stride(0),
+        0 if cand is None else cand.stride(0), dst.stride(0), BLOCK=block, LIMIT=limit is not None,
+        GATHER=cand is not None, num_warps=8 if block >= 4096 else 4)
 
 
 def topk_indices_triton(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton twin of :func:`dsv4.ops.reference.topk_indices` (same signature, same indices and
-    order): one launch for rows up to :data:`TOPK_CHUNK` entries, else levels of chunked top-k."""
+    """Triton twin of :func:`dsv4.ops.reference.topk_indices` (same signature, same indices in the
+    same order): one launch, one program a row, for rows up to :data:`TOPK_SPLIT` scores; a longer
+    row is cut into chunks ranked in parallel, then their picks (the row's top ``k`` is among them,
+    ties included: a chunk keeps its lowest indices) are ranked together, in levels until they fit."""
     if not scores.is_floating_point() or scores.dim() < 1:
         raise AttentionKernelError(f"scores must be a float tensor [..., n], got {scores.dtype} {tuple(scores.shape)}")
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise AttentionKernelError(f"k = {k} outside [0, {n}]")
+    if n >= 1 << 30:
+        raise AttentionKernelError(f"rows of {n} scores do not fit the kernel's 32-bit counts")
     lead = scores.shape[:-1]
     if limit is not None:
         _check_int(limit, "limit", tuple(lead), scores.device)
@@ -276,22 +340,18 @@ def topk_indices_triton(scores: torch.Tensor, k: int, limit: torch.Tensor | None
     rows = out.numel() // max(1, k)
     if k == 0 or rows == 0:
         return out
-    src, n_cur, from_scores = scores.reshape(-1, n).contiguous(), n, True
-    kp = triton.next_power_of_2(k)
-    while True:
-        if triton.next_power_of_2(n_cur) <= max(TOPK_CHUNK, 2 * kp):
-            chunk, n_ch = max(kp, triton.next_power_of_2(n_cur)), 1
-        else:
-            chunk = max(TOPK_CHUNK, 2 * kp)
-            n_ch = triton.cdiv(n_cur, chunk)
-        final = n_ch == 1
-        dst = out.view(rows, k) if final else runtime.empty((rows, n_ch * kp), torch.int64, scores.device)
-        _topk_kernel[(rows, n_ch)](src, dst, dst if limit is None else limit, n_cur, k, src.stride(0), dst.stride(0),
-                                   CHUNK=chunk, KP=kp, FROM_SCORES=from_scores, FINAL=final,
-                                   LIMIT=final and limit is not None, num_warps=8 if chunk >= 4096 else 4)
-        if final:
-            return out
-        src, n_cur, from_scores = dst, n_ch * kp, False
+    src = scores.reshape(-1, n)
+    if src.stride(-1) != 1:
+        src = src.contiguous()
+    cand, m = None, n
+    # a chunk of a level is at least 2k elements, so each level shrinks the candidates
+    chunk = max(TOPK_SPLIT, 2 * k)
+    while m > chunk:
+        picks = torch.full((rows, triton.cdiv(m, chunk) * k), -1, dtype=torch.int64, device=scores.device)
+        _topk_launch(src, cand, picks, None, m, k, chunk)
+        cand, m = picks, picks.shape[1]
+    _topk_launch(src, cand, out.view(rows, k), limit, m, k, m)
+    return out
 
 
 REGISTRATIONS = [
