@@ -24,7 +24,7 @@ import triton.language as tl  # noqa: E402
 from dsv4.ops import numerics as ref  # noqa: E402
 from dsv4.ops.triton.numerics import (  # noqa: E402
     e2m1_code, e2m1_to_f32, e2m1x8_to_f16, e4m3_bits, e4m3_decode, e8m0_to_f32, exp2_biased, fp4_scale, fp8_round_trip,
-    fp8_scale, neg, pow2_ceil, pow2_inv, pow2_to_e8m0, quantize_e4m3)
+    fp8_scale, neg, ordered_i32, pow2_ceil, pow2_inv, pow2_to_e8m0, quantize_e4m3)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 128
@@ -61,6 +61,8 @@ def _unary_kernel(x_ptr, y_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
         y = exp2_biased(x)
     elif OP == "neg":
         y = neg(x)
+    elif OP == "ordered_i32":
+        y = ordered_i32(x)
     elif OP == "fp8_scale":
         y = fp8_scale(x, False)
     elif OP == "fp8_scale_pow2":
@@ -243,8 +245,22 @@ def check_fp8_round_trip() -> None:
     _same_bits(y.cpu(), _e4m3_ref(x / s).float() * s)
 
 
+def check_order() -> None:
+    """The ranking keys: the reference's for every value around the binades, zeros of both signs
+    equal, and strictly increasing with the value (``-inf`` first, ``+inf`` last)."""
+    g = torch.Generator().manual_seed(3)
+    pts = torch.cat([ref.exp2_int(torch.arange(-126, 128, 7)), torch.tensor([1e-45, 3e38, float("inf")]),
+                     torch.randn(500, generator=g) * 1e3])
+    x = torch.cat([_around(pts), torch.tensor([0.0, -0.0])])
+    got = _apply("ordered_i32", x, torch.int32)
+    assert torch.equal(got, ref.ordered_int32(x))
+    v, order = torch.unique(x, return_inverse=True)          # sorted distinct values (-0 and +0 are one)
+    keys = torch.zeros(v.numel(), dtype=torch.int32).scatter_(0, order, got)
+    assert bool((keys[1:] > keys[:-1]).all())
+
+
 CHECKS = [check_e8m0_decode, check_e4m3_decode, check_e2m1_decode, check_e2m1x8_decode, check_e2m1_rounding,
-          check_e4m3_rounding, check_pow2, check_block_scales, check_fp8_round_trip]
+          check_e4m3_rounding, check_pow2, check_block_scales, check_fp8_round_trip, check_order]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))

@@ -30,6 +30,15 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+# ----------------------------------------------------------------------------- order
+def ordered_int32(v: torch.Tensor) -> torch.Tensor:
+    """int32 keys in the order of the fp32 values ``v`` (``-0 == +0``; ``-inf`` lowest and ``+inf``
+    highest of the numbers): the float's bits with the magnitude bits of the negatives flipped. Top-k
+    and argmax kernels compare these, with the index in a low half, to rank exactly."""
+    bits = (v.float() + 0.0).contiguous().view(torch.int32)      # + 0.0 turns -0 into +0 (a tie)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
 # ----------------------------------------------------------------------------- powers of two
 def pow2_ceil_exponent(v: torch.Tensor) -> torch.Tensor:
     """``ceil(log2(v))`` for positive normal fp32 ``v``, exactly, from the float's bits:

@@ -553,8 +553,7 @@ def topk_indices(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None
     index in the low half, so one integer top-k is exact and deterministic.
     """
     n = scores.shape[-1]
-    bits = (scores.float() + 0.0).contiguous().view(torch.int32)   # + 0.0 turns -0 into +0 (a tie)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)     # monotone in the value
+    ordered = numerics.ordered_int32(scores).to(torch.int64)      # monotone in the value, -0 ties +0
     idx = torch.arange(n, device=scores.device, dtype=torch.int64)
     key = (ordered << 32) | (0xFFFFFFFF - idx)
     picks = (0xFFFFFFFF - (key.topk(k, dim=-1).values & 0xFFFFFFFF)).sort(dim=-1).values

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import runtime
 from .attention import AttentionKernelError, _check_int, _splits
-from .numerics import e2m1_to_f32, e8m0_to_f32
+from .numerics import e2m1_to_f32, e8m0_to_f32, ordered_i32
 
 #: the indexer kernel is lighter than attention's (4 warps): several programs share an SM
 PROGRAMS_PER_SM = 4
@@ -236,9 +236,7 @@ TOPK_SPLIT = 16384
 def _biased(v):
     """fp32 ``v`` -> int64 in ``[0, 2^32)`` with the order of the values (``-0 == +0``): the
     order-preserving int32 of :func:`dsv4.ops.reference.topk_indices`, plus ``2^31``."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    return ordered_i32(v).to(tl.int64) + 2147483648
 
 
 @triton.jit

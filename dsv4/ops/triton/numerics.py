@@ -17,6 +17,7 @@ approximate division), so the bits are the same on a GPU and in Triton's CPU int
   ``(t + 2^23) - 2^23`` idiom (nearest even, exact for ``0 <= t < 2^22``). NaN stays NaN, +-inf
   saturates to +-448.
 - power-of-two scales from the float's bits: ``2^ceil(log2 v)``, ``1/s``, the e8m0 byte of ``s``.
+- order: the int32 keys top-k and argmax kernels rank fp32 values by (``numerics.ordered_int32``).
 
 Kernels that must equal an elementwise fp32 reference bit for bit are launched with
 ``enable_fp_fusion=False`` (no multiply-add contraction on the GPU; the interpreter never fuses).
@@ -26,6 +27,15 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+# ----------------------------------------------------------------------------- order
+@triton.jit
+def ordered_i32(v):
+    """int32 keys in the order of fp32 ``v`` (``-0 == +0``): ``numerics.ordered_int32``."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 # ----------------------------------------------------------------------------- powers of two

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
+from .numerics import ordered_i32
 
 #: vocabulary ids one program takes per tile, its warps, and the programs per SM the split grid aims
 #: for: searched on an H100 (``bench/sampler_bench.py --tune``, V = 129280): at batch 32 / 64 the
@@ -71,10 +72,7 @@ def _gumbel(ids, k1, k2, INTERP: tl.constexpr):
 @triton.jit
 def _key(v, ids):
     """int64 keys whose order is (value, then lower id first): NaN above +inf, ``-0 == +0``."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    ordered = tl.where(v != v, 2147483647, ordered)
+    ordered = tl.where(v != v, 2147483647, ordered_i32(v))
     return (ordered.to(tl.int64) << 32) | (4294967295 - ids.to(tl.int64))
 
 
