@@ -228,7 +228,8 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
 #: scores one top-k program holds in registers per pass (a row longer than this is walked in tiles)
 TOPK_BLOCK = 4096
 #: rows longer than this are cut into chunks of this many scores, one program each, whose picks are
-#: then ranked together (one program a row walks a long row five times: 260 us at 65536 scores)
+#: then ranked together (one program a row walks a long row five times: 260 us at 65536 scores);
+#: with fewer rows than SMs (decode) the chunks are TOPK_BLOCK long, so more programs share a row
 TOPK_SPLIT = 16384
 
 
@@ -318,8 +319,8 @@ def _topk_launch(src: torch.Tensor, cand: torch.Tensor | None, dst: torch.Tensor
 
 def topk_indices_triton(scores: torch.Tensor, k: int, limit: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of :func:`dsv4.ops.reference.topk_indices` (same signature, same indices in the
-    same order): one launch, one program a row, for rows up to :data:`TOPK_SPLIT` scores; a longer
-    row is cut into chunks ranked in parallel, then their picks (the row's top ``k`` is among them,
+    same order): one launch, one program a row, for rows up to :data:`TOPK_SPLIT` scores (a few rows:
+    :data:`TOPK_BLOCK`); a longer row is cut into chunks ranked in parallel, then their picks (the row's top ``k`` is among them,
     ties included: a chunk keeps its lowest indices) are ranked together, in levels until they fit."""
     if not scores.is_floating_point() or scores.dim() < 1:
         raise AttentionKernelError(f"scores must be a float tensor [..., n], got {scores.dtype} {tuple(scores.shape)}")
@@ -343,7 +344,7 @@ def topk_indices_triton(scores: torch.Tensor, k: int, limit: torch.Tensor | None
         src = src.contiguous()
     cand, m = None, n
     # a chunk of a level is at least 2k elements, so each level shrinks the candidates
-    chunk = max(TOPK_SPLIT, 2 * k)
+    chunk = max(TOPK_SPLIT if rows >= runtime.sm_count(scores.device) else TOPK_BLOCK, 2 * k)
     while m > chunk:
         picks = torch.full((rows, triton.cdiv(m, chunk) * k), -1, dtype=torch.int64, device=scores.device)
         _topk_launch(src, cand, picks, None, m, k, chunk)
