@@ -58,7 +58,7 @@ from torch import Tensor
 
 from ..errors import RequestError
 from .grammar import StructuredOutputsParams, TokenBitmask, apply_token_bitmask
-from ..ops import draw_tokens, topk_indices
+from ..ops import draw_tokens
 from ..ops.noise import M32 as _M32, _mix32, _mul32, gumbel_noise, uniform_noise, unit_interval  # noqa: F401
 from .h2d import copy_into
 
@@ -506,9 +506,7 @@ def apply_top_k_top_p_min_p(scaled: Tensor, batch: SamplingBatch) -> Tensor:
         drop |= (mass_before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]
         scaled = scaled.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), -math.inf)
     elif batch.use_top_k:
-        # the max_k largest values (ops.topk_indices: a radix-selection kernel on a GPU, ~2x torch's
-        # topk over a vocabulary), sorted
-        top = scaled.gather(1, topk_indices(scaled, batch.max_top_k)).sort(dim=-1, descending=True).values
+        top = scaled.topk(batch.max_top_k, dim=-1).values  # [B, max_k], sorted
         kth = top.gather(1, (batch.top_k.clamp(max=batch.max_top_k) - 1)[:, None])  # [B, 1]
         kth = torch.where((batch.top_k < V)[:, None], kth, -math.inf)
         scaled = scaled.masked_fill(scaled < kth, -math.inf)

@@ -229,7 +229,7 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
 TOPK_BLOCK = 4096
 #: rows longer than this are cut into chunks of this many scores, one program each, whose picks are
 #: then ranked together (one program a row walks a long row five times: 260 us at 65536 scores);
-#: with fewer rows than SMs (decode) the chunks are TOPK_BLOCK long, so more programs share a row
+#: when those chunks would leave most SMs idle (a few decode rows) they are TOPK_BLOCK long instead
 TOPK_SPLIT = 16384
 
 
@@ -344,7 +344,11 @@ def topk_indices_triton(scores: torch.Tensor, k: int, limit: torch.Tensor | None
         src = src.contiguous()
     cand, m = None, n
     # a chunk of a level is at least 2k elements, so each level shrinks the candidates
-    chunk = max(TOPK_SPLIT if rows >= runtime.sm_count(scores.device) else TOPK_BLOCK, 2 * k)
+    # (H100, bench/topk_bench.py: TOPK_BLOCK chunks took one row of 16384 / 65536 scores from 73 / 102
+    # to 49 / 66-82 us, 32 rows of 16384 from 74 to 51 us, but 32 rows of 65536, 128 programs with
+    # TOPK_SPLIT chunks, from 101-105 to 126-143 us: the extra level costs more than it spreads)
+    fine = 2 * rows * triton.cdiv(n, TOPK_SPLIT) < runtime.sm_count(scores.device)
+    chunk = max(TOPK_BLOCK if fine else TOPK_SPLIT, 2 * k)
     while m > chunk:
         picks = torch.full((rows, triton.cdiv(m, chunk) * k), -1, dtype=torch.int64, device=scores.device)
         _topk_launch(src, cand, picks, None, m, k, chunk)
