@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from dsv4 import ops
-from dsv4.engine.sampling import SamplingParams, SlotSampling
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.kernel_cases import time_replay  # noqa: E402
+from dsv4 import ops  # noqa: E402
+from dsv4.engine.sampling import SamplingParams, SlotSampling  # noqa: E402
 
 KNOBS = {
     "greedy": dict(temperature=0.0),
@@ -28,26 +32,6 @@ KNOBS = {
     "top-p 0.95": dict(temperature=0.7, top_p=0.95),
     "min-p 0.05": dict(temperature=0.7, min_p=0.05),
 }
-
-
-def time_graph(fn, iters: int) -> float:
-    """Seconds per replay of ``fn`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
 
 
 def tune(batches: list[int], V: int, iters: int) -> None:
@@ -64,15 +48,15 @@ def tune(batches: list[int], V: int, iters: int) -> None:
         rows = (torch.full((B,), 0.7, device=dev), torch.zeros(B, dtype=torch.bool, device=dev),
                 torch.arange(B, device=dev), torch.zeros(B, dtype=torch.int64, device=dev),
                 torch.zeros(B, dtype=torch.int64, device=dev))
-        base = {"argmax": time_graph(lambda: logits.argmax(-1), iters),
-                "reference draw": time_graph(lambda: ref_draw(logits, None, *rows), iters)}
+        base = {"argmax": time_replay(lambda: logits.argmax(-1), iters),
+                "reference draw": time_replay(lambda: ref_draw(logits, None, *rows), iters)}
         print(f"batch {B}: " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in base.items()))
         for var in variants:
             if var is not None:
                 b, w, p = var
                 K._config = lambda B_, V_, sms, b=b, w=w, p=p: (b, w, max(1, min(-(-V_ // b), -(-p * sms // B_))))
             try:
-                t = {how: time_graph(lambda: K.draw_tokens_triton(logits, None, *rows, sampling=how), iters)
+                t = {how: time_replay(lambda: K.draw_tokens_triton(logits, None, *rows, sampling=how), iters)
                      for how in (False, True)}
             finally:
                 K._config = rule
@@ -106,7 +90,7 @@ def main() -> None:
                 scope = ops.reference_only() if how == "reference" else contextlib.nullcontext()
                 with scope:
                     ops.has_kernel("draw_tokens", dev)     # registers the kernels before the capture
-                    times[how] = time_graph(lambda: ss.sample(logits, idx, flags), args.iters)
+                    times[how] = time_replay(lambda: ss.sample(logits, idx, flags), args.iters)
             print(f"{name:>16} {B:5d} {times['reference'] * 1e6:10.1f}us {times['kernel'] * 1e6:10.1f}us "
                   f"{times['reference'] / times['kernel']:6.1f}x", flush=True)
 

@@ -12,34 +12,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kernel_cases import time_replay  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
 from dsv4.ops.triton.indexer import topk_indices_triton  # noqa: E402
-
-
-def time_graph(fn, iters: int = 50) -> float:
-    """Seconds per replay of ``fn`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
 
 
 def main() -> None:
@@ -63,8 +44,8 @@ def main() -> None:
                     continue
                 got = topk_indices_triton(scores, k, limit)
                 assert torch.equal(got, ref.topk_indices(scores, k, limit)), "kernel != reference"
-                t_ref = time_graph(lambda: ref.topk_indices(scores, k, limit))
-                t_ker = time_graph(lambda: topk_indices_triton(scores, k, limit))
+                t_ref = time_replay(lambda: ref.topk_indices(scores, k, limit))
+                t_ker = time_replay(lambda: topk_indices_triton(scores, k, limit))
                 print(f"{rows:6d} {n:8d} {k:5d} {t_ref * 1e6:10.1f}us {t_ker * 1e6:10.1f}us {t_ref / t_ker:6.1f}x",
                       flush=True)
 

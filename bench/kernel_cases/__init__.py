@@ -6,6 +6,7 @@ and tensor-core peak measured at the start of the run, and the geometries (Flash
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,3 +61,16 @@ def graph_replay(calls: list[Callable[[], object]]) -> Callable[[], None]:
     def replay(calls=calls) -> None:
         g.replay()
     return replay
+
+
+def time_replay(fn: Callable[[], object], iters: int = 50) -> float:
+    """Seconds per replay of ``fn`` captured alone in a CUDA graph (:func:`graph_replay`), warm, L2
+    not flushed: the cost of an op inside a captured decode step."""
+    replay = graph_replay([fn])
+    replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
