@@ -92,9 +92,17 @@ def test_two_ranks_generate_what_one_does(run, job, qat_sim):
 
 
 def test_random_weights_on_device_match_one_process(run):
+    """Each rank makes its own slices of the random weights; the model they make together decodes
+    what one process's does. With the QAT simulation off: two ranks sum their heads' partial
+    products in another order than one process (a few 1e-7 apart), and the simulation's FP8 / FP4
+    rounding is a step function that can turn such a difference into a whole grid step (measured on
+    this geometry: 1.9e-6 apart without it; with it 0.10 from the step whose CSA top-k first selects,
+    or 1.4e-6, depending on the order of the top-k picks and on the process's thread settings). The
+    QAT path under tensor parallel is
+    compared by the release checkpoint above, whose values do not sit on those edges."""
     _, results = run
     model = random_sharded(tp_config(), torch.float32, "cpu", seed=7)
-    _same(results[0]["random"], *greedy(Runner(model, max_num_seqs=len(PROMPTS), max_model_len=96, qat_sim=True),
+    _same(results[0]["random"], *greedy(Runner(model, max_num_seqs=len(PROMPTS), max_model_len=96, qat_sim=False),
                                         PROMPTS, STEPS))
 
 

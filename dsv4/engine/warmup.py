@@ -98,6 +98,15 @@ def _items(runner, decode: bool, captured: tuple = ()) -> tuple[list[Callable[[]
     for b, flags in captured:
         items.append(lambda b=b, flags=flags: step(b, flags, runner.max_model_len))
 
+    def draw(sampling: bool, truncated: bool) -> None:
+        # the sampler's draw kernel: greedy, temperature only, and over truncated (top-k/p, min-p)
+        # logits (the decode steps above sample greedy rows only)
+        logits = torch.zeros(1, config.vocab_size, dtype=torch.float32, device=runner.device)
+        ids = torch.zeros(1, dtype=torch.int64, device=runner.device)
+        ops.draw_tokens(logits, logits if truncated else None, torch.ones(1, device=runner.device),
+                        torch.zeros(1, dtype=torch.bool, device=runner.device), ids, ids, ids, sampling=sampling)
+    items += [lambda s=s, t=t: draw(s, t) for s, t in ((False, False), (True, False), (True, True))]
+
     def topk(n: int) -> None:
         scores = torch.zeros(1, 2, n, dtype=torch.float32, device=runner.device)
         ops.topk_indices(scores, min(k, n), torch.zeros(1, 2, dtype=torch.int64, device=runner.device))

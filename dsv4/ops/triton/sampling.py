@@ -155,8 +155,9 @@ def draw_tokens_triton(logits: torch.Tensor, scaled: torch.Tensor | None, temper
         raise RuntimeError("Triton's libdevice is missing: the sampler's noise needs the CUDA math library's logf")
     if sampling and any(t is None for t in (temperature, greedy, seed_lo, seed_hi, step)):
         raise ValueError("a sampling draw needs the rows' temperature, greedy flag, seeds and step")
-    # (the rows' knobs are read only when sampling: unused pointers are the logits, never dereferenced)
-    knobs = [logits if t is None else t for t in (temperature, greedy, seed_lo, seed_hi, step)]
+    # (the rows' knobs are read only when sampling; otherwise every knob pointer is the logits, never
+    # dereferenced, so a greedy launch has one specialization whatever the caller passed)
+    knobs = [t if sampling else logits for t in (temperature, greedy, seed_lo, seed_hi, step)]
     _draw_partial_kernel[(B, S)](
         logits, logits if scaled is None else scaled, *knobs, part,
         V, per, S, logits.stride(0), logits.stride(0) if scaled is None else scaled.stride(0),
