@@ -45,7 +45,15 @@ if TYPE_CHECKING:
 def _chunk(ids_ptr, slot, e, P, BM: tl.constexpr, PP: tl.constexpr):
     """The pairs program ``slot`` handles: if ``slot`` is the 0th, BM-th, 2BM-th ... pair (in index
     order) of expert ``e``, the next ``BM`` pairs of ``e`` from ``slot`` on. Returns ``(rows [BM]
-    pair indices, valid [BM], active)``. All from the ``P`` ids in registers (``PP >= P``)."""
+    pair indices, valid [BM], active)``. All from the ``P`` ids in registers (``PP >= P``).
+
+    ``BM == 1`` (what the engine runs): every pair is its own chunk, nothing to rank. (Ranking
+    anyway cost more than its instructions: with ``PP = 64`` (6-10 tokens of top-6) ptxas gave the
+    gate/up kernel 168 registers instead of 80, and those batches ran their experts ~45% slower,
+    ``results/2026-11-25c/moe_decode_tune.txt``.)"""
+    if BM == 1:
+        rows = tl.full((1,), 0, tl.int32) + slot
+        return rows, rows >= 0, e >= 0
     idx = tl.arange(0, PP)
     ids = tl.load(ids_ptr + idx, mask=idx < P, other=-1).to(tl.int32)
     same = ids == e
