@@ -1,8 +1,8 @@
-"""Registers and spills of the decode MoE kernels per batch-size class, from ptxas on this machine
-(no GPU needed): Triton compiles for sm_90a here, and its bundled ptxas reports each kernel's
-registers, the number that sets how many programs share an SM.
+"""Registers and spills of the decode kernels per batch-size class, from ptxas on this machine (no
+GPU needed): Triton compiles for sm_90a here, and its bundled ptxas reports each kernel's registers,
+the number that sets how many programs share an SM.
 
-    python bench/ptxas_regs.py              # Flash geometry (MXFP4 experts, FP8 shared expert, act-quant)
+    python bench/ptxas_regs.py              # Flash geometry: the MoE decode kernels, the FP8 decode GEMVs
 
 A register cliff at one batch class shows as that class's experts streaming slower (fewer programs
 in flight to hide memory latency): 6-10 tokens of top-6 (``PP = 64`` ids in the pair ranking) gave
@@ -25,6 +25,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dsv4.ops.triton.linear import _skinny_config, _skinny_kernel  # noqa: E402
 from dsv4.ops.triton.moe_decode import _w13_decode_kernel, _w2_decode_kernel  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -38,12 +39,20 @@ TYPES = {"x_ptr": "*bf16", "xq_ptr": "*bf16", "xs_ptr": "*bf16", "ids_ptr": "*i6
          "f3_ptr": "*fp32", "T": "i32", "hq_ptr": "*bf16", "hs_ptr": "*bf16", "y_ptr": "*fp32", "out_ptr": "*bf16",
          "w2_ptr": "*i32", "s2_ptr": "*u8", "g2_ptr": "*fp32", "shq_ptr": "*bf16", "shs_ptr": "*bf16",
          "ys_ptr": "*fp32", "v2_ptr": "*u8", "t2_ptr": "*u8", "f2_ptr": "*fp32"}
+#: the decode GEMV's (linear._skinny_kernel) over FP8 weights with e8m0 scales
+GEMV_TYPES = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "g_ptr": "*fp32", "w2_ptr": "*fp8e4nv",
+              "s2_ptr": "*u8", "g2_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+              **{n: "i32" for n in ("M", "R", "R2", "K", "TILES_PER_GROUP", "stride_xm", "stride_xg", "stride_wn",
+                               "stride_sn", "stride_om", "stride_og", "ws_stride_s", "ws_stride_m")}}
+#: Flash's FP8 decode GEMVs: (rows, K)
+GEMVS = {"wq_a + wkv (a pair)": (1024 + 512, 4096), "wq_b": (32768, 1024), "wo_a (8 groups)": (8192, 4096),
+         "wo_b": (4096, 8192)}
 
 
-def ptxas_info(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> str:
+def ptxas_info(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 3, types: dict = TYPES) -> str:
     """ptxas's resource line (registers, spills) for ``fn`` compiled with ``constexprs``."""
     names = list(inspect.signature(fn.fn).parameters)
-    sig = {n: TYPES.get(n, "constexpr") for n in names}
+    sig = {n: types.get(n, "constexpr") for n in names}
     k = triton.compile(ASTSource(fn, sig, constexprs), target=TARGET,
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -66,6 +75,21 @@ def main() -> None:
         w13 = ptxas_info(_w13_decode_kernel, dict(common, BN=16, PP=pp, ZB=1, HAS_LIMIT=True))
         w2 = ptxas_info(_w2_decode_kernel, dict(common, BN=32, PP=pp, KP2=8))
         print(f"{tokens:3d} tokens (PP {pp:3d}): gate/up {w13.split('|')[-1].strip()}; down {w2.split('|')[-1].strip()}")
+    print("Flash FP8 decode GEMVs (linear._skinny_kernel, act-quant, the rule's tiles), sm_90a")
+    for rows_m in (1, 8, 32):
+        for name, (rows, K) in GEMVS.items():
+            cfg = _skinny_config(rows_m, rows, K, 1.0 + 1 / 128, 132)
+            c = dict(FMT=1, ACT_QUANT=True, POW2=True, OP_BF16=True, PREC=None, BN=cfg["BN"], MP=cfg["MP"],
+                     KSTEPS=cfg["KSTEPS"], SPLIT=cfg["SPLIT"], PAIR="pair" in name)
+            info = ptxas_info(_skinny_kernel, c, cfg.get("num_warps", 4), cfg.get("num_stages", 4), GEMV_TYPES)
+            spill = [p.strip() for p in info.split("|")[0].split(",") if "spill stores" in p]
+            print(f"  M {rows_m:2d} {name:20s} BN {cfg['BN']:3d} MP {cfg['MP']} K steps {cfg['KSTEPS']:2d} "
+                  f"split {cfg['SPLIT']:2d}: {info.split('|')[-1].strip()}; {spill[0] if spill else ''}")
+    print("one tile (BN 64, MP 16, split 4) by K steps a program:")
+    for ks in (1, 2, 4, 16):
+        c = dict(FMT=1, ACT_QUANT=True, POW2=True, OP_BF16=True, PREC=None, BN=64, MP=16, KSTEPS=ks, SPLIT=4,
+                 PAIR=False)
+        print(f"  K steps {ks:2d}: {ptxas_info(_skinny_kernel, c, 4, 4, GEMV_TYPES).split('|')[-1].strip()}")
 
 
 if __name__ == "__main__":
