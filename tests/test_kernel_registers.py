@@ -3,11 +3,14 @@ bundled ptxas reports each kernel's registers, which set how many programs share
 cliff at one batch size shows on an H100 only as that batch running slower, so it is checked here.
 
 Compiled in a subprocess: the kernel tests of this suite run Triton's interpreter
-(``TRITON_INTERPRET=1``, set at their import), under which a kernel cannot be compiled.
+(``TRITON_INTERPRET=1``, set at their import), under which a kernel cannot be compiled. This module
+never imports triton itself: imported before that variable is set, it would make those tests'
+kernels compile-mode functions that the interpreter cannot call.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-
 ROOT = Path(__file__).resolve().parent.parent
+_TRITON = importlib.util.find_spec("triton")
 
 _PROBE = """
 import json, sys
@@ -42,8 +44,9 @@ def test_decode_moe_registers_do_not_depend_on_the_batch():
     registers for 1 and for 8 tokens of top-6. Ranking the step's ids over 64 lanes once gave them
     168 / 161 registers instead of 80 / 96 at 6-10 tokens, and those batches' experts streamed ~45%
     slower on an H100 (``bench/ptxas_regs.py`` prints the whole table)."""
-    import triton
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if _TRITON is None:
+        pytest.skip("triton is not installed (pip install triton)")
+    ptxas = os.path.join(os.path.dirname(_TRITON.origin), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("Triton's bundled ptxas is missing")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
