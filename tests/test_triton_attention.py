@@ -292,7 +292,9 @@ def test_topk_indices_levels(poison, monkeypatch):
     go to the lowest index."""
     monkeypatch.setattr(ki, "TOPK_BLOCK", 16)
     monkeypatch.setattr(ki, "TOPK_SPLIT", 24)
-    for shape, k, seed in (((1, 2, 70), 4, 31), ((2, 300), 7, 32), ((1, 1, 1000), 5, 33), ((3, 200), 70, 34)):
+    # (1, 66): a short last chunk (2 scores, 2 padding slots), alone in the second level's last chunk
+    for shape, k, seed in (((1, 2, 70), 4, 31), ((2, 300), 7, 32), ((1, 1, 1000), 5, 33), ((3, 200), 70, 34),
+                           ((1, 66), 4, 35)):
         x = _scores_with_ties(shape, seed)
         assert torch.equal(ki.topk_indices_triton(x, k), ref.topk_indices(x, k)), (shape, k)
         limit = torch.randint(0, shape[-1] + 1, shape[:-1], generator=_gen(seed))

@@ -274,7 +274,7 @@ def _topk_kernel(src_ptr, cand_ptr, dst_ptr, lim_ptr, n, k, chunk, src_stride, c
     hi = tl.minimum(lo + chunk, n)
     bins = tl.arange(0, 256)
     prefix = tl.full((), 0, tl.int64)                    # the bytes of T found so far
-    need = tl.minimum(hi - lo, k)                        # how many of the values matching them to pick
+    need = tl.full((), 0, tl.int32) + k                  # how many of the values matching them to pick
     for d in tl.static_range(4):
         shift = 24 - 8 * d                               # (a constexpr: d is)
         hist = tl.zeros((256,), tl.int32)
@@ -283,6 +283,9 @@ def _topk_kernel(src_ptr, cand_ptr, dst_ptr, lim_ptr, n, k, chunk, src_stride, c
             if d > 0:
                 m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
             hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
+        if d == 0:
+            # a chunk of fewer than k elements (the row's last; candidates past padding) keeps them all
+            need = tl.minimum(need, tl.sum(hist, axis=0))
         at_least = tl.cumsum(hist, 0, reverse=True)      # count of bytes >= b
         b = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1          # T's byte
         need -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
@@ -310,7 +313,9 @@ def _topk_launch(src: torch.Tensor, cand: torch.Tensor | None, dst: torch.Tensor
     """One launch: the top ``k`` of each ``chunk`` of the ``n`` elements of every row (scores, or
     the candidates ``cand`` picked from them) into ``dst [rows, ceil(n / chunk) * k]``."""
     rows = src.shape[0]
-    block = min(TOPK_BLOCK, max(16, triton.next_power_of_2(chunk)))
+    # (candidates: always TOPK_BLOCK, so the number of candidates, which follows the row length, is
+    # not part of the kernel's specialization: the warm-up's rows reach every variant long prompts do)
+    block = TOPK_BLOCK if cand is not None else min(TOPK_BLOCK, max(16, triton.next_power_of_2(chunk)))
     _topk_kernel[(rows, triton.cdiv(n, chunk))](
         src, dst if cand is None else cand, dst, dst if limit is None else limit, n, k, chunk, src.stride(0),
         0 if cand is None else cand.stride(0), dst.stride(0), BLOCK=block, LIMIT=limit is not None,
