@@ -57,9 +57,9 @@ import torch
 from torch import Tensor
 
 from ..errors import RequestError
-from .grammar import StructuredOutputsParams, TokenBitmask, apply_token_bitmask
 from ..ops import draw_tokens
 from ..ops.noise import M32 as _M32, _mix32, _mul32, gumbel_noise, uniform_noise, unit_interval  # noqa: F401
+from .grammar import StructuredOutputsParams, TokenBitmask, apply_token_bitmask
 from .h2d import copy_into
 
 MAX_LOGPROBS = 20  # most top alternatives one request may ask for

@@ -12,13 +12,12 @@ from torch import Tensor
 
 #: the low 32 bits of an int64
 M32 = 0xFFFFFFFF
-_M32 = M32
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
     """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32): 16-bit halves of c, no overflow."""
     lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & M32
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -37,7 +36,7 @@ def uniform_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab_size: in
     row keys (k1, k2) are injective in the seed for a fixed step; each row's values are
     distinct across the vocabulary (bijections); 24 bits per value, centred in its bin.
     """
-    k1 = _mix32(seed_lo ^ _mix32((step & _M32) ^ 0x9E3779B9))  # [B]
+    k1 = _mix32(seed_lo ^ _mix32((step & M32) ^ 0x9E3779B9))  # [B]
     k2 = _mix32(seed_hi ^ _mix32(k1 ^ 0x85EBCA6B))  # [B]
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=seed_lo.device)
     h = _mix32(_mix32(vocab[None, :] ^ k1[:, None]) ^ k2[:, None])  # [B, V] in [0, 2**32)

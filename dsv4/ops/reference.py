@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import numerics
+from .noise import gumbel_noise
 from .numerics import act_quant_sim, fp4_sim, fp8_sim  # noqa: F401  (part of the reference API)
 
 
@@ -574,7 +575,6 @@ def draw_tokens(logits: torch.Tensor, scaled: torch.Tensor | None, temperature: 
     ``sampling`` the rows' knobs are not read (they may be None)."""
     if not sampling:
         return logits.float().argmax(dim=-1)
-    from .noise import gumbel_noise
     s = logits.float() / temperature[:, None] if scaled is None else scaled.float()
     drawn = (s + gumbel_noise(seed_lo, seed_hi, step, logits.shape[-1])).argmax(dim=-1)
     return torch.where(greedy, logits.float().argmax(dim=-1), drawn)

@@ -141,6 +141,11 @@ def draw_tokens_triton(logits: torch.Tensor, scaled: torch.Tensor | None, temper
         raise ValueError(f"scaled must be {tuple(logits.shape)} with unit stride over V, got {tuple(scaled.shape)}")
     if V >= 1 << 31:
         raise ValueError(f"a vocabulary of {V} ids does not fit the kernel's 32-bit ids")
+    if sampling and any(t is None for t in (temperature, greedy, seed_lo, seed_hi, step)):
+        raise ValueError("a sampling draw needs the rows' temperature, greedy flag, seeds and step")
+    interp = runtime.interpreting()
+    if not interp and libdevice is None:      # pragma: no cover
+        raise RuntimeError("Triton's libdevice is missing: the sampler's noise needs the CUDA math library's logf")
     out = runtime.empty((B,), torch.int64, logits.device)
     if B == 0:
         return out
@@ -150,11 +155,6 @@ def draw_tokens_triton(logits: torch.Tensor, scaled: torch.Tensor | None, temper
     per = triton.cdiv(triton.cdiv(V, block), S) * block
     S = triton.cdiv(V, per)
     part = runtime.empty((B, S), torch.int64, logits.device)
-    interp = runtime.interpreting()
-    if not interp and libdevice is None:      # pragma: no cover
-        raise RuntimeError("Triton's libdevice is missing: the sampler's noise needs the CUDA math library's logf")
-    if sampling and any(t is None for t in (temperature, greedy, seed_lo, seed_hi, step)):
-        raise ValueError("a sampling draw needs the rows' temperature, greedy flag, seeds and step")
     # (the rows' knobs are read only when sampling; otherwise every knob pointer is the logits, never
     # dereferenced, so a greedy launch has one specialization whatever the caller passed)
     knobs = [t if sampling else logits for t in (temperature, greedy, seed_lo, seed_hi, step)]
