@@ -23,6 +23,7 @@
 #   prefix (issue 27: prefix-caching GPU tests + bench/prefix_cost.py: no-hit cost, one conversation's TTFT off/on),
 #   nan_hunt / nan_hunt_fp32 (bench/nan_hunt.py: ops reading memory they do not own, on NaN-poisoned memory),
 #   sampler (the sampler kernel's GPU tests, bench/sampler_bench.py, the decode step with every row sampling: torch sampler vs kernel),
+#   mhc (bench/mhc_bench.py: the mHC ops of a decode step, the Sinkhorn's share), profile_b8 (the batch-8 step's kernels),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
 #   load: a later call, on a fresh machine, skips the compiles);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
@@ -199,6 +200,9 @@ tune) t 420 tune_skinny.txt python3 bench/tune_skinny.py --geo flash --batch 1 ;
 perf_moe) t 300 kernels_moe.txt python3 bench/kernels.py --families moe --out "$OUT/moe" ;;
 perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;
 humming) t 200 humming_peer.txt python3 bench/humming_peer.py ;;
+mhc) t 150 mhc_bench.txt python3 bench/mhc_bench.py ;;
+profile_b8) t 120 profile4_b8.txt python3 bench/profile_decode.py --layers 4 --format fp8-mxfp4 --batch 8 --context 8192 \
+  --ops kernels --graph --top 14 ;;
 *) echo "unknown step $1"; exit 2 ;;
 esac
 }
