@@ -36,6 +36,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geo", default="flash", choices=sorted(GEOS))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 8, 32])
+    ap.add_argument("--splits", type=int, nargs="*", default=[16, 32, 64],
+                    help="also time mhc_pre_norm with the projection split this many ways (main: ~2 programs an SM)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     D = GEOS[args.geo]
@@ -70,6 +72,20 @@ def main() -> None:
              time_replay(lambda: ref.mhc_pre_norm(h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6))]
         print(f"{T:6d} " + " ".join(f"{x * 1e6:{w}.1f}" for x, w in zip(t, (9, 8, 9, 7, 10)))
               + f" {floor_us:9.2f}", flush=True)
+    main_splits = k._splits
+    for T in args.tokens:
+        h = torch.randn(T, NC, D, device=dev, generator=g).to(torch.bfloat16)
+        cells = []
+        for n in args.splits:
+            def fixed(T_, K, tb, device, n=n):
+                kchunk = -(-K // n // k._BK) * k._BK
+                return -(-K // kchunk), kchunk
+            k._splits = fixed
+            try:
+                cells.append(f"{n} splits {time_replay(lambda: k.mhc_pre_norm_triton(h, fn, base, scale, 20, 1e-6, 1e-6, nw, 1e-6)) * 1e6:.1f}")
+            finally:
+                k._splits = main_splits
+        print(f"pre_norm, {T} tokens: " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ where the last program of step 1 to arrive (an arrival counter it re-arms) does 
    Each program multiplies a ``[TB, BK]`` slice of the tokens by a ``[BK, NP]`` slice of ``fn``
    (``tl.dot`` in IEEE fp32: exact products, fp32 sums) and also sums ``x^2``; it writes its
    partial ``[TB, NP]`` and ``[TB]`` sums (no atomics: the result does not depend on timing).
-   For prompts (above ``SPLIT_MIN_TOKENS``) of bf16 / fp16 activations the fp32 ``fn`` slice is
+   For bf16 / fp16 activations (``SPLIT``, every batch) the fp32 ``fn`` slice is
    split into three parts of the activations' type (``f1 = fn``, ``f2``, ``f3`` the rounded remainders: exact for bf16,
    whose 8-bit exponent keeps every remainder; for fp16 to ~2^-22 of ``fn``) and multiplied on
    tensor cores, each product exact, fp32 sums (H100, Flash, 8192 tokens: ~1.15 ms a call on
@@ -47,9 +47,9 @@ from .small_util import KernelInputError, check, check_float, pow2, row_stride, 
 
 _BK = 128
 _MAX_ROW = 16384
-#: tokens above which the projection runs on tensor cores (SPLIT) and mhc_post_pre_norm runs as its
-#: two kernels (prompts; decode and verify batches keep the fp32 dot and the one fused op)
-SPLIT_MIN_TOKENS = 256
+#: tokens above which mhc_post_pre_norm runs as its two kernels (prompts; decode and verify batches
+#: keep the one fused op) and the projection takes 64-token blocks
+PROMPT_MIN_TOKENS = 256
 #: tokens up to which the last split of the projection finalizes them (one launch); above, a second
 #: launch with a program a token
 ONE_LAUNCH_MAX_TOKENS = 2
@@ -301,9 +301,10 @@ def _pre(op: str, h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         return outs
     np_ = max(16, pow2(n_mix))
     one = T <= ONE_LAUNCH_MAX_TOKENS
-    # prompts: the projection on tensor cores (SPLIT, 16-bit activations; 64-token blocks for the MMA)
-    split = T > SPLIT_MIN_TOKENS and h.dtype in (torch.bfloat16, torch.float16)
-    tb = 16 if T <= 16 else 64 if split else 32
+    # 16-bit activations: the projection on tensor cores (SPLIT). The fp32 dot on CUDA cores pads a
+    # decode token to a 16-row block: ~5 us a K tile on an H100 (bench/mhc_bench.py, 2026-11-28)
+    split = h.dtype in (torch.bfloat16, torch.float16)
+    tb = 16 if T <= 16 else 64 if split and T > PROMPT_MIN_TOKENS else 32
     splits, kchunk = _splits(T, K, tb, dev)
     part = torch.empty((splits, T, np_), dtype=torch.float32, device=dev)
     ss = torch.empty((splits, T), dtype=torch.float32, device=dev)
@@ -376,7 +377,7 @@ def mhc_post_pre_norm_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Ten
                              hc_eps: float, weight: torch.Tensor, eps: float
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     nc = h.shape[-2] if h.dim() >= 2 else 0
-    if h.dim() >= 2 and math.prod(h.shape[:-2]) > SPLIT_MIN_TOKENS:
+    if h.dim() >= 2 and math.prod(h.shape[:-2]) > PROMPT_MIN_TOKENS:
         # a prompt: the two kernels (the same streams bit for bit); made in the projection's
         # launches they cost 12.6 ms at 8192 tokens on an H100 (4 layers), against 3.8 ms apart
         h_next = mhc_post_triton(out, h, post, comb)

@@ -1,0 +1,140 @@
+"""Search the decode MoE's tiles (``moe.CONFIGS["gemv"]``: one pair a program, a CUDA-core GEMV) by
+measurement, at the engine's shapes: Flash layer (256 MXFP4 experts, D 4096, I 2048, top-6), the
+FP8 shared expert inside the same launches, act-quant on.
+
+    python bench/moe_decode_tune.py                            # 1 / 8 / 32 tokens, the default grid
+    python bench/moe_decode_tune.py --compile-only --part 3/8  # fill the Triton cache (run 8 at once)
+
+A config is ``w13=(BN, BK, warps, stages, PIPE) w2=(...)`` (``PIPE``: the K loop's software
+pipelining depth, 1 = none). Timing: a CUDA graph of ``ROTATE`` calls, each with its own random ids
+(~6 / ~45 / ~140 distinct experts a call at 1 / 8 / 32 tokens), so no call finds its experts in
+L2; ms a call and GB/s of the distinct experts' bytes (shared expert included), against the
+device-copy bandwidth measured in the same run. The first config is the one in main.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.kernel_cases import graph_replay  # noqa: E402
+from bench.kernel_cases.moe import _experts  # noqa: E402
+
+E, D, I, TOP_K = 256, 4096, 2048, 6
+ROTATE = 8
+
+
+def grid() -> list[tuple[tuple, tuple]]:
+    """(w13, w2) configs: main's first, then the search."""
+    from dsv4.ops.triton.moe import CONFIGS
+    main = (CONFIGS["gemv"]["w13"], CONFIGS["gemv"]["w2"])
+    out = [main]
+    for bn1, bk, nw, pipe in itertools.product((16, 32), (256, 512), (4, 8), (1, 2, 3)):
+        w13 = (bn1, bk, nw, 3, pipe)
+        w2 = (2 * bn1, bk, nw, 3, pipe)
+        if (w13, w2) not in out:
+            out.append((w13, w2))
+    return out
+
+
+def fp8_weight(N: int, K: int, g: torch.Generator, dev) -> object:
+    from dsv4.weights.formats import Fp8BlockWeight
+    w = (torch.randn(N, K, generator=g) * 0.5).to(torch.float8_e4m3fn).to(dev)
+    s = torch.full((-(-N // 128), -(-K // 128)), 127 - 8, dtype=torch.uint8, device=dev)
+    return Fp8BlockWeight(w, s, name="shared")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--compile-only", action="store_true", help="compile this part's configs, time nothing")
+    ap.add_argument("--part", default="0/1", help="i/n: the i-th of n slices of the grid (with --compile-only)")
+    ap.add_argument("--configs", type=int, nargs="*", help="indices into the grid (default: all)")
+    args = ap.parse_args()
+    from dsv4 import ops
+    from dsv4.ops.triton import moe
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    w1, w3, w2 = _experts("mxfp4", E, I, D, g, dev), _experts("mxfp4", E, I, D, g, dev), _experts("mxfp4", E, D, I, g, dev)
+    shared = (fp8_weight(I, D, g, dev), fp8_weight(I, D, g, dev), fp8_weight(D, I, g, dev))
+    per_expert = (w1.nbytes + w3.nbytes + w2.nbytes) / E
+    shared_bytes = sum(w.nbytes for w in shared)
+    configs = grid()
+    idx = args.configs if args.configs else range(len(configs))
+    if args.compile_only:
+        i, n = (int(v) for v in args.part.split("/"))
+        idx = [j for j in idx if j % n == i]
+    if not args.compile_only:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        rep = graph_replay([lambda: dst.copy_(src)])
+        rep()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            rep()
+        torch.cuda.synchronize()
+        gbs = 2 * src.numel() * 10 / (time.perf_counter() - t0) / 1e9
+        print(f"{torch.cuda.get_device_name()}: copy {gbs:.0f} GB/s; Flash MoE layer decode (MXFP4 experts, FP8 shared "
+              f"expert, act-quant), graph of {ROTATE} calls with their own ids")
+        print(f"{'#':>3} {'w13 (BN,BK,warps,stages,PIPE)':>30} {'w2':>22} " + " ".join(
+            f"{'T=' + str(T) + ' us':>10} {'GB/s':>6}" for T in args.tokens))
+        src = dst = None
+    inputs = {}
+    for T in args.tokens:
+        x = torch.randn(T, D, generator=g).to(dev, torch.bfloat16)
+        calls = []
+        distinct = 0
+        for _ in range(ROTATE):
+            ids = torch.rand(T, E, generator=g).argsort(-1)[:, :TOP_K].to(dev)
+            rw = torch.rand(T, TOP_K, generator=g).to(dev)
+            distinct += ids.unique().numel()
+            calls.append((ids, rw))
+        inputs[T] = (x, calls, (distinct * per_expert + ROTATE * shared_bytes) / ROTATE)
+    ref_out = {}
+    saved = dict(moe.CONFIGS["gemv"])
+    try:
+        for j in idx:
+            w13, w2c = configs[j]
+            moe.CONFIGS["gemv"] = dict(w13=w13, w2=w2c)
+            cells = []
+            for T in args.tokens:
+                x, calls, nbytes = inputs[T]
+                fns = [lambda ids=ids, rw=rw: ops.moe(x, ids, rw, w1, w3, w2, 10.0, True, True, shared)
+                       for ids, rw in calls]
+                try:
+                    out = fns[0]()
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                    cells.append(f"{'failed':>10} {type(e).__name__[:6]:>6}")
+                    continue
+                if T not in ref_out:
+                    ref_out[T] = out.float()
+                else:
+                    diff = (out.float() - ref_out[T]).abs().max().item()
+                    assert diff <= 2e-2 * ref_out[T].abs().max().item(), f"config {j} T={T}: differs by {diff}"
+                if args.compile_only:
+                    continue
+                rep = graph_replay(fns)
+                rep()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    rep()
+                torch.cuda.synchronize()
+                sec = (time.perf_counter() - t0) / (20 * ROTATE)
+                cells.append(f"{sec * 1e6:10.1f} {nbytes / sec / 1e9:6.0f}")
+            if not args.compile_only:
+                print(f"{j:3d} {str(w13):>30} {str(w2c):>22} " + " ".join(cells), flush=True)
+    finally:
+        moe.CONFIGS["gemv"] = saved
+
+
+if __name__ == "__main__":
+    main()
