@@ -38,6 +38,14 @@ def ordered_i32(v):
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
+@triton.jit
+def ordered_key(v, ids):
+    """int64 keys in the order of (fp32 ``v``, then the lower int ``ids`` first): NaN above +inf,
+    ``-0 == +0``, as ``torch.topk`` / ``torch.argmax`` rank; one max reduction is an argmax."""
+    ordered = tl.where(v != v, 2147483647, ordered_i32(v))
+    return (ordered.to(tl.int64) << 32) | (4294967295 - ids.to(tl.int64))
+
+
 # ----------------------------------------------------------------------------- powers of two
 @triton.jit
 def exp2_biased(e):

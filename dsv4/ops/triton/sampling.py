@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .numerics import ordered_i32
+from .numerics import ordered_key
 
 #: vocabulary ids one program takes per tile, its warps, and the programs per SM the split grid aims
 #: for: searched on an H100 (``bench/sampler_bench.py --tune``, V = 129280): at batch 32 / 64 the
@@ -69,13 +69,6 @@ def _gumbel(ids, k1, k2, INTERP: tl.constexpr):
     return -_log(-_log(u, INTERP), INTERP)
 
 
-@triton.jit
-def _key(v, ids):
-    """int64 keys whose order is (value, then lower id first): NaN above +inf, ``-0 == +0``."""
-    ordered = tl.where(v != v, 2147483647, ordered_i32(v))
-    return (ordered.to(tl.int64) << 32) | (4294967295 - ids.to(tl.int64))
-
-
 @triton.jit(do_not_specialize=["V", "per", "S", "l_stride", "s_stride"])
 def _draw_partial_kernel(logits_ptr, scaled_ptr, temp_ptr, greedy_ptr, lo_ptr, hi_ptr, step_ptr, part_ptr,
                          V, per, S, l_stride, s_stride, BLOCK: tl.constexpr, SAMPLING: tl.constexpr,
@@ -95,7 +88,7 @@ def _draw_partial_kernel(logits_ptr, scaled_ptr, temp_ptr, greedy_ptr, lo_ptr, h
             i = off + offs
             m = i < end
             x = tl.load(logits_ptr + row64 * l_stride + i, mask=m, other=0.0).to(tl.float32)
-            best = tl.maximum(best, tl.where(m, _key(x, i), -9223372036854775808))
+            best = tl.maximum(best, tl.where(m, ordered_key(x, i), -9223372036854775808))
     else:
         # the row's keys (dsv4.ops.noise.uniform_noise), from the low 32 bits of seed and step
         step = tl.load(step_ptr + row).to(tl.uint32)
@@ -111,7 +104,7 @@ def _draw_partial_kernel(logits_ptr, scaled_ptr, temp_ptr, greedy_ptr, lo_ptr, h
                 x = tl.load(logits_ptr + row64 * l_stride + i, mask=m, other=0.0).to(tl.float32)
                 s = tl.math.div_rn(x, tl.broadcast_to(t, x.shape))
             v = s + _gumbel(i.to(tl.uint32), k1, k2, INTERP)
-            best = tl.maximum(best, tl.where(m, _key(v, i), -9223372036854775808))
+            best = tl.maximum(best, tl.where(m, ordered_key(v, i), -9223372036854775808))
     tl.store(part_ptr + row64 * S + sp, tl.max(best, axis=0))
 
 

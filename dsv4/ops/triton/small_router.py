@@ -27,15 +27,16 @@ import triton
 import triton.language as tl
 
 from . import runtime
+from .numerics import ordered_key
 from .small_util import KernelInputError, check, check_float, pow2, row_stride, rows
 
 _FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _MAX_EXPERTS = 1024
 #: tokens up to which the gate's projection runs in the routing kernel (decode); above, a GEMM first
 GATE_MAX_TOKENS = 8
-#: the fused kernel's tiles: experts per program, K per step, K splits. Its K loop is not
-#: pipelined, so a split takes one or two K steps (each waits for its loads): 32 splits
-_GATE_BE, _GATE_BK, _GATE_SPLITS = 16, 128, 32
+#: the fused kernel's tiles: experts per program, K per step, K splits (H100, bench/router_bench.py:
+#: 4 to 32 splits within 10% of each other; 16 keep Flash's 256 programs in one wave at 156 registers)
+_GATE_BE, _GATE_BK, _GATE_SPLITS = 16, 128, 16
 
 
 @triton.jit
@@ -47,12 +48,14 @@ def _log1p(y):
 
 
 @triton.jit
-def _route_rows(x, e, t, tm, bias_ptr, table_ptr, tok_ptr, w_ptr, ids_ptr, E, scale,
+def _route_rows(x, e, t, tm, s_ptr, ss, bias_ptr, table_ptr, tok_ptr, w_ptr, ids_ptr, E, scale,
                 FUNC: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                 HASH: tl.constexpr, BIAS: tl.constexpr, R: tl.constexpr):
-    """Tokens ``t [R]``'s routing (rows ``tm`` real) from their fp32 logits ``x [R, EP]`` (``e [EP]`` the
-    expert indices), all rows at once. Every row runs the same arithmetic whatever the other rows
-    (the row sums in order ``j = 0 .. K-1``), so a token routes the same bits in any batch."""
+    """Tokens ``t [R]``'s routing (rows ``tm`` real) from their fp32 logits ``x [R, EP]`` (``e [EP]``
+    the expert indices), all rows at once; ``s_ptr`` (row stride ``ss``) is this program's scratch
+    for the scores (the picks' weights are read back from it). Every row runs the same arithmetic
+    whatever the other rows (the weights summed in pick order), so a token routes the same bits in
+    any batch. A pick is one max over (score + bias, lower index first) keys."""
     em = (e < E)[None, :]
     if FUNC == 0:
         s = tl.sqrt_rn(tl.where(x > 20.0, x, _log1p(tl.exp(x))))
@@ -61,33 +64,33 @@ def _route_rows(x, e, t, tm, bias_ptr, table_ptr, tok_ptr, w_ptr, ids_ptr, E, sc
     else:
         ex = tl.where(em, tl.exp(x - tl.max(tl.where(em, x, -float("inf")), axis=1)[:, None]), 0.0)
         s = tl.div_rn(ex, tl.sum(ex, axis=1)[:, None])
+    rows = t.to(tl.int64)[:, None] * ss
+    tl.debug_barrier()          # (the scratch may hold the logits x: every thread has read them)
+    tl.store(s_ptr + rows + e[None, :], s, mask=tm[:, None] & em)
     j = tl.arange(0, KP)[None, :]
+    jm = tm[:, None] & (j < K)
     if HASH:
         tok = tl.load(tok_ptr + t, mask=tm, other=0)
-        table = tl.load(table_ptr + tok[:, None] * K + j, mask=tm[:, None] & (j < K), other=0).to(tl.int32)
+        ids = tl.load(table_ptr + tok[:, None] * K + j, mask=jm, other=0).to(tl.int32)
     else:
         sel = s
         if BIAS:
             sel = s + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
-        sel = tl.where(em, sel, -float("inf"))
-    ids = tl.zeros([R, KP], tl.int32)
-    w = tl.zeros([R, KP], tl.float32)
+        key = tl.where(em, ordered_key(sel, e[None, :]), -9223372036854775808)
+        ids = tl.zeros([R, KP], tl.int32)
+        for i in tl.static_range(K):
+            best = tl.max(key, axis=1)
+            pick = (4294967295 - (best & 4294967295)).to(tl.int32)
+            ids = tl.where(j == i, pick[:, None], ids)
+            key = tl.where(e[None, :] == pick[:, None], -9223372036854775808, key)
+    tl.debug_barrier()          # the scores stored above, read back by other threads
+    w = tl.load(s_ptr + rows + ids, mask=jm, other=0.0)                          # scores[ids]
     total = tl.zeros([R], tl.float32)
     for i in tl.static_range(K):
-        if HASH:
-            pick = tl.sum(tl.where(j == i, table, 0), axis=1)
-        else:
-            top = tl.max(sel, axis=1)
-            pick = tl.min(tl.where(sel == top[:, None], e[None, :], EP), axis=1)   # the lowest index at the max
-            sel = tl.where(e[None, :] == pick[:, None], -float("inf"), sel)
-        wi = tl.sum(tl.where(e[None, :] == pick[:, None], s, 0.0), axis=1)         # scores[pick]: one term
-        ids = tl.where(j == i, pick[:, None], ids)
-        w = tl.where(j == i, wi[:, None], w)
-        total += wi
+        total += tl.sum(tl.where(j == i, w, 0.0), axis=1)                         # in pick order
     w = tl.div_rn(w, total[:, None] + 1e-20) * scale
-    om = tm[:, None] & (j < K)
-    tl.store(w_ptr + t[:, None] * K + j, w, mask=om)
-    tl.store(ids_ptr + t[:, None] * K + j, ids.to(tl.int64), mask=om)
+    tl.store(w_ptr + t[:, None] * K + j, w, mask=jm)
+    tl.store(ids_ptr + t[:, None] * K + j, ids.to(tl.int64), mask=jm)
 
 
 @triton.jit
@@ -97,8 +100,8 @@ def _router_kernel(logits_ptr, sl, bias_ptr, table_ptr, tok_ptr, w_ptr, ids_ptr,
     t = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
     e = tl.arange(0, EP)
     x = tl.load(logits_ptr + t[:, None] * sl + e[None, :], mask=(e < E)[None, :], other=0.0).to(tl.float32)
-    _route_rows(x, e, t, t >= 0, bias_ptr, table_ptr, tok_ptr, w_ptr, ids_ptr, E, scale, FUNC, K, KP, EP, HASH,
-                BIAS, 1)
+    _route_rows(x, e, t, t >= 0, logits_ptr, sl, bias_ptr, table_ptr, tok_ptr, w_ptr, ids_ptr, E, scale, FUNC, K,
+                KP, EP, HASH, BIAS, 1)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -146,8 +149,8 @@ def _gate_router_kernel(x_ptr, sx, g_ptr, part_ptr, logit_ptr, cnt_ptr, bias_ptr
             ee = tl.arange(0, EP)
             x = tl.load(logit_ptr + r[:, None] * EP + ee[None, :], mask=rm[:, None] & (ee < E)[None, :], other=0.0,
                         cache_modifier=".cg")
-            _route_rows(x, ee, r, rm, bias_ptr, table_ptr, tok_ptr, w_ptr, ids_ptr, E, scale, FUNC, K, KP, EP,
-                        HASH, BIAS, RT)
+            _route_rows(x, ee, r, rm, logit_ptr, EP, bias_ptr, table_ptr, tok_ptr, w_ptr, ids_ptr, E, scale, FUNC,
+                        K, KP, EP, HASH, BIAS, RT)
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
