@@ -566,6 +566,18 @@ def test_router(func, T, E, D, k, dtype):
         assert torch.equal(runtime.counters_if_allocated(x.device, "router")[:n].cpu(), torch.zeros(n, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("func", ["sqrtsoftplus", "softmax"])
+def test_router_a_token_routes_the_same_bits_in_any_batch(func):
+    """The decode kernel routes a batch's rows at once (one block of 1-8 rows): each token's weights
+    and picks equal, bit for bit, what routing it alone gives (fp32, with the selection bias)."""
+    T, E, D, k = 7, 40, 160, 6
+    x, weight, bias, _, _ = _router_inputs(T, E, D, k, seed=176, big=func == "sqrtsoftplus")
+    w_all, ids_all = KERNELS["router"](x, weight, func, k, bias=bias, scale=1.5)
+    for t in range(T):
+        w_one, ids_one = KERNELS["router"](x[t:t + 1], weight, func, k, bias=bias, scale=1.5)
+        assert torch.equal(ids_one[0], ids_all[t]) and torch.equal(w_one[0], w_all[t]), t
+
+
 # ============================================================================= GPU: real shapes, bf16, graphs
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -860,6 +872,12 @@ def test_gpu_router(geo, batch):
     eager = [KERNELS["router"](x, weight, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
     for got, kw in zip(eager, cases):
         _router_equal(got, ref.router(x, weight, "sqrtsoftplus", 6, scale=1.5, **kw), steps=64.0)   # 4096 products
+        if batch > small.small_router.GATE_MAX_TOKENS:
+            continue        # (more tokens: the projection by the linear op, not the decode kernel)
+        # the batch's last token routed alone: the same bits (the decode kernel's rows are independent)
+        alone = KERNELS["router"](x[-1:], weight, "sqrtsoftplus", 6, scale=1.5,
+                                  **{k: (v[-1:] if k == "token_ids" else v) for k, v in kw.items()})
+        assert torch.equal(alone[1][0], got[1][-1]) and torch.equal(alone[0][0], got[0][-1])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = [KERNELS["router"](x, weight, "sqrtsoftplus", 6, scale=1.5, **kw) for kw in cases]
