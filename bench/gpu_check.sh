@@ -51,6 +51,8 @@ if want kernels; then
   step "per-kernel benchmark" tee_to kernels.txt python3 bench/kernels.py --out "$OUT"
   step "the sampler per decode step, torch vs the kernel" tee_to sampler_bench.txt python3 bench/sampler_bench.py
   step "the indexer's top-k, torch vs the kernel" tee_to topk_bench.txt python3 bench/topk_bench.py
+  step "the mHC ops of a decode step (and the Sinkhorn's share)" tee_to mhc_bench.txt python3 bench/mhc_bench.py
+  step "the decode router by K splits, torch as the peer" tee_to router_bench.txt python3 bench/router_bench.py
   if python3 -c "import humming" 2>/dev/null; then
     step "MoE vs humming-kernels" tee_to humming_peer.txt python3 bench/humming_peer.py
   else

@@ -23,7 +23,7 @@
 #   prefix (issue 27: prefix-caching GPU tests + bench/prefix_cost.py: no-hit cost, one conversation's TTFT off/on),
 #   nan_hunt / nan_hunt_fp32 (bench/nan_hunt.py: ops reading memory they do not own, on NaN-poisoned memory),
 #   sampler (the sampler kernel's GPU tests, bench/sampler_bench.py, the decode step with every row sampling: torch sampler vs kernel),
-#   moe_tune (bench/moe_decode_tune.py: the decode MoE's tiles), mhc (bench/mhc_bench.py: the mHC ops of a decode step, the Sinkhorn's share), profile_b8 (the batch-8 step's kernels),
+#   moe_tune (bench/moe_decode_tune.py: the decode MoE's tiles), router (bench/router_bench.py), mhc (bench/mhc_bench.py: the mHC ops of a decode step, the Sinkhorn's share), profile_b8 (the batch-8 step's kernels),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
 #   load: a later call, on a fresh machine, skips the compiles);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
@@ -201,6 +201,7 @@ perf_moe) t 300 kernels_moe.txt python3 bench/kernels.py --families moe --out "$
 perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;
 humming) t 200 humming_peer.txt python3 bench/humming_peer.py ;;
 mhc) t 150 mhc_bench.txt python3 bench/mhc_bench.py ;;
+router) t 120 router_bench.txt python3 bench/router_bench.py ;;
 moe_tune)   # the decode MoE's tiles by measurement: compile the grid in 8 processes, then time it in one
   for i in 0 1 2 3 4 5 6 7; do timeout 400 python3 bench/moe_decode_tune.py --compile-only --part $i/8 > "$OUT/moe_tune_compile_$i.log" 2>&1 & done; wait
   t 300 moe_decode_tune.txt python3 bench/moe_decode_tune.py ;;
