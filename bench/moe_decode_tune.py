@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernel_cases import graph_replay  # noqa: E402
+from bench.kernel_cases import time_graph, time_replay  # noqa: E402
 from bench.kernel_cases.moe import _experts  # noqa: E402
 
 E, D, I, TOP_K = 256, 4096, 2048, 6
@@ -72,16 +71,9 @@ def main() -> None:
         i, n = (int(v) for v in args.part.split("/"))
         idx = [j for j in idx if j % n == i]
     if not args.compile_only:
-        src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        rep = graph_replay([lambda: dst.copy_(src)])
-        rep()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            rep()
-        torch.cuda.synchronize()
-        gbs = 2 * src.numel() * 10 / (time.perf_counter() - t0) / 1e9
+        gbs = 2 * src.numel() / time_replay(lambda: dst.copy_(src)) / 1e9    # as bench/mhc_bench.py measures it
         print(f"{torch.cuda.get_device_name()}: copy {gbs:.0f} GB/s; Flash MoE layer decode (MXFP4 experts, FP8 shared "
               f"expert, act-quant), graph of {ROTATE} calls with their own ids")
         print(f"{'#':>3} {'w13 (BN,BK,warps,stages,PIPE)':>30} {'w2':>22} " + " ".join(
@@ -121,14 +113,7 @@ def main() -> None:
                     assert diff <= 2e-2 * ref_out[T].abs().max().item(), f"config {j} T={T}: differs by {diff}"
                 if args.compile_only:
                     continue
-                rep = graph_replay(fns)
-                rep()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    rep()
-                torch.cuda.synchronize()
-                sec = (time.perf_counter() - t0) / (20 * ROTATE)
+                sec = time_graph(fns, 20) / ROTATE
                 cells.append(f"{sec * 1e6:10.1f} {nbytes / sec / 1e9:6.0f}")
             if not args.compile_only:
                 print(f"{j:3d} {str(w13):>30} {str(w2c):>22} " + " ".join(cells), flush=True)

@@ -66,7 +66,12 @@ def graph_replay(calls: list[Callable[[], object]]) -> Callable[[], None]:
 def time_replay(fn: Callable[[], object], iters: int = 50) -> float:
     """Seconds per replay of ``fn`` captured alone in a CUDA graph (:func:`graph_replay`), warm, L2
     not flushed: the cost of an op inside a captured decode step."""
-    replay = graph_replay([fn])
+    return time_graph([fn], iters)
+
+
+def time_graph(calls: list[Callable[[], object]], iters: int = 50) -> float:
+    """Seconds per replay of ``calls`` captured as one CUDA graph (:func:`graph_replay`), warm."""
+    replay = graph_replay(calls)
     replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
