@@ -11,8 +11,10 @@ the gate/up kernel 168 registers instead of 80 until the one-pair-a-program path
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,7 @@ from dsv4.ops.triton.linear import _skinny_config, _skinny_kernel  # noqa: E402
 from dsv4.ops.triton.moe_decode import _w13_decode_kernel, _w2_decode_kernel  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 TARGET = GPUTarget("cuda", 90, 32)
 #: argument types of the decode kernels as the engine launches them (bf16 activations, MXFP4 experts
 #: as int32 words with e8m0 byte scales, the FP8 shared expert as bytes with e8m0 scales)
@@ -49,12 +52,11 @@ GEMVS = {"wq_a + wkv (a pair)": (1024 + 512, 4096), "wq_b": (32768, 1024), "wo_a
          "wo_b": (4096, 8192)}
 
 
-def ptxas_info(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 3, types: dict = TYPES,
-               ints: dict | None = None) -> str:
-    """ptxas's resource line (registers, spills) for ``fn`` compiled with ``constexprs``, specialized
-    as Triton's launcher specializes a real call: every pointer 16-byte aligned, and each integer
-    argument named in ``ints`` by its value (1 becomes a constant, a multiple of 16 is marked
-    divisible by 16), unless the kernel's ``do_not_specialize`` lists it.
+def compile_as_launched(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 3, types: dict = TYPES,
+                        ints: dict | None = None):
+    """``fn`` compiled for sm_90a as Triton's launcher specializes a real call: every pointer 16-byte
+    aligned, and each integer argument named in ``ints`` by its value (1 becomes a constant, a
+    multiple of 16 is marked divisible by 16), unless the kernel's ``do_not_specialize`` lists it.
 
     Without that specialization the compiler cannot prove a row is 16-byte aligned, loads one byte a
     thread per instruction, and ptxas reports registers no launch ever uses (the FP8 GEMV at 245
@@ -75,8 +77,15 @@ def ptxas_info(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 3, ty
                 sig[n], consts[n] = "constexpr", 1
             elif v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def ptxas_info(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 3, types: dict = TYPES,
+               ints: dict | None = None) -> str:
+    """ptxas's resource line (registers, spills) for ``fn`` compiled as launched
+    (:func:`compile_as_launched`)."""
+    k = compile_as_launched(fn, constexprs, num_warps, num_stages, types, ints)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
     try:
@@ -86,6 +95,35 @@ def ptxas_info(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 3, ty
     lines = [ln.split("ptxas info    :")[-1].strip() for ln in out.stderr.splitlines()
              if "registers" in ln or "spill" in ln]
     return " | ".join(lines)
+
+
+def loop_mix(k) -> tuple[int, dict[str, int]]:
+    """SASS of compiled kernel ``k``'s longest loop (the span from a backward branch's target to the
+    branch, by nvdisasm): its instruction count and the count of each opcode (``FFMA``, ``LOP3``,
+    ``BAR`` ...), per iteration. The instructions a value of a K step costs, read on the CPU."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        sass = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+    finally:
+        os.unlink(f.name)
+    labels, best = {}, (0, 0)
+    for i, ln in enumerate(sass):
+        m = re.match(r"\s*(\.L_x_\d+):", ln)
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if m and m.group(1) in labels and i - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], i)
+    mix: dict[str, int] = {}
+    n = 0
+    for ln in sass[best[0]:best[1] + 1]:
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m:
+            op = m.group(1)
+            mix[op] = mix.get(op, 0) + 1
+            n += 1
+    return n, dict(sorted(mix.items(), key=lambda kv: -kv[1]))
 
 
 def moe_ints(tokens: int) -> dict:
@@ -98,6 +136,26 @@ def gemv_ints(M: int, rows: int, K: int, BN: int, pair: bool) -> dict:
     return dict(M=M, R=rows, R2=0, K=K, TILES_PER_GROUP=-(-rows // BN), stride_xm=K, stride_xg=0 if pair else K,
                 stride_wn=K, stride_sn=-(-K // 128), stride_om=rows, stride_og=rows, ws_stride_s=M * rows,
                 ws_stride_m=rows)
+
+
+def sass_main() -> None:
+    """The K loop's instruction mix of the decode MoE kernels and the FP8 GEMV (``--sass``)."""
+    common = dict(D=4096, I=2048, KTOP=6, FMT=2, BM=1, BK=256, XDT=tl.bfloat16, CDT=tl.bfloat16, QDOT=False,
+                  SHARED=True, FMT_S=1, I_S=2048, BK_S=128, AQ=True, POW2=True, PIPE=1)
+    kernels = {
+        "MoE gate/up (16 rows of W1 and W3 x 256 K a step, 64 values a thread)":
+            compile_as_launched(_w13_decode_kernel, dict(common, BN=16, PP=8, ZB=1, HAS_LIMIT=True),
+                                ints=moe_ints(1)),
+        "MoE down (32 rows x 256 K a step, 64 values a thread)":
+            compile_as_launched(_w2_decode_kernel, dict(common, BN=32, PP=8, KP2=8), ints=moe_ints(1)),
+        "FP8 GEMV wo_b (64 rows x 128 K a step, 64 values a thread)":
+            compile_as_launched(_skinny_kernel, dict(FMT=1, ACT_QUANT=True, POW2=True, OP_BF16=True, PREC=None,
+                                                     BN=64, MP=16, KSTEPS=16, SPLIT=4, PAIR=False),
+                                4, 4, GEMV_TYPES, gemv_ints(1, 4096, 8192, 64, False)),
+    }
+    for name, k in kernels.items():
+        n, mix = loop_mix(k)
+        print(f"{name}: {n} instructions a K step; " + ", ".join(f"{op} {c}" for op, c in list(mix.items())[:14]))
 
 
 def main() -> None:
@@ -123,4 +181,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sass", action="store_true", help="the K loops' SASS instruction mix instead of registers")
+    if ap.parse_args().sass:
+        sass_main()
+    else:
+        main()
