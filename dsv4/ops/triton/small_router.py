@@ -11,9 +11,9 @@ section 2, "MoE"):
 Decode (up to ``GATE_MAX_TOKENS`` tokens, a plain gate weight): one launch. ``_gate_router_kernel``,
 grid ``(expert tiles, K splits)``, writes fp32 partial logits; the last split of each expert tile to
 arrive sums that tile's partials (an arrival counter a tile, re-armed by that program), and the last
-tile to finish routes every token at once (one more counter): a batch of 8 costs what one token
-costs (the last program once routed the tokens one after another: 23 us a layer at 8 tokens on an
-H100, 8 us at one).
+tile to finish routes every token at once (one more counter). H100, Flash (bench/router_bench.py):
+8.0 / 9.4 / 11.6 us at 1 / 4 / 8 tokens, where a last program routing the tokens one after another
+took 8.3 / 17.6 / 30.0 us.
 Prefill (or a packed gate): the projection by ``dsv4.ops.linear``, then ``_router_kernel``, one
 program a token. Softplus is torch's: ``x`` above 20, else ``log1p(exp(x))`` (to an ulp or so).
 The picks come out in descending order of ``scores + bias`` like ``torch.topk``; an exact tie goes
@@ -35,7 +35,7 @@ _MAX_EXPERTS = 1024
 #: tokens up to which the gate's projection runs in the routing kernel (decode); above, a GEMM first
 GATE_MAX_TOKENS = 8
 #: the fused kernel's tiles: experts per program, K per step, K splits (H100, bench/router_bench.py:
-#: 4 to 32 splits within 10% of each other; 16 keep Flash's 256 programs in one wave at 156 registers)
+#: 4 to 32 splits within 10% of each other; 16 keep Flash's 256 programs in one wave at <= 156 registers)
 _GATE_BE, _GATE_BK, _GATE_SPLITS = 16, 128, 16
 
 
