@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernel_cases import time_graph, time_replay  # noqa: E402
-from bench.kernel_cases.moe import _experts  # noqa: E402
+from bench.kernel_cases.moe import _experts, fp8_weight  # noqa: E402
 
 E, D, I, TOP_K = 256, 4096, 2048, 6
 ROTATE = 8
@@ -41,13 +41,6 @@ def grid() -> list[tuple[tuple, tuple]]:
         if (w13, w2) not in out:
             out.append((w13, w2))
     return out
-
-
-def fp8_weight(N: int, K: int, g: torch.Generator, dev) -> object:
-    from dsv4.weights.formats import Fp8BlockWeight
-    w = (torch.randn(N, K, generator=g) * 0.5).to(torch.float8_e4m3fn).to(dev)
-    s = torch.full((-(-N // 128), -(-K // 128)), 127 - 8, dtype=torch.uint8, device=dev)
-    return Fp8BlockWeight(w, s, name="shared")
 
 
 def main() -> None:

@@ -33,6 +33,14 @@ def _experts(fmt: str, E: int, N: int, K: int, g: torch.Generator, dev) -> objec
     return Nvfp4Weight(packed, scale, torch.tensor(1 / (2.93 * K ** 0.5), device=dev), name=f"experts.{fmt}")
 
 
+def fp8_weight(N: int, K: int, g: torch.Generator, dev) -> object:
+    """A random ``[N, K]`` FP8-block weight with e8m0 scales (the shared expert's format as released)."""
+    from dsv4.weights.formats import Fp8BlockWeight
+    w = (torch.randn(N, K, generator=g) * 0.5).to(torch.float8_e4m3fn).to(dev)
+    s = torch.full((-(-N // 128), -(-K // 128)), 127 - 8, dtype=torch.uint8, device=dev)
+    return Fp8BlockWeight(w, s, name="shared")
+
+
 def _grouped_mm_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor, limit: float) -> torch.Tensor:
     """BF16 experts through ``torch._grouped_mm`` (``w13 [E, 2I, D]``, ``w2 [E, D, I]``); no host sync."""
