@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--cases", type=int, nargs="*", help="indices into CASES (default all)")
     ap.add_argument("--bm", type=int, nargs="*", default=[0],
                     help="pairs a tile (0: moe.tiles' choice); each case runs with each")
+    ap.add_argument("--decode", choices=["bf16", "fp32", "both"], default="bf16",
+                    help="MXFP4 tiles dequantized in bf16 (moe.Launch.mx_bf16, the engine's choice for "
+                         "these scales) or through fp16 and fp32 (the general decode); both: each case twice")
     a = ap.parse_args()
     g = GEOS[a.geo]
     E, D, I, k, T = g["E"], g["D"], g["I"], g["k"], a.tokens
@@ -80,12 +83,15 @@ def main() -> None:
     P = T * k
     flops = {"_w13_grouped_kernel": 4 * P * D * I, "_w2_grouped_kernel": 2 * P * D * I}
     print(f"{a.geo}: T={T} pairs={P} E={E} D={D} I={I}; {torch.cuda.get_device_name()}")
-    print(f"{'case':32s} {'w13 ms':>8s} {'TF/s':>6s} {'w2 ms':>8s} {'TF/s':>6s} {'MoE ms':>8s} {'vs first':>9s}")
-    exact, tiles = M._exact_dequantized, M.tiles
+    print(f"{'case':44s} {'w13 ms':>8s} {'TF/s':>6s} {'w2 ms':>8s} {'TF/s':>6s} {'MoE ms':>8s} {'vs first':>9s}")
+    exact, tiles, fit = M._exact_dequantized, M.tiles, M._scales_fit_bf16
     first = None
-    runs = [(i, c, bm) for i, c in enumerate(CASES) if not a.cases or i in a.cases for bm in a.bm]
-    for i, (label, key, cfg), bm in runs:
+    modes = ["bf16", "fp32"] if a.decode == "both" else [a.decode]
+    runs = [(i, c, bm, m) for i, c in enumerate(CASES) if not a.cases or i in a.cases for bm in a.bm for m in modes]
+    for i, (label, key, cfg), bm, mode in runs:
         label = label if not bm else f"{label}, BM {bm}"
+        label = label if a.decode != "both" else f"{label}, {mode}"
+        M._scales_fit_bf16 = fit if mode == "bf16" else (lambda weights: False)
 
         def pick(P, E, dec, mx, _bm=bm, _key=key):
             got = tiles(P, E, dec, mx)
@@ -98,7 +104,7 @@ def main() -> None:
             out = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)   # compile
             torch.cuda.synchronize()
         except Exception as e:                                              # noqa: BLE001
-            print(f"{label:32s} failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
+            print(f"{label:44s} failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
             M.CONFIGS[key] = saved
             continue
         times: dict[str, float] = defaultdict(float)
@@ -116,10 +122,10 @@ def main() -> None:
         diff = 0.0 if first is None else float((out.float() - first).norm() / first.norm())
         first = out.float() if first is None else first
         r = [(times[n] / 1e3, flops[n] / max(times[n], 1e-9) / 1e6) for n in flops]
-        print(f"{label:32s} {r[0][0]:8.2f} {r[0][1]:6.0f} {r[1][0]:8.2f} {r[1][1]:6.0f} "
+        print(f"{label:44s} {r[0][0]:8.2f} {r[0][1]:6.0f} {r[1][0]:8.2f} {r[1][1]:6.0f} "
               f"{total / 1e3:8.2f} {diff:9.2e}", flush=True)
         M.CONFIGS[key] = saved
-    M._exact_dequantized, M.tiles = exact, tiles
+    M._exact_dequantized, M.tiles, M._scales_fit_bf16 = exact, tiles, fit
 
 
 if __name__ == "__main__":

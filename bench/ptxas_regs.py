@@ -6,6 +6,7 @@ tiles the wrappers choose), and nothing runs.
 
     python bench/ptxas_regs.py              # registers: the MoE decode kernels, the FP8 decode GEMVs
     python bench/ptxas_regs.py --sass       # the K loops' SASS instruction mix (nvdisasm)
+    python bench/ptxas_regs.py --prefill    # the prefill MoE's grouped GEMMs: registers and K-loop mix
 
 A register cliff at one batch class shows as that class's experts streaming slower (fewer programs
 in flight to hide memory latency): 6-10 tokens of top-6 (``PP = 64`` ids in the pair ranking) gave
@@ -123,6 +124,32 @@ def sass_main() -> None:
         print(f"{name}: {n} instructions a K step; " + ", ".join(f"{op} {c}" for op, c in list(mix.items())[:14]))
 
 
+def prefill_main() -> None:
+    """The MXFP4 grouped GEMMs of a prefill step (act-quant, bf16): the transposed ones at 8192 tokens
+    and the few-pairs-an-expert ones at 256 tokens over 128 experts; registers and the K loop's mix,
+    with the tiles dequantized in bf16 (``moe.Launch.mx_bf16``) and through fp16 / fp32."""
+    from dsv4.ops.triton import moe as M
+    from dsv4.ops.triton.moe import moe_triton
+    fit = M._scales_fit_bf16
+    for tokens, experts in ((8192, EXPERTS), (256, 128)):
+        g = torch.Generator().manual_seed(0)
+        w1, w3, w2 = (_experts("mxfp4", experts, n, k, g, "cpu") for n, k in ((I, D), (I, D), (D, I)))
+        x = torch.randn(tokens, D, generator=g).to(torch.bfloat16)
+        ids = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :TOP_K].contiguous()
+        rw = torch.rand(tokens, TOP_K, generator=g)
+        for decode in ("bf16", "fp32"):
+            M._scales_fit_bf16 = fit if decode == "bf16" else (lambda weights: False)
+            try:
+                ks = compiled(lambda: moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True))
+            finally:
+                M._scales_fit_bf16 = fit
+            for name, k in ks.items():
+                if "wt_kernel" in name or "grouped_kernel" in name:
+                    n, mix = loop_mix(k)
+                    print(f"{tokens:5d} tokens, {experts} experts, {decode} decode: {name} {registers(k)} registers, "
+                          f"{n} instructions a K step; " + ", ".join(f"{op} {c}" for op, c in list(mix.items())[:10]))
+
+
 def main() -> None:
     print("Flash decode MoE (MXFP4 experts, FP8 shared expert, act-quant), sm_90a, as the wrapper launches it")
     for tokens in (1, 2, 4, 8, 16, 32):
@@ -139,9 +166,12 @@ def main() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sass", action="store_true", help="the K loops' SASS instruction mix instead of registers")
+    ap.add_argument("--prefill", action="store_true", help="the prefill MoE's grouped GEMMs instead")
     args = ap.parse_args()
     compile_sm90._install()
-    if args.sass:
+    if args.prefill:
+        prefill_main()
+    elif args.sass:
         sass_main()
     else:
         main()

@@ -342,6 +342,18 @@ def test_nan_e8m0_scale_gives_nan_like_the_reference(T):
         torch.testing.assert_close(got[~hit], exp[~hit], rtol=2e-3, atol=2e-3)
 
 
+def test_mxfp4_bf16_decode_reads_the_scales_once_per_version():
+    """The bf16 dequantization needs every scale byte <= 128: read once per weight, read again after
+    the scale tensor changes in place (its version counter), never inside a graph capture."""
+    ws = [_weights("mxfp4", 2, 32, 64, s) for s in (1, 2, 3)]
+    assert M._scales_fit_bf16(ws)
+    assert all(w._scale_max_seen[1] <= 128 for w in ws)
+    ws[1].scale[1, 0, 0] = 129                  # a scale of 4: 2^(s-1) is no bf16
+    assert not M._scales_fit_bf16(ws)
+    ws[1].scale[1, 0, 0] = 128
+    assert M._scales_fit_bf16(ws)
+
+
 def test_dispatch_registers_the_kernel():
     """``register_all`` makes ``dsv4.ops.moe`` pick the kernel for the three packed formats only."""
     import dsv4.ops as ops
@@ -572,6 +584,41 @@ def test_gpu_weight_rows_on_the_mma_m_side_real_shapes(monkeypatch, geo, T, bt):
         outs.append(got)
     for o in outs[1:]:
         _check(o, outs[0], 1e-2)
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("path", MX_PATHS)
+@pytest.mark.parametrize("T", [300, 2048])
+def test_gpu_mxfp4_bf16_decode_equals_the_general_one(monkeypatch, path, T):
+    """The grouped MXFP4 GEMMs with their tiles dequantized in bf16 (every scale <= 128: here every
+    byte 2..128) give the very bits of the general
+    fp16 -> fp32 decode (the same exact operands reach the same MMAs), and match the reference; a
+    scale byte above 128 takes the general decode. (Bytes from 2: below, the general decode's fp32
+    products are subnormal; the bf16 ones are checked there by ``test_gpu_numerics``.)"""
+    D, I, E, k = 4096, 2048, 16, 6
+    w1, w3 = (_weights("mxfp4", E, I, D, s) for s in (1, 3))
+    w2 = _weights("mxfp4", E, D, I, 2)
+    g = torch.Generator("cuda").manual_seed(5)
+    for w in (w1, w3, w2):
+        w.scale.copy_(torch.randint(112, 126, w.scale.shape, generator=g, device="cuda", dtype=torch.uint8))
+        w.scale.view(-1)[:127] = torch.arange(2, 129, device="cuda", dtype=torch.uint8)
+    x = (torch.randn(T, D, device="cuda") * 2).bfloat16()
+    ids, rw = _routing(T, k, E, 7)
+    tiles = M.tiles
+    monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx: (64 if path == "grouped_mxfp4" else 16, path) if mx
+                        else tiles(P, E, dec, mx))
+    assert M._scales_fit_bf16((w1, w3, w2))
+    fast = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)
+    with monkeypatch.context() as m:
+        m.setattr(M, "_scales_fit_bf16", lambda weights: False)
+        general = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)
+    assert torch.equal(fast, general)
+    _check(fast, ref.moe(x, ids, rw, w1, w3, w2, 10.0, True, True), 2e-2)
+    w2.scale.view(-1)[7] = 131
+    assert not M._scales_fit_bf16((w1, w3, w2))
+    _check(M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True), ref.moe(x, ids, rw, w1, w3, w2, 10.0, True, True),
+           2e-2)
 
 
 @pytest.mark.gpu

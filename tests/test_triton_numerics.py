@@ -23,8 +23,9 @@ import triton.language as tl  # noqa: E402
 
 from dsv4.ops import numerics as ref  # noqa: E402
 from dsv4.ops.triton.numerics import (  # noqa: E402
-    e2m1_code, e2m1_to_f32, e2m1x8_to_f16, e4m3_bits, e4m3_decode, e8m0_to_f32, exp2_biased, fp4_scale, fp8_round_trip,
-    fp8_scale, neg, ordered_i32, pow2_ceil, pow2_inv, pow2_to_e8m0, quantize_e4m3)
+    e2m1_code, e2m1_to_f32, e2m1x8_bf16_bits, e2m1x8_to_f16, e4m3_bits, e4m3_decode, e8m0_to_f32, exp2_biased,
+    fp4_scale, fp8_round_trip, fp8_scale, mxfp4_to_bf16, neg, ordered_i32, pow2_ceil, pow2_inv, pow2_to_e8m0,
+    quantize_e4m3)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 128
@@ -88,6 +89,19 @@ def _e2m1x8_kernel(w_ptr, y_ptr, n, F32: tl.constexpr, BLOCK: tl.constexpr):
     v = tl.reshape(e2m1x8_to_f16(tl.load(w_ptr + i, mask=m, other=0), F32), (BLOCK, 8))
     j = tl.arange(0, 8)
     tl.store(y_ptr + i[:, None] * 8 + j[None, :], v.to(y_ptr.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit
+def _mxfp4_bf16_kernel(w_ptr, s_ptr, bits_ptr, y_ptr, R: tl.constexpr, G: tl.constexpr):
+    """MXFP4 words ``w [R, G, 4]`` and scale bytes ``s [R, G]`` -> the codes' bf16 bits ``[R, G * 32]``
+    (:func:`e2m1x8_bf16_bits`) and the dequantized weight ``y [R, G * 32]`` (:func:`mxfp4_to_bf16`)."""
+    r = tl.arange(0, R)
+    g = tl.arange(0, G)
+    words = tl.load(w_ptr + (r[:, None, None] * G + g[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :])
+    sv = tl.load(s_ptr + r[:, None] * G + g[None, :])
+    k = tl.arange(0, G * 32)
+    tl.store(bits_ptr + r[:, None] * (G * 32) + k[None, :], tl.reshape(e2m1x8_bf16_bits(words), (R, G * 32)))
+    tl.store(y_ptr + r[:, None] * (G * 32) + k[None, :], mxfp4_to_bf16(words, sv))
 
 
 def _apply(op: str, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -182,6 +196,30 @@ def check_e2m1x8_decode() -> None:
         _same_bits(y.cpu(), want.to(dtype))
 
 
+def check_mxfp4_to_bf16() -> None:
+    """The bf16 dequantization of MXFP4 tiles (the prefill GEMMs' operand): every code at every
+    nibble position, every scale byte 0..128 (0 is 2^-127: subnormal products), equal to the
+    reference's ``e2m1 * 2^(s-127)`` rounded to bf16 (exact: two significant bits)."""
+    g = torch.Generator().manual_seed(1)
+    R, G = 16, 16
+    codes = torch.stack([torch.arange(16).roll(j) for j in range(8)], dim=1)          # [16, 8]
+    codes = torch.cat([codes.repeat(R * G * 4 // 16, 1)[: R * G * 4 - 200], torch.randint(0, 16, (200, 8), generator=g)])
+    words = torch.zeros(codes.shape[0], dtype=torch.int64)
+    for j in range(8):
+        words |= codes[:, j].long() << (4 * j)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).reshape(R, G, 4)
+    sv = torch.cat([torch.arange(129), torch.randint(0, 129, (R * G - 129,), generator=g)]).to(torch.uint8)
+    sv = sv.reshape(R, G)
+    bits = torch.empty(R, G * 32, dtype=torch.int16, device=DEV)
+    y = torch.empty(R, G * 32, dtype=torch.bfloat16, device=DEV)
+    _mxfp4_bf16_kernel[(1,)](words.to(DEV), sv.to(DEV), bits, y, R=R, G=G)
+    e2m1 = ref.e2m1_decode(codes.reshape(R, G * 32).to(torch.uint8))
+    _same_bits(bits.cpu().view(torch.bfloat16), (e2m1 * 2.0 ** -126).to(torch.bfloat16))
+    want = (e2m1 * ref.e8m0_to_float(sv).repeat_interleave(32, dim=1)).to(torch.bfloat16)
+    if DEV == "cuda":     # (the interpreter has no bf16 arithmetic; the bits above are what it can check)
+        _same_bits(y.cpu(), want)
+
+
 def check_e2m1_rounding() -> None:
     """e2m1 codes of values around every grid point and midpoint (ties to even), past 6, tiny
     negatives (-0), +-inf, NaN of either sign."""
@@ -259,7 +297,8 @@ def check_order() -> None:
     assert bool((keys[1:] > keys[:-1]).all())
 
 
-CHECKS = [check_e8m0_decode, check_e4m3_decode, check_e2m1_decode, check_e2m1x8_decode, check_e2m1_rounding,
+CHECKS = [check_e8m0_decode, check_e4m3_decode, check_e2m1_decode, check_e2m1x8_decode, check_mxfp4_to_bf16,
+          check_e2m1_rounding,
           check_e4m3_rounding, check_pow2, check_block_scales, check_fp8_round_trip, check_order]
 
 

@@ -86,6 +86,25 @@ MXFP4_SMALL_TILE_PAIRS = 24
 _FORMATS = (FormatCode.FP8_F32, FormatCode.FP8_UE8M0, FormatCode.MXFP4, FormatCode.NVFP4)
 
 
+def _scales_fit_bf16(weights: tuple) -> bool:
+    """Whether every e8m0 scale byte of these MXFP4 weights is ``<= 128`` (a scale ``<= 2``, so
+    ``2^(s-1)`` is a bf16 and :func:`.numerics.mxfp4_to_bf16` dequantizes exactly; real experts'
+    scales sit far below). Read once per weight (one host sync, in the warm-up) and kept while the
+    scale tensor is unchanged (its version counter); inside a CUDA-graph capture an unknown weight
+    takes the general decode instead of synchronizing."""
+    for w in weights:
+        scale = w.kernel_operands()[2]
+        seen = getattr(w, "_scale_max_seen", None)
+        if seen is None or seen[0] != scale._version:
+            if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False
+            seen = (scale._version, int(scale.view(torch.uint8).max()) if scale.numel() else 0)
+            w._scale_max_seen = seen
+        if seen[1] > 128:
+            return False
+    return True
+
+
 def _exact_dequantized(fmt: FormatCode, pow2: bool, dtype: torch.dtype) -> bool:
     """Whether the act-quant product can run on the dequantized operands instead of the e4m3
     values and scales, with every product still exact: MXFP4 weights ``e2m1 * 2^(s-127)`` have at
@@ -146,6 +165,7 @@ class Launch:
     out: torch.Tensor                         # [T, D]
     shared: SharedLaunch | None = None        # the shared expert, run by the decode kernels
     wt: tuple = (False, False)                # gate/up, down GEMM transposed (moe_grouped._gemm_wt)
+    mx_bf16: bool = False                     # MXFP4 tiles dequantized in bf16 (_scales_fit_bf16)
 
 
 @dataclass
@@ -294,7 +314,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
                xin=quantized(x, act_quant and not decode, pow2, qdot, q_dtype),
                ids=topk_ids, rw=topk_weights, weights=((d1, s1, g1), (d3, s3, g3), (d2, s2, g2)),
                h=runtime.empty((P, I), x.dtype, x.device), y=runtime.empty((P, D), torch.float32, x.device),
-               out=out)
+               out=out, mx_bf16=mx_plain and x.dtype == torch.bfloat16 and _scales_fit_bf16((w1, w3, w2)))
     if fused is not None:
         fmt_s, I_s, tensors = fused
         tensors = tuple((d, s, g if g is not None else topk_weights) for d, s, g in tensors)

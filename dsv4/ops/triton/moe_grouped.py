@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .moe_experts import _expert_ptrs, _gemm, _load_rows, _swiglu, _w13_rows, _weight_tile, quantized
+from .moe_experts import _expert_ptrs, _gemm, _load_rows, _mx_bf16_tile, _swiglu, _w13_rows, _weight_tile, quantized
 
 if TYPE_CHECKING:
     from .moe import Launch
@@ -64,12 +64,12 @@ def _w13_grouped_kernel(x_ptr, xq_ptr, xs_ptr, order_ptr, tile_e_ptr, tile_r0_pt
                         D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         HAS_LIMIT: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr,
-                        QDOT: tl.constexpr, PIPE: tl.constexpr = 1):
+                        QDOT: tl.constexpr, PIPE: tl.constexpr = 1, MXB: tl.constexpr = False):
     e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)
     if e >= 0:
         _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
                   e, rows, valid, tl.program_id(1), limit, D, I, KTOP, FMT, BM, BN, BK, HAS_LIMIT, XDT, CDT, QDOT,
-                  PIPE)
+                  PIPE, MXB=MXB)
 
 
 @triton.jit
@@ -77,14 +77,14 @@ def _w2_grouped_kernel(h_ptr, hq_ptr, hs_ptr, order_ptr, tile_e_ptr, tile_r0_ptr
                        y_ptr, w2_ptr, s2_ptr, g2_ptr,
                        D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr,
-                       QDOT: tl.constexpr, PIPE: tl.constexpr = 1):
+                       QDOT: tl.constexpr, PIPE: tl.constexpr = 1, MXB: tl.constexpr = False):
     e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM)
     if e >= 0:
         n_offs = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n_offs < D
         p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, FMT)
         y, _unused = _gemm(h_ptr, hq_ptr, hs_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D,
-                           FMT, BM, BN, BK, CDT, False, QDOT, PIPE)
+                           FMT, BM, BN, BK, CDT, False, QDOT, PIPE, MXB=MXB)
         if FMT == 3:
             y = y * tl.load(g2_ptr + e)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * D + n_offs[None, :], y,
@@ -93,9 +93,11 @@ def _w2_grouped_kernel(h_ptr, hq_ptr, hs_ptr, order_ptr, tile_e_ptr, tile_r0_ptr
 
 @triton.jit
 def _mx_tile(w_ptr, s_ptr, n_offs, nmask, k0, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, CDT: tl.constexpr):
+             BK: tl.constexpr, CDT: tl.constexpr, MXB: tl.constexpr):
     """Rows ``n_offs`` x columns ``[k0, k0 + BK)`` of an MXFP4 expert, ``e2m1 * 2^(s-127)`` as
     ``CDT`` ``[BN, BK]`` (exact in bf16 / fp32: two significant bits, an 8-bit exponent)."""
+    if MXB:
+        return _mx_bf16_tile(w_ptr, s_ptr, n_offs, nmask, k0, K, N, BN, BK)
     w, s = _weight_tile(w_ptr, s_ptr, n_offs, nmask, k0, K, N, 2, BN, BK, False)
     return tl.reshape(w * s[:, :, None], (BN, BK)).to(CDT)
 
@@ -111,7 +113,7 @@ def _dot_t(w, a, acc, CDT: tl.constexpr):
 @triton.jit
 def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n_offs, nmask,
              K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-             CDT: tl.constexpr, TWO: tl.constexpr, PIPE: tl.constexpr):
+             CDT: tl.constexpr, TWO: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr):
     """``(Wa[n_offs] @ A[a_rows]^T`` and, with ``TWO``, ``Wb[n_offs] @ A[a_rows]^T)``, fp32
     ``[BN, BT]`` each, over all of ``K``: one MXFP4 expert's rows times a tile's dequantized
     inputs ``x̂`` (exact in bf16 / fp32 like the weights ``e2m1 * 2^(s-127)``: one dot per K tile).
@@ -124,9 +126,9 @@ def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n_offs, nma
     acc_b = tl.zeros((BN, BT), tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=PIPE):
         a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
-        acc_a = _dot_t(_mx_tile(wa_ptr, sa_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT), a, acc_a, CDT)
+        acc_a = _dot_t(_mx_tile(wa_ptr, sa_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT, MXB), a, acc_a, CDT)
         if TWO:
-            acc_b = _dot_t(_mx_tile(wb_ptr, sb_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT), a, acc_b, CDT)
+            acc_b = _dot_t(_mx_tile(wb_ptr, sb_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT, MXB), a, acc_b, CDT)
     return acc_a, acc_b
 
 
@@ -135,7 +137,7 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
                    w1_ptr, s1_ptr, w3_ptr, s3_ptr, limit,
                    D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, BT: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, HAS_LIMIT: tl.constexpr, XDT: tl.constexpr,
-                   CDT: tl.constexpr, PIPE: tl.constexpr):
+                   CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr = False):
     """MXFP4 gate/up of one tile (``BT`` pairs of one expert) x ``BN`` columns of ``h``, on the
     dequantized operands (:func:`_gemm_wt`): the clamped SwiGLU times the routing weight, like
     :func:`.moe_experts._w13_rows`."""
@@ -146,7 +148,7 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
         p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, 2)
         p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, 2)
         g, u = _gemm_wt(x_ptr, rows // KTOP, valid, p1, q1, p3, q3, n_offs, nmask, D, I, BN, BT, BK,
-                        CDT, True, PIPE)
+                        CDT, True, PIPE, MXB)
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
         h = _swiglu(g, u, limit, HAS_LIMIT) * rw[None, :]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * I + n_offs[:, None], h.to(XDT),
@@ -156,7 +158,7 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
 @triton.jit
 def _w2_wt_kernel(h_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, y_ptr, w2_ptr, s2_ptr,
                   D: tl.constexpr, I: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, CDT: tl.constexpr, PIPE: tl.constexpr):
+                  BK: tl.constexpr, CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr = False):
     """MXFP4 down projection of one tile x ``BN`` columns of ``y`` (fp32), like
     :func:`_w2_grouped_kernel`, on the dequantized operands (:func:`_gemm_wt`)."""
     e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BT)
@@ -165,7 +167,7 @@ def _w2_wt_kernel(h_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, y_ptr,
         nmask = n_offs < D
         p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, 2)
         y, _unused = _gemm_wt(h_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D, BN, BT, BK,
-                              CDT, False, PIPE)
+                              CDT, False, PIPE, MXB)
         tl.store(y_ptr + rows[None, :].to(tl.int64) * D + n_offs[:, None], y,
                  mask=valid[None, :] & nmask[:, None])
 
@@ -176,7 +178,7 @@ def run(L: Launch) -> None:
     combine into ``L.out``."""
     (bn1, bk1, nw1, ns1, pp1), (bn2, bk2, nw2, ns2, pp2) = L.w13, L.w2
     nt1, nt2 = triton.cdiv(L.I, bn1), triton.cdiv(L.D, bn2)
-    common = dict(FMT=L.fmt, BM=L.BM, XDT=L.xdt, CDT=L.xdt, QDOT=L.qdot)
+    common = dict(FMT=L.fmt, BM=L.BM, XDT=L.xdt, CDT=L.xdt, QDOT=L.qdot, MXB=L.mx_bf16)
     xh, xq, xs = L.xin
     (d1, s1, g1), (d3, s3, g3), (d2, s2, g2) = L.weights
     wt13, wt2 = L.wt
@@ -184,7 +186,7 @@ def run(L: Launch) -> None:
     if wt13:
         _w13_wt_kernel[(tile_e.numel(), nt1)](
             xh, order, tile_e, tile_r0, tile_r1, L.rw, L.h, d1, s1, d3, s3, L.limit, D=L.D, I=L.I,
-            KTOP=L.k, BT=L.BM, BN=bn1, BK=bk1, HAS_LIMIT=L.limit > 0, XDT=L.xdt, CDT=L.xdt, PIPE=pp1,
+            KTOP=L.k, BT=L.BM, BN=bn1, BK=bk1, HAS_LIMIT=L.limit > 0, XDT=L.xdt, CDT=L.xdt, PIPE=pp1, MXB=L.mx_bf16,
             num_warps=nw1, num_stages=ns1)
     else:
         _w13_grouped_kernel[(tile_e.numel(), nt1)](
@@ -195,7 +197,7 @@ def run(L: Launch) -> None:
     if wt2:
         _w2_wt_kernel[(tile_e.numel(), nt2)](
             hh, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, D=L.D, I=L.I, BT=L.BM, BN=bn2, BK=bk2,
-            CDT=L.xdt, PIPE=pp2, num_warps=nw2, num_stages=ns2)
+            CDT=L.xdt, PIPE=pp2, MXB=L.mx_bf16, num_warps=nw2, num_stages=ns2)
     else:
         _w2_grouped_kernel[(tile_e.numel(), nt2)](
             hh, hq, hs, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, g2, D=L.D, I=L.I, BN=bn2, BK=bk2,

@@ -127,6 +127,42 @@ def e2m1x8_to_f16(w, F32: tl.constexpr):
     return tl.join(tl.join(tl.join(l0, h0), tl.join(l2, h2)), tl.join(tl.join(l1, h1), tl.join(l3, h3)))
 
 
+@triton.jit
+def e2m1x8_bf16_bits(w):
+    """Eight e2m1 codes per int32 word -> ``[..., 2, 2, 2]`` int16 (the layout of
+    :func:`e2m1x8_to_f16`): the bits of bf16 ``e2m1 * 2^-126``, exactly. The three magnitude bits
+    go to bf16 bits 6..8 (the exponent's low two bits and the mantissa's top bit: code 1, 0.5, is
+    the subnormal ``2^-127``), the sign to bit 15; pairs of codes ``(j, j+4)`` one int32 each."""
+    p0 = ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)
+    p1 = ((w & 0x00700070) << 2) | ((w & 0x00800080) << 8)
+    p2 = ((w & 0x07000700) >> 2) | ((w & 0x08000800) << 4)
+    p3 = ((w >> 6) & 0x01C001C0) | (w & -2147450880)            # -2147450880 = 0x80008000
+    return tl.join(tl.join(tl.join(p0.to(tl.int16), (p0 >> 16).to(tl.int16)),
+                           tl.join(p2.to(tl.int16), (p2 >> 16).to(tl.int16))),
+                   tl.join(tl.join(p1.to(tl.int16), (p1 >> 16).to(tl.int16)),
+                           tl.join(p3.to(tl.int16), (p3 >> 16).to(tl.int16))))
+
+
+@triton.jit
+def e8m0_bf16_bits_126(e):
+    """e8m0 bytes ``e <= 128`` -> int16 bits of bf16 ``2^(e-127) * 2^126 = 2^(e-1)``: times
+    :func:`e2m1x8_bf16_bits`' values it is the MXFP4 weight, exactly (two significant bits, no
+    rounding; subnormal results included). Bytes above 128 overflow: callers check."""
+    return ((e.to(tl.int32) + 126) << 7).to(tl.int16)
+
+
+@triton.jit
+def mxfp4_to_bf16(words, scale_bytes):
+    """MXFP4 words ``[R, G, 4]`` (8 codes each, 32 a group) and their e8m0 scale bytes ``[R, G]``
+    (each ``<= 128``) -> the weight as bf16 ``[R, G * 32]``, exactly, with one bf16 multiply a
+    value and no float conversion (the dequantized tiles of the bf16 MMA paths)."""
+    R: tl.constexpr = words.shape[0]
+    G: tl.constexpr = words.shape[1]
+    w = tl.reshape(e2m1x8_bf16_bits(words).to(tl.bfloat16, bitcast=True), (R, G, 32))
+    s = e8m0_bf16_bits_126(scale_bytes).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(w * s[:, :, None], (R, G * 32))
+
+
 # ----------------------------------------------------------------------------- rounding
 @triton.jit
 def e2m1_code(v):
