@@ -51,15 +51,20 @@ if __name__ == "__main__":
                           PAIR=aq)     # the pair variant (wq_a || wkv) runs with act_quant
             compile_(L._skinny_kernel, types, consts, 4, 4, f"skinny fmt={fmt} aq={aq} split={split} MP={mp}")
     if "gemm" in which:
-        for fmt, mode in [(0, 1), (1, 1), (1, 0), (2, 2), (2, 3), (3, 2), (2, 0), (3, 0)]:
-            a = {0: "*bf16", 1: "*fp8e4nv", 2: "*bf16", 3: "*bf16"}[mode]
+        for fmt, mode in [(1, 0), (2, 2), (2, 3), (3, 2), (2, 0), (3, 0)]:
+            a = {0: "*bf16", 2: "*bf16", 3: "*bf16"}[mode]
             types = dict(a_ptr=a, sa_ptr="*fp32", w_ptr=wt[fmt], s_ptr=st[fmt], g_ptr="*fp32", out_ptr="*bf16")
             cfg = L._gemm_defaults(fmt)  # the shipped tiling
-            for acc in sorted({cfg["FP8_ACC"], 32} if mode == 1 else {None}, key=str):
-                consts = dict(FMT=fmt, A_MODE=mode, PREC=None, KB=32, FP8_ACC=acc, BM=cfg["BM"], BN=cfg["BN"],
-                              GROUP_M=cfg["GROUP_M"])
-                compile_(L._gemm_kernel, types, consts, cfg["num_warps"], cfg["num_stages"],
-                         f"gemm fmt={fmt} mode={mode} BM={cfg['BM']} FP8_ACC={acc}")
+            consts = dict(FMT=fmt, A_MODE=mode, PREC=None, KB=32, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"])
+            compile_(L._gemm_kernel, types, consts, cfg["num_warps"], cfg["num_stages"],
+                     f"gemm fmt={fmt} mode={mode} BM={cfg['BM']}")
+        for fmt in (0, 1):     # W8A8 (e4m3 activations)
+            types = dict(a_ptr="*fp8e4nv", sa_ptr="*fp32", w_ptr=wt[fmt], s_ptr=st[fmt], out_ptr="*bf16")
+            cfg = L._gemm_defaults(fmt)
+            for acc in sorted({cfg["FP8_ACC"], 32}, key=str):
+                consts = dict(FMT=fmt, KB=32, EVEN_K=True, FP8_ACC=acc, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"])
+                compile_(L._gemm_w8a8_kernel, types, consts, cfg["num_warps"], cfg["num_stages"],
+                         f"gemm w8a8 fmt={fmt} BM={cfg['BM']} FP8_ACC={acc}")
     if "quant" in which:
         for mode, q in [(1, "*fp8e4nv"), (2, "*bf16"), (3, "*bf16")]:
             types = dict(x_ptr="*bf16", q_ptr=q, s_ptr="*fp32")

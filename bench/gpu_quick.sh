@@ -24,8 +24,9 @@
 #   nan_hunt / nan_hunt_fp32 (bench/nan_hunt.py: ops reading memory they do not own, on NaN-poisoned memory),
 #   sampler (the sampler kernel's GPU tests, bench/sampler_bench.py, the decode step with every row sampling: torch sampler vs kernel),
 #   moe_tune (bench/moe_decode_tune.py: the decode MoE's tiles), router (bench/router_bench.py), mhc (bench/mhc_bench.py: the mHC ops of a decode step, the Sinkhorn's share), profile_b8 (the batch-8 step's kernels),
-#   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/ and
-#   load: a later call, on a fresh machine, skips the compiles);
+#   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/, or
+#   recompress them there as one .whl/triton_cache.txz: cat parts | gunzip | xz -9; load: a later call,
+#   on a fresh machine, skips the compiles);
 #   groups: tests = warmup small graphs moe linear, engine = throughput throughput32 serve decode
 set -uo pipefail
 steps=("${@:-tests}")
@@ -184,8 +185,14 @@ sampler)   # the sampler kernel: its GPU tests, the sampler alone (reference vs 
 tcache_save)   # in parts of 15 MB (a file that comes back from the device is at most 16 MB; ~20 MB in all, 2026-11-27)
   tar czf - -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" | split -b 15M - "$OUT/triton_cache.tgz.part"
   ls -la "$OUT"/triton_cache.tgz.part* ;;
-tcache_load) ls .whl/triton_cache.tgz.part* >/dev/null 2>&1 && cat .whl/triton_cache.tgz.part* | tar xzf - -C "$(dirname "$TRITON_CACHE_DIR")" \
-  && echo "triton cache loaded" ;;
+tcache_load)   # gzip parts as tcache_save writes them, or one xz file (recompressed here: ~4x smaller, 2026-11-28)
+  if [ -f .whl/triton_cache.txz ]; then
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' .whl/triton_cache.txz \
+      | tar xf - -C "$(dirname "$TRITON_CACHE_DIR")" && echo "triton cache loaded"
+  else
+    ls .whl/triton_cache.tgz.part* >/dev/null 2>&1 && cat .whl/triton_cache.tgz.part* | tar xzf - -C "$(dirname "$TRITON_CACHE_DIR")" \
+      && echo "triton cache loaded"
+  fi ;;
 prefill_kernels)   # issue 22, third session: the prefill kernels' GPU tests (MoE transposed, mHC on tensor cores, indexer blocks), then prefill_bench
   pt 300 prefill_kernel_tests.log tests/test_triton_moe.py tests/test_triton_small.py tests/test_triton_attention.py \
     -k "weight_rows or (real_shapes and mxfp4) or gpu_mhc or gpu_indexer"

@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--format", default="fp8-mxfp4")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768, 131072])
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="prompts arriving together (0: skip that run)")
     ap.add_argument("--batch-lengths", type=int, nargs=2, default=[512, 8192])
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens: tokens of one step")
     ap.add_argument("--hf-max", type=int, default=8192)
@@ -193,15 +193,17 @@ def main() -> None:
 
     lo, hi = args.batch_lengths
     lens = [round(lo + (hi - lo) * i / max(1, args.batch - 1)) for i in range(args.batch)]
-    runner = Runner(model, max_num_seqs=args.batch, max_model_len=hi + 8, qat_sim=qat, max_num_batched_tokens=args.budget)
+    runner = Runner(model, max_num_seqs=max(1, args.batch), max_model_len=max(hi, args.profile_len) + 8, qat_sim=qat,
+                    max_num_batched_tokens=args.budget)
     engine = Engine(runner, None, eos_id=-1)
     runner.warm_up()
-    prefill_times(engine, [prompt(n) for n in lens])
-    wall, ttft = prefill_times(engine, [prompt(n) for n in lens])
-    flops = sum(prompt_flops(config, n) for n in lens)
-    print(f"{args.batch} prompts of {lo}-{hi} tokens together ({sum(lens)} tokens): all first tokens in "
-          f"{wall * 1e3:.0f} ms, TTFT p50 {statistics.median(ttft) * 1e3:.0f} ms, max {max(ttft) * 1e3:.0f} ms, "
-          f"{sum(lens) / wall:.0f} tok/s, {100 * flops / wall / 1e12 / bf16_peak:.1f}% of BF16 peak", flush=True)
+    if args.batch:               # (--batch 0: the profile only)
+        prefill_times(engine, [prompt(n) for n in lens])
+        wall, ttft = prefill_times(engine, [prompt(n) for n in lens])
+        flops = sum(prompt_flops(config, n) for n in lens)
+        print(f"{args.batch} prompts of {lo}-{hi} tokens together ({sum(lens)} tokens): all first tokens in "
+              f"{wall * 1e3:.0f} ms, TTFT p50 {statistics.median(ttft) * 1e3:.0f} ms, max {max(ttft) * 1e3:.0f} ms, "
+              f"{sum(lens) / wall:.0f} tok/s, {100 * flops / wall / 1e12 / bf16_peak:.1f}% of BF16 peak", flush=True)
 
     # per-kernel profile of one step of --profile-len tokens
     from torch.profiler import ProfilerActivity, profile

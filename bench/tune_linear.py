@@ -1,6 +1,9 @@
 """Try a few tilings of the linear kernels on the GPU (time and error vs the reference):
 
-    python bench/tune_linear.py [prefill] [decode]
+    python bench/tune_linear.py [prefill] [decode] [w8a8]
+
+``w8a8``: the FP8 GEMM with e4m3 activations (``linear._gemm_w8a8_kernel``) on Flash's prefill
+shapes at 8192 tokens, per tile config, against cuBLAS BF16 on the same shape.
 """
 from __future__ import annotations
 
@@ -49,7 +52,6 @@ def prefill() -> None:
                 dict(BM=128, BN=128, num_warps=8, num_stages=4, FP8_ACC=None),
                 dict(BM=64, BN=128, num_warps=4, num_stages=4, FP8_ACC=32),
                 dict(BM=64, BN=128, num_warps=4, num_stages=4, FP8_ACC=None),
-                dict(BM=128, BN=256, num_warps=8, num_stages=3, FP8_ACC=None),
                 dict(BM=128, BN=64, num_warps=4, num_stages=4, FP8_ACC=None)]
         if fmt != "fp8":
             cfgs = [dict(BM=128, BN=128, num_warps=8, num_stages=4, FP8_ACC=None),
@@ -97,6 +99,40 @@ def decode() -> None:
                 best = min(res, key=lambda r: r[0])
                 print(f"{fmt} {n}x{k} m={m}: default {res[0][0] * 1e6:.1f} us ({wb / res[0][0] / 1e9:.0f} GB/s) "
                       f"{res[0][1]}; best {best[0] * 1e6:.1f} us ({wb / best[0] / 1e9:.0f} GB/s) {best[1]}", flush=True)
+
+
+#: Flash's dense projections with FP8 weights at a prefill step: (name, N, K)
+FLASH_W8A8 = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("shared w1", 2048, 4096), ("shared w2", 4096, 2048),
+              ("wq_a", 1024, 4096), ("indexer wq_b", 8192, 1024)]
+
+
+def w8a8(m: int = 8192) -> None:
+    cfgs = [lin._gemm_defaults(1)] + [dict(BM=bm, BN=bn, GROUP_M=8, num_warps=nw, num_stages=ns, FP8_ACC=None)
+                                      for bm, bn, nw, ns in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 5),
+                                                             (64, 128, 4, 6), (128, 64, 4, 4), (64, 64, 4, 6),
+                                                             (128, 128, 4, 4))]
+    for name, n, k in FLASH_W8A8:
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        wf = torch.randn(n, k, device="cuda") * 0.02
+        dense = wf.bfloat16()
+        tp = bench(lambda: F.linear(x, dense))
+        w = quant("fp8", wf)
+        want = ref.linear(x, w, True, True, torch.float32)
+        q = lin.act_quant_triton(x, True, lin._A_FP8)
+        tq = bench(lambda: lin.act_quant_triton(x, True, lin._A_FP8))
+        flops = 2 * m * n * k
+        print(f"{name} {m}x{n}x{k}: cuBLAS bf16 {tp * 1e6:.0f} us {flops / tp / 1e12:.0f} TF/s; act quant {tq * 1e6:.0f} us",
+              flush=True)
+        for i, cfg in enumerate(cfgs):
+            try:
+                y = lin.linear_triton(x, w, True, True, torch.float32, _path="gemm", _config=cfg)
+                t = bench(lambda: lin.linear_triton(x, w, True, True, _path="gemm", _config=cfg)) - tq
+                print(f"  {'default' if i == 0 else cfg}: GEMM {t * 1e6:.0f} us {flops / t / 1e12:.0f} TF/s "
+                      f"({100 * tp / t:.0f}% of cuBLAS bf16) err {rel(y, want):.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del q
 
 
 if __name__ == "__main__":

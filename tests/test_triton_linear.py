@@ -286,7 +286,7 @@ def test_unsupported_inputs_run_the_reference(monkeypatch, capsys):
     assert issubclass(lin.LinearKernelError, ops.KernelUnsupported)
     monkeypatch.delenv("DSV4_STRICT_KERNELS", raising=False)
     launched = []
-    for kern in ("_skinny_kernel", "_gemm_kernel", "_act_quant_kernel"):
+    for kern in ("_skinny_kernel", "_gemm_kernel", "_gemm_w8a8_kernel", "_act_quant_kernel"):
         monkeypatch.setattr(lin, kern, _NoLaunch(kern, launched))
     w64 = Fp8BlockWeight.quantize(torch.randn(64, 256, generator=_gen(30)), block=64)
     w = _weight("mxfp4", 3 * 32, 256, seed=31, device="cpu")

@@ -25,7 +25,8 @@ Two kernels, chosen by the number of rows ``M`` (``SKINNY_MAX_M``):
   writes the output, so the result never depends on the order the programs ran in.
 - prefill (``M > 32``): :func:`_gemm_kernel`, a tiled GEMM (K steps of 128, grouped tile order;
   tiles ``64 x 128`` for FP8 weights, ``128 x 128`` for FP4: :func:`_gemm_defaults`). FP8
-  weights: ``tl.dot`` on float8e4nv operands, the activation quantized once by
+  weights with act-quant (:func:`_gemm_w8a8_kernel`, a K loop of unmasked loads and MMAs):
+  ``tl.dot`` on float8e4nv operands, the activation quantized once by
   :func:`_act_quant_kernel` (q e4m3 + scales), partial products promoted per 128 block with
   ``s_x * s_w`` (DeepGEMM's scheme). FP4 weights: e2m1 decoded in the prologue, scales folded
   exactly, bf16 ``tl.dot`` on the pre-quantized activation (with ``pow2`` the values ``q * s_x``
@@ -171,7 +172,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, w2_ptr, s2_ptr, g2_ptr, out_ptr, 
                 xf = xr.to(tl.float32)
                 sx = fp8_scale(tl.max(tl.abs(xf), axis=1), POW2)  # [MP]
                 q = _act_q(xf, sx[:, None], POW2).to(tl.float8e4nv)
-                p = tl.dot(w, tl.trans(q))  # [BN, MP], fp32 (see FP8_ACC in _gemm_kernel)
+                p = tl.dot(w, tl.trans(q))  # [BN, MP], fp32 (see FP8_ACC in _gemm_w8a8_kernel)
                 acc += p * (sw[:, None] * sx[None, :])
             else:
                 wd = (w.to(tl.float32) * sw[:, None]).to(xr.dtype)
@@ -269,12 +270,12 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
 def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
                  M, R, K, stride_am, stride_ag, stride_sam, stride_wn, stride_sn, stride_om, stride_og,
                  FMT: tl.constexpr, A_MODE: tl.constexpr, PREC: tl.constexpr, KB: tl.constexpr,
-                 FP8_ACC: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """``out[m, g, r] = A[m, g, :] . W[g*R + r, :]`` for one BM x BN tile (grid: tiles, groups).
 
-    A_MODE 0: A is the activation itself (weight-only). 1: e4m3 q [M, Kpad] + scales [M, KB].
-    2: bf16 ``q*s`` in nibble-split order (no scales). 3: bf16 q in nibble-split order + scales."""
+    A_MODE 0: A is the activation itself (weight-only). 2: bf16 ``q*s`` in nibble-split order (no
+    scales). 3: bf16 q in nibble-split order + scales. (1, e4m3 q + scales with FP8 weights:
+    :func:`_gemm_w8a8_kernel`.)"""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     tiles_m = tl.cdiv(M, BM)
@@ -300,17 +301,10 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
             w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + kk[None, :],
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             sw = _fp8_scale(s_ptr, rows, r_ok, kb, KB, stride_sn, FMT)
-            if A_MODE == 1:
-                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-                sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
-                # Hopper's FP8 MMA sums inside the 128 block at reduced precision (~1e-4 relative,
-                # as in DeepGEMM / DeepSeek's kernels); FP8_ACC = 32 promotes every 32 products
-                # (4.5e-5: the instruction itself is not exact either) at 1.5x the time.
-                acc += tl.dot(a, tl.trans(w), max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sw[None, :])
-            else:
-                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                wd = (w.to(tl.float32) * sw[:, None]).to(a.dtype)
-                acc = tl.dot(a, tl.trans(wd), acc, input_precision=PREC)
+            # (A_MODE 0 only: e4m3 activations, A_MODE 1, run _gemm_w8a8_kernel)
+            a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wd = (w.to(tl.float32) * sw[:, None]).to(a.dtype)
+            acc = tl.dot(a, tl.trans(wd), acc, input_precision=PREC)
         else:
             lo, hi = _fp4_tile(w_ptr, s_ptr, g_ptr, rows, r_ok, k0, K, stride_wn, stride_sn, FMT,
                                FMT == 3 and A_MODE == 0, BN)
@@ -333,6 +327,53 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
         acc = acc * tl.load(g_ptr)
     out_ptrs = out_ptr + g * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _gemm_w8a8_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, out_ptr, M, R, K, stride_am, stride_sam, stride_wn, stride_sn,
+                      stride_om, FMT: tl.constexpr, KB: tl.constexpr, EVEN_K: tl.constexpr,
+                      FP8_ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """``out = x W^T`` for FP8-block weights and e4m3 activations (W8A8, ``_gemm_kernel``'s
+    ``A_MODE == 1`` case, the prefill's dense projections), one BM x BN tile: the same products and
+    promotion per 128 block, with a K loop of loads and MMAs only. Rows past ``M`` / ``R`` read
+    rows inside (``% M``, ``% R``) and are never stored, so no load is masked; the pointers step by
+    128; the weight scale is one value a tile (``BN`` divides the 128-row scale block); ``EVEN_K``:
+    ``K`` is a multiple of 128 (``q`` is zero padded to 128s, so only the weight needs the mask)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(R, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_r = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, 128)
+    a_ptrs = a_ptr + (offs_m % M)[:, None].to(tl.int64) * stride_am + kk[None, :]
+    w_ptrs = w_ptr + (offs_r % R)[:, None].to(tl.int64) * stride_wn + kk[None, :]
+    sa_ptrs = sa_ptr + (offs_m % M).to(tl.int64) * stride_sam
+    s_tile = s_ptr + ((pid_n * BN) // 128) * stride_sn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(KB):  # KB = ceil(K / 128) is a compile-time constant (a model dimension)
+        a = tl.load(a_ptrs)
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(kb * 128 + kk < K)[None, :], other=0.0)
+        sa = tl.load(sa_ptrs + kb)
+        if FMT == 0:
+            sw = tl.load(s_tile + kb)
+        else:
+            sw = e8m0_to_f32(tl.load(s_tile + kb))
+        # Hopper's FP8 MMA sums inside the 128 block at reduced precision (~1e-4 relative, as in
+        # DeepGEMM / DeepSeek's kernels); FP8_ACC = 32 promotes every 32 products (4.5e-5: the
+        # instruction itself is not exact either) at 1.5x the time.
+        acc += tl.dot(a, tl.trans(w), max_num_imprecise_acc=FP8_ACC) * (sa * sw)[:, None]
+        a_ptrs += 128
+        w_ptrs += 128
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_r < R)[None, :])
 
 
 # ============================================================================= host side
@@ -488,10 +529,19 @@ def _run_gemm(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: to
         stride_am, stride_ag = x3.stride(0), x3.stride(1)
         prec = _prec(x3.dtype)
     grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(R, cfg["BN"]), G)
+    if mode == _A_FP8:
+        if 128 % cfg["BN"]:
+            raise LinearKernelError(f"{who}: the W8A8 GEMM's BN must divide the 128-row scale block, got {cfg['BN']}")
+        _gemm_w8a8_kernel[grid[:1]](
+            a, sa, data, scale, out3, M, R, K, a.stride(0), sa.stride(0), data.stride(0), scale.stride(0),
+            out3.stride(0), FMT=code, KB=triton.cdiv(K, 128), EVEN_K=K % 128 == 0, FP8_ACC=cfg["FP8_ACC"],
+            BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+        return
     _gemm_kernel[grid](
         a, sa, data, scale, gs, out3, M, R, K, stride_am, stride_ag, sa.stride(0) if sa is not a else 0,
         data.stride(0), scale.stride(0), out3.stride(0), out3.stride(1),
-        FMT=code, A_MODE=mode, PREC=prec, KB=triton.cdiv(K, 128), FP8_ACC=cfg["FP8_ACC"], BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"],
+        FMT=code, A_MODE=mode, PREC=prec, KB=triton.cdiv(K, 128), BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
