@@ -280,6 +280,33 @@ def test_dispatch_and_validation():
         lin.grouped_linear_triton(_x((2, 3, 128), seed=17), w, 3)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_dequantize_is_the_weights_own(fmt, dtype):
+    """One-pass FP8-block dequantization: ``Fp8BlockWeight.dequantize``'s bits, ragged N and K
+    (bf16 on the GPU: the interpreter has no bf16 rounding)."""
+    w = _weight(fmt, 150, 300, seed=35)
+    got = lin.fp8_dequantize_triton(w, dtype)
+    assert torch.equal(got.cpu(), w.dequantize(dtype).cpu())
+
+
+def test_grouped_linear_from_prompt_sizes_is_the_reference_einsum(monkeypatch):
+    """From GROUPED_DENSE_MIN_M rows on (not in the interpreter), FP8 ``wo_a`` in bf16 runs the
+    reference's dequantize + einsum: the very bits of ``ref.grouped_linear``, and no kernel launches
+    (run here on CPU tensors with the interpreter flag cleared: the path is torch only)."""
+    monkeypatch.setattr(lin.runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(lin, "GROUPED_DENSE_MIN_M", 8)
+    launched = []
+    for kern in ("_skinny_kernel", "_gemm_kernel", "_gemm_w8a8_kernel", "_act_quant_kernel"):
+        monkeypatch.setattr(lin, kern, _NoLaunch(kern, launched))
+    monkeypatch.setattr(lin, "fp8_dequantize_triton", lambda w, dtype: w.dequantize(dtype))   # (no bf16 here)
+    w = _weight("fp8_ue8m0", 3 * 64, 256, seed=33, device="cpu")
+    x = _x((2, 5, 3, 256), seed=34, device="cpu").bfloat16()
+    y = lin.grouped_linear_triton(x, w, 3)
+    assert y.shape == (2, 5, 3, 64) and y.dtype == torch.bfloat16 and not launched
+    assert torch.equal(y, ref.grouped_linear(x, w, 3))
+
+
 def test_unsupported_inputs_run_the_reference(monkeypatch, capsys):
     """Every refusal is a KernelUnsupported raised before any launch: through the dispatch the call
     runs the reference instead (one stderr line), and DSV4_STRICT_KERNELS=1 makes it an error."""
@@ -400,7 +427,11 @@ def test_gpu_grouped_wo_a(geo, m):
     k = g["heads"] * g["hd"] // g["groups"]
     w = _gpu_weight("fp8_ue8m0", g["groups"] * g["o_lora"], k, seed=22)
     x = torch.randn(m, g["groups"], k, device="cuda", dtype=torch.bfloat16)
-    _check(lin.grouped_linear_triton(x, w, g["groups"]), ref.grouped_linear(x, w, g["groups"]), 8e-3)
+    y = lin.grouped_linear_triton(x, w, g["groups"])
+    _check(y, ref.grouped_linear(x, w, g["groups"]), 8e-3)
+    if m >= lin.GROUPED_DENSE_MIN_M:        # the reference's dequantize + einsum: its very bits
+        assert torch.equal(lin.fp8_dequantize_triton(w, torch.bfloat16), w.dequantize(torch.bfloat16))
+        assert torch.equal(y, ref.grouped_linear(x, w, g["groups"]))
 
 
 @pytest.mark.gpu
