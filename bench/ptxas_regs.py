@@ -127,7 +127,15 @@ def sass_main() -> None:
 def prefill_main() -> None:
     """The MXFP4 grouped GEMMs of a prefill step (act-quant, bf16): the transposed ones at 8192 tokens
     and the few-pairs-an-expert ones at 256 tokens over 128 experts; registers and the K loop's mix,
-    with the tiles dequantized in bf16 (``moe.Launch.mx_bf16``) and through fp16 / fp32."""
+    with the tiles dequantized in bf16 (``moe.Launch.mx_bf16``) and through fp16 / fp32. Then the
+    W8A8 GEMM (FP8 ``wo_b``, act-quant) at 4096 tokens."""
+    from dsv4.ops.triton.linear import linear_triton
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4096, 8192, generator=g).to(torch.bfloat16)
+    k = compiled(lambda: linear_triton(x, fp8_weight(4096, 8192, g, "cpu"), True, True))["_gemm_w8a8_kernel"]
+    n, mix = loop_mix(k)
+    print(f"W8A8 GEMM (wo_b, 4096 tokens): {registers(k)} registers, {n} instructions a K step; "
+          + ", ".join(f"{op} {c}" for op, c in list(mix.items())[:10]))
     from dsv4.ops.triton import moe as M
     from dsv4.ops.triton.moe import moe_triton
     fit = M._scales_fit_bf16

@@ -274,6 +274,18 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
 
 
 @triton.jit
+def _tile_coords(pid, M, R, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid`` in the grouped tile order (``GROUP_M`` row tiles walk
+    the column tiles together, so their weight tiles are read from L2 while still there)."""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(R, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
 def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
                  M, R, K, stride_am, stride_ag, stride_sam, stride_wn, stride_sn, stride_om, stride_og,
                  FMT: tl.constexpr, A_MODE: tl.constexpr, PREC: tl.constexpr, KB: tl.constexpr,
@@ -285,13 +297,7 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
     :func:`_gemm_w8a8_kernel`.)"""
     pid = tl.program_id(0)
     g = tl.program_id(1)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(R, BN)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = _tile_coords(pid, M, R, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     m_ok = offs_m < M
     offs_r = pid_n * BN + tl.arange(0, BN)
@@ -347,13 +353,7 @@ def _gemm_w8a8_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, out_ptr, M, R, K, stride_am, 
     128; the weight scale is one value a tile (``BN`` divides the 128-row scale block); ``EVEN_K``:
     ``K`` is a multiple of 128 (``q`` is zero padded to 128s, so only the weight needs the mask)."""
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(R, BN)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = _tile_coords(pid, M, R, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_r = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, 128)
