@@ -185,6 +185,22 @@ def test_linear_pair(fmt, aq):
         _check(y, r, 2e-6)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0", "mxfp4"])
+def test_linear_pair_prefill_quantizes_its_input_once(monkeypatch, fmt):
+    """The pair's prefill GEMMs share one quantized input: one act-quant launch, and each output the
+    very bits of that weight's own linear."""
+    k = 300 if fmt.startswith("fp8") else 298
+    w1, w2 = _weight(fmt, 150, k, seed=48), _weight(fmt, 70, k, seed=49)
+    x = _x((40, k), seed=50)
+    calls = []
+    quant = lin.act_quant_triton
+    monkeypatch.setattr(lin, "act_quant_triton", lambda *a, **kw: calls.append(1) or quant(*a, **kw))
+    y1, y2 = lin.linear_pair_triton(x, w1, w2, True, True, torch.float32)
+    assert len(calls) == 1
+    assert torch.equal(y1, lin.linear_triton(x, w1, True, True, torch.float32))
+    assert torch.equal(y2, lin.linear_triton(x, w2, True, True, torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_linear_pair_plain(dtype):
     """A compressor's plain ``wkv`` || ``wgate`` (the BF16 precision floor; fp32/fp16 in the

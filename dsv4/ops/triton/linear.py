@@ -550,9 +550,18 @@ def _gemm_defaults(code: int) -> dict:
     return dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, FP8_ACC=None)
 
 
+def _gemm_operand(x2: torch.Tensor, code: int, pow2: bool) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``(A_MODE, a, scales)``: the GEMM's quantized activation operand of ``x2 [M, K]`` for a weight
+    of format ``code`` (one per input: the two GEMMs of a pair share it)."""
+    op_dtype = torch.float32 if runtime.interpreting() else torch.bfloat16
+    mode = _A_FP8 if code < 2 else (_A_SIM if pow2 else _A_QS)
+    return (mode, *act_quant_triton(x2, pow2, mode, op_dtype))
+
+
 def _run_gemm(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: torch.Tensor, G: int, R: int,
-              who: str, config: dict | None = None) -> None:
-    """x3 [M, G, K] -> out3 [M, G, R] through the tiled GEMM."""
+              who: str, config: dict | None = None, operand: tuple | None = None) -> None:
+    """x3 [M, G, K] -> out3 [M, G, R] through the tiled GEMM (``operand``: the quantized activation
+    :func:`_gemm_operand` already made for this input and format)."""
     code, data, scale, gs, _ = _weight_args(w, who)
     M, _, K = x3.shape
     cfg = _gemm_defaults(code)
@@ -560,9 +569,7 @@ def _run_gemm(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: to
     if act_quant:
         if G != 1:
             raise LinearKernelError(f"{who}: grouped GEMM with activation quantization is not implemented")
-        op_dtype = torch.float32 if runtime.interpreting() else torch.bfloat16
-        mode = _A_FP8 if code < 2 else (_A_SIM if pow2 else _A_QS)
-        a, sa = act_quant_triton(x3[:, 0], pow2, mode, op_dtype)
+        mode, a, sa = operand or _gemm_operand(x3[:, 0], code, pow2)
         stride_am, stride_ag = a.stride(0), 0
         prec = _prec(a.dtype) if mode != _A_FP8 else None
     else:
@@ -642,7 +649,8 @@ def linear_pair_triton(x: torch.Tensor, w1: object, w2: object, act_quant: bool 
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two weights of one format on the same input (``wq_a`` and ``wkv``); see
     :func:`dsv4.ops.reference_fused.linear_pair`. Decode: one launch of the split-K GEMV over both
-    weights' rows, the results views of one ``[..., N1 + N2]`` buffer. Prefill: the GEMM per weight.
+    weights' rows, the results views of one ``[..., N1 + N2]`` buffer. Prefill: the GEMM per weight,
+    on one quantized input.
     Plain weights (the compressor's BF16 ``wkv`` and ``wgate``) take the decode kernel's plain path
     (their input is never rounded); their prefill is the reference's matmul. Weights of two formats:
     a launch each. ``_config`` forces the decode tiling (tests)."""
@@ -662,9 +670,12 @@ def linear_pair_triton(x: torch.Tensor, w1: object, w2: object, act_quant: bool 
     out = runtime.empty((x2.shape[0], N1 + N2), out_dtype, x.device)
     if decode:
         _run_skinny(x2.unsqueeze(1), w1, act_quant, pow2, out.unsqueeze(1), 1, N1, who, _config, w2=w2)
-    else:
-        _run(x2.unsqueeze(1), w1, act_quant, pow2, out[:, :N1].unsqueeze(1), 1, N1, who)
-        _run(x2.unsqueeze(1), w2, act_quant, pow2, out[:, N1:].unsqueeze(1), 1, N2, who)
+    elif x2.shape[0]:
+        # one quantized input for both GEMMs (the same rounding of the same x: one launch fewer)
+        x3 = x2.unsqueeze(1)
+        operand = _gemm_operand(x2, _weight_args(w1, who)[0], pow2) if act_quant else None
+        _run_gemm(x3, w1, act_quant, pow2, out[:, :N1].unsqueeze(1), 1, N1, who, operand=operand)
+        _run_gemm(x3, w2, act_quant, pow2, out[:, N1:].unsqueeze(1), 1, N2, who, operand=operand)
     out = out.view(*x.shape[:-1], N1 + N2)
     return out[..., :N1], out[..., N1:]
 
