@@ -24,6 +24,7 @@
 #   nan_hunt / nan_hunt_fp32 (bench/nan_hunt.py: ops reading memory they do not own, on NaN-poisoned memory),
 #   sampler (the sampler kernel's GPU tests, bench/sampler_bench.py, the decode step with every row sampling: torch sampler vs kernel),
 #   prefill_gemms (the prefill MoE's bf16 tile decode, the W8A8 GEMM, wo_a's einsum: tests and timings),
+#   indexer_tune (bench/indexer_tune.py: the indexer's prefill tiles at 8192 tokens, then its GPU tests),
 #   moe_tune (bench/moe_decode_tune.py: the decode MoE's tiles), router (bench/router_bench.py), mhc (bench/mhc_bench.py: the mHC ops of a decode step, the Sinkhorn's share), profile_b8 (the batch-8 step's kernels),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/, or
 #   recompress them there as one .whl/triton_cache.txz: cat parts | gunzip | xz -9; load: a later call,
@@ -209,6 +210,9 @@ prefill_gemms)   # the third session of 2026-11-28: MXFP4 tiles in bf16, the W8A
     -k "gpu_numerics or bf16_decode or weight_rows_on_the_mma_m_side_real or grouped_wo_a or (real_shapes and flash and fp8)"
   t 200 moe_prefill_bf16_decode.txt python3 bench/moe_prefill_tune.py --tokens 8192 --cases 11 --decode both
   t 150 tune_w8a8.txt python3 bench/tune_linear.py w8a8 ;;
+indexer_tune)   # the indexer's prefill scores: tile configs at one 8192-token prompt's shape, then its GPU tests
+  t 200 indexer_tune.txt python3 bench/indexer_tune.py --tokens 8192
+  pt 150 indexer_tests.log tests/test_triton_attention.py -k indexer ;;
 tune) t 420 tune_skinny.txt python3 bench/tune_skinny.py --geo flash --batch 1 ;;
 perf_moe) t 300 kernels_moe.txt python3 bench/kernels.py --families moe --out "$OUT/moe" ;;
 perf) t 560 kernels.txt python3 bench/kernels.py --out "$OUT" ;;

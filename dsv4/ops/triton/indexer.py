@@ -162,8 +162,11 @@ def _indexer_kernel(q_ptr, w_ptr, out_ptr, k_data, k_scale, slots_ptr, vis_ptr,
 
 
 def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, weights: torch.Tensor,
-                          bound: int, scale: float = 1.0, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton twin of :func:`dsv4.ops.reference.indexer_scores` (same signature and result)."""
+                          bound: int, scale: float = 1.0, visible: torch.Tensor | None = None,
+                          _config: dict | None = None) -> torch.Tensor:
+    """Triton twin of :func:`dsv4.ops.reference.indexer_scores` (same signature and result).
+    ``_config`` (tuning, bench/indexer_tune.py): prefill tiles ``BC``, ``BQ``, ``QS``, ``num_warps``,
+    ``num_stages`` in place of the defaults."""
     if q.dim() != 4:
         raise AttentionKernelError(f"q must be [B, S, nI, d], got {tuple(q.shape)}")
     B, S, NI, dim = q.shape
@@ -211,6 +214,10 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
     bq = 1 if S == 1 else (4 if interp else 16)
     nip = max(16, triton.next_power_of_2(NI))
     qs = max(1, min(bq, 128 // nip))      # (query, head) rows of one MMA: 128
+    warps, stages = 4, (2 if not interp else 1)
+    if _config and S > 1:
+        bc, bq, qs = _config.get("BC", bc), _config.get("BQ", bq), _config.get("QS", qs)
+        warps, stages = _config.get("num_warps", warps), _config.get("num_stages", stages)
     n_qb = triton.cdiv(S, bq)
     n_tiles = triton.cdiv(bound, bc)
     splits, per = _splits(n_tiles, B * n_qb, PROGRAMS_PER_SM * runtime.sm_count(dev))
@@ -220,7 +227,7 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
         vis.stride(0),
         NI=NI, NIP=nip, HALF=dim // 2, BC=bc, BQ=bq, QS=qs, FP4=fp4, VIS=visible is not None,
-        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4, num_stages=2 if not interp else 1)
+        PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out
 
 
