@@ -31,6 +31,12 @@ CASES = [
     ("BC 64 BQ 32 w4", dict(BQ=32)),
     ("BC 128 w8 s3", dict(BC=128, num_warps=8, num_stages=3)),
     ("BC 256 w8", dict(BC=256, num_warps=8)),
+    ("BC 256 w4", dict(BC=256)),
+    ("BC 512 w8", dict(BC=512, num_warps=8)),
+    ("BC 256 BQ 32 w8", dict(BC=256, BQ=32, num_warps=8)),
+    ("BC 256 BQ 8 w8", dict(BC=256, BQ=8, num_warps=8)),
+    ("BC 256 w8 s1", dict(BC=256, num_warps=8, num_stages=1)),
+    ("BC 512 w8 BQ 32", dict(BC=512, BQ=32, num_warps=8)),
 ]
 
 
@@ -38,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--cases", type=int, nargs="*", help="indices into CASES (default all; 0 always runs)")
     a = ap.parse_args()
     S, NI, dim = a.tokens, 64, 128
     bound = S // 4
@@ -53,7 +60,9 @@ def main() -> None:
     flops = 2 * pairs * NI * dim
     print(f"indexer prefill: {S} queries, {bound} entries, {pairs} visible pairs; {torch.cuda.get_device_name()}")
     base = None
-    for label, cfg in CASES:
+    for i, (label, cfg) in enumerate(CASES):
+        if a.cases and i and i not in a.cases:
+            continue
         run = lambda: indexer_scores_triton(q, store, slots, w, bound, dim ** -0.5, visible, _config=cfg)  # noqa: E731
         try:
             out = run()
