@@ -22,7 +22,8 @@ from dsv4.ops.triton.indexer import indexer_scores_triton
 
 #: (label, _config); None: the defaults
 CASES = [
-    ("default (BC 64, BQ 16, QS 2, w4 s2)", None),
+    ("the engine's (indexer.PREFILL_*)", None),
+    ("before (BC 64, BQ 16, QS 2, w4 s2)", dict(BC=64, BQ=16, num_warps=4)),
     ("BC 128 w8", dict(BC=128, num_warps=8)),
     ("BC 128 w4", dict(BC=128)),
     ("BC 128 BQ 32 w8", dict(BC=128, BQ=32, num_warps=8)),

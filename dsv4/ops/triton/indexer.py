@@ -4,12 +4,13 @@ Computes what :func:`dsv4.ops.reference.indexer_scores` and :func:`~dsv4.ops.ref
 compute (DSV4_FACTS section 2, "Lightning indexer"; key storage in :mod:`dsv4.model.cache`).
 
 **Indexer scores.** ``out[b, s, c] = sum_h w[b, s, h] * relu(q[b, s, h] . K[slot_b, c])`` for
-``c < bound``. Grid ``(B * ceil(S / BQ), entry splits)``; a program decodes a tile of ``BC = 64``
+``c < bound``. Grid ``(B * ceil(S / BQ), entry splits)``; a program decodes a tile of ``BC`` (decode 64)
 keys once (packed e2m1 nibbles times their e8m0 scale per 32, exactly, in the activation dtype)
 and for each of its ``BQ`` queries (1 in decode: the query stays in registers) runs ``tl.dot`` of
 the tile against the query's ``nI`` heads (low nibbles against the even query dims, high nibbles
 against the odd ones: nothing is interleaved), then ReLU, the head weights, the sum over heads.
-In prefill the (query, head) rows of ``QS`` queries are one MMA's M side (128 rows), and key
+In prefill (``BC`` = :data:`PREFILL_KEY_TILE`, ``BQ`` = :data:`PREFILL_QUERY_BLOCK`) the (query,
+head) rows of ``QS`` queries are one MMA's M side (128 rows), and key
 tiles past every visible entry of the program's queries are written ``-inf`` without computing
 (half the work of a prompt's causal triangle).
 
@@ -40,6 +41,14 @@ from .numerics import e2m1_to_f32, e8m0_to_f32, ordered_i32
 
 #: the indexer kernel is lighter than attention's (4 warps): several programs share an SM
 PROGRAMS_PER_SM = 4
+#: keys a decode program decodes at a time
+DECODE_KEY_TILE = 64
+#: prefill: keys decoded at a time (each tile serves a block of queries, eight warps) and queries a
+#: block. The block's queries are re-read for every key tile, so wider tiles read them less often:
+#: H200, one 8192-token prompt's scores (2048 entries, causal; bench/indexer_tune.py) 8.04 ms at 64
+#: keys and 16 queries -> 2.28 ms at 256 and 8, the same bits (results/2026-11-28e)
+PREFILL_KEY_TILE = 256
+PREFILL_QUERY_BLOCK = 8
 
 
 # ----------------------------------------------------------------------------- scores
@@ -210,11 +219,14 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
     if B * S == 0 or bound == 0:
         return out
     interp = runtime.interpreting()
-    bc = 16 if interp else 64
-    bq = 1 if S == 1 else (4 if interp else 16)
+    if interp:                            # small tiles: few programs' work each in the interpreter
+        bc, bq, warps, stages = 16, (1 if S == 1 else 4), 4, 1
+    elif S == 1:
+        bc, bq, warps, stages = DECODE_KEY_TILE, 1, 4, 2
+    else:
+        bc, bq, warps, stages = PREFILL_KEY_TILE, PREFILL_QUERY_BLOCK, 8, 2
     nip = max(16, triton.next_power_of_2(NI))
     qs = max(1, min(bq, 128 // nip))      # (query, head) rows of one MMA: 128
-    warps, stages = 4, (2 if not interp else 1)
     if _config and S > 1:
         bc, bq, qs = _config.get("BC", bc), _config.get("BQ", bq), _config.get("QS", qs)
         warps, stages = _config.get("num_warps", warps), _config.get("num_stages", stages)
