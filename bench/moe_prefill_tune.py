@@ -52,6 +52,12 @@ CASES = [
     ("wt, BN 64 w4 s4", "grouped_mxfp4", _c((64, 128, 4, 4, 4), (64, 128, 4, 4, 4), (True, True))),
     ("wt, BN 128 BK 64 w4 s4", "grouped_mxfp4", _c((128, 64, 4, 4, 4), (128, 64, 4, 4, 4), (True, True))),
     ("wt, BN 256 BK 64 w8 s3", "grouped_mxfp4", _c((256, 64, 8, 3, 3), (256, 64, 8, 3, 3), (True, True))),
+    # (index 16 on) fewer weight rows a tile, for 256-pair tiles (--bm 256): each decoded weight
+    # value serves twice the pairs
+    ("wt, w13 BN 64 w8 s3, w2 BN 128", "grouped_mxfp4", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3), (True, True))),
+    ("wt, BN 64 BK 64 w8 s3, w2 BN 128", "grouped_mxfp4", _c((64, 64, 8, 3, 3), (128, 64, 8, 3, 3), (True, True))),
+    ("wt, BN 64 w8 s2, w2 BN 64 s3", "grouped_mxfp4", _c((64, 128, 8, 2, 2), (64, 128, 8, 3, 3), (True, True))),
+    ("wt, BN 64 BK 64 w8 s4, w2 BK 64 s4", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (True, True))),
 ]
 
 
