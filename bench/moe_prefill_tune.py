@@ -58,6 +58,9 @@ CASES = [
     ("wt, BN 64 BK 64 w8 s3, w2 BN 128", "grouped_mxfp4", _c((64, 64, 8, 3, 3), (128, 64, 8, 3, 3), (True, True))),
     ("wt, BN 64 w8 s2, w2 BN 64 s3", "grouped_mxfp4", _c((64, 128, 8, 2, 2), (64, 128, 8, 3, 3), (True, True))),
     ("wt, BN 64 BK 64 w8 s4, w2 BK 64 s4", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (True, True))),
+    # (20) the grouped_mxfp4_wide config (256-pair tiles from moe.MXFP4_WIDE_TILE_PAIRS an expert on)
+    ("wide: w13 BN 64 w8 s3, w2 BN 128 BK 64 s4", "grouped_mxfp4_wide",
+     _c((64, 128, 8, 3, 3), (128, 64, 8, 4, 4), (True, True))),
 ]
 
 
@@ -101,7 +104,10 @@ def main() -> None:
 
         def pick(P, E, dec, mx, _bm=bm, _key=key):
             got = tiles(P, E, dec, mx)
-            return got if dec or not (mx or _key == "grouped") else ((_bm or got[0]), _key)
+            if dec or not (mx or _key == "grouped"):
+                return got
+            # a key's own tile unless --bm names one (the few-pairs kernels: the engine's, at most 128)
+            return (_bm or {"grouped_mxfp4": 128, "grouped_mxfp4_wide": 256}.get(_key, min(got[0], 128))), _key
         M.tiles = pick
         M._exact_dequantized = (lambda *args, _k=key: _k != "grouped" and exact(*args))
         saved = M.CONFIGS[key]

@@ -50,9 +50,10 @@ from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noq
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 64, 4, 1, 2), wt=(True, True)),
-         "grouped_mxfp4_few": dict(w13=(32, 128, 4, 1, 3), w2=(64, 128, 4, 1, 3))}
-#: the MXFP4 grouped paths: untransposed, transposed
-MX_PATHS = ("grouped_mxfp4_few", "grouped_mxfp4")
+         "grouped_mxfp4_few": dict(w13=(32, 128, 4, 1, 3), w2=(64, 128, 4, 1, 3)),
+         "grouped_mxfp4_wide": dict(w13=(16, 128, 4, 1, 2), w2=(32, 64, 4, 1, 2), wt=(True, True))}
+#: the MXFP4 grouped paths: untransposed, transposed, transposed with fewer weight rows a tile
+MX_PATHS = ("grouped_mxfp4_few", "grouped_mxfp4", "grouped_mxfp4_wide")
 
 
 @pytest.fixture(autouse=True)
@@ -281,7 +282,7 @@ def test_grouped_mxfp4_act_quant_on_dequantized_operands(monkeypatch, pow2):
 
 def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
     """The dequantized MXFP4 grouped GEMMs take 16-pair tiles below 24 pairs an expert on
-    average, else 64 (128, transposed, from 64 on). Each tile size against the reference (fp32), and the
+    average, else 64 (128, transposed, from 64 on; 256 of fewer weight rows from 160 on). Each tile size against the reference (fp32), and the
     three against each other to summation order."""
     monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
     assert M.tiles(2 * 37, 4, False, True) == (16, "grouped_mxfp4_few")
@@ -289,6 +290,8 @@ def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
     assert M.tiles(2 * 127, 4, False, True) == (64, "grouped_mxfp4_few")
     assert M.tiles(2 * 128, 4, False, True) == (128, "grouped_mxfp4")
     assert M.tiles(2 * 256, 4, False, True) == (128, "grouped_mxfp4")
+    assert M.tiles(2 * 319, 4, False, True) == (128, "grouped_mxfp4")
+    assert M.tiles(2 * 320, 4, False, True) == (256, "grouped_mxfp4_wide")
     tiles, outs = M.tiles, []
     for bm in (16, 64, 128):
         monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _b=bm: (_b, tiles(P, E, dec, mx)[1]))
@@ -564,10 +567,11 @@ def test_gpu_real_shapes_bf16(geo, fmt, T):
 @pytest.mark.gpu
 @cuda_only
 @pytest.mark.parametrize("geo", ["flash", "pro"])
-@pytest.mark.parametrize("T, bt", [(300, 16), (300, 64), (2048, 64), (2048, 128)])
+@pytest.mark.parametrize("T, bt", [(300, 16), (300, 64), (2048, 64), (2048, 128), (2048, 256)])
 def test_gpu_weight_rows_on_the_mma_m_side_real_shapes(monkeypatch, geo, T, bt):
     """The transposed MXFP4 grouped GEMMs at real shapes in bf16, act-quant: against the reference
-    and, to bf16 rounding, against the untransposed kernels; deterministic."""
+    and, to bf16 rounding, against the untransposed kernels; deterministic. 256-pair tiles only fit
+    the wide config's shared memory: it is compared with the 128-row config at 128-pair tiles."""
     g = FLASH if geo == "flash" else PRO
     E = 64
     w1, w3 = (_weights("mxfp4", E, g["I"], g["D"], s) for s in (1, 3))
@@ -576,8 +580,9 @@ def test_gpu_weight_rows_on_the_mma_m_side_real_shapes(monkeypatch, geo, T, bt):
     ids, rw = _routing(T, g["k"], E, 7)
     exp = ref.moe(x, ids, rw, w1, w3, w2, 10.0, True, True)
     tiles, outs = M.tiles, []
-    for path in MX_PATHS:
-        monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _p=path: (bt, _p) if mx else tiles(P, E, dec, mx))
+    runs = [(path, bt) for path in MX_PATHS] if bt < 256 else [("grouped_mxfp4_wide", 256), ("grouped_mxfp4", 128)]
+    for path, b in runs:
+        monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _p=path, _b=b: (_b, _p) if mx else tiles(P, E, dec, mx))
         got = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)
         _check(got, exp, 2e-2)
         assert torch.equal(got, M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)), "not deterministic"

@@ -70,6 +70,11 @@ CONFIGS = {
     # 8192 tokens 35.1 ms (QDOT, BM 64) -> 13.9 ms (untransposed) -> 12.0 ms; 4096 tokens 8.74 ms
     # (untransposed, BM 64) -> 6.11 ms
     "grouped_mxfp4": dict(w13=(128, 128, 8, 3, 3), w2=(256, 64, 8, 3, 3), wt=(True, True)),
+    # ... and from MXFP4_WIDE_TILE_PAIRS pairs an expert on, 256-pair tiles of 64 (gate/up) and 128
+    # (down) weight rows: each decoded weight value serves twice the pairs. H200, Flash layer, 8192
+    # tokens (bench/moe_prefill_tune.py --cases 11 16 19 --bm 128 256, results/2026-11-28e):
+    # gate/up 7.30 -> 6.53 ms, down 3.13 -> 2.54 ms
+    "grouped_mxfp4_wide": dict(w13=(64, 128, 8, 3, 3), w2=(128, 64, 8, 4, 4), wt=(True, True)),
     # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 24 an expert, else 64, four
     # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_*.txt), the MoE's two
     # GEMMs, before -> after: 512 tokens (12 pairs an expert) 4.64 -> 2.58 ms; 1024 (24) 4.70 ->
@@ -81,6 +86,8 @@ CONFIGS = {
 #: and run transposed (at 96 an expert, the padding of half-empty tiles costs less than the smaller
 #: tiles' extra weight decoding: 6.11 vs 8.74 ms)
 MXFP4_LARGE_TILE_PAIRS = 64
+#: from this many pairs an expert on average, 256-pair tiles ("grouped_mxfp4_wide")
+MXFP4_WIDE_TILE_PAIRS = 160
 #: below this many pairs an expert on average the dequantized MXFP4 grouped GEMM takes 16-pair tiles
 MXFP4_SMALL_TILE_PAIRS = 24
 _FORMATS = (FormatCode.FP8_F32, FormatCode.FP8_UE8M0, FormatCode.MXFP4, FormatCode.NVFP4)
@@ -123,6 +130,8 @@ def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
     if decode:
         return 1, "gemv"
     if mx_plain:
+        if P >= MXFP4_WIDE_TILE_PAIRS * E:
+            return 256, "grouped_mxfp4_wide"
         if P >= MXFP4_LARGE_TILE_PAIRS * E:
             return 128, "grouped_mxfp4"
         return (16 if P < MXFP4_SMALL_TILE_PAIRS * E else 64), "grouped_mxfp4_few"
