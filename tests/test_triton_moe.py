@@ -282,7 +282,7 @@ def test_grouped_mxfp4_act_quant_on_dequantized_operands(monkeypatch, pow2):
 
 def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
     """The dequantized MXFP4 grouped GEMMs take 16-pair tiles below 24 pairs an expert on
-    average, else 64 (128, transposed, from 64 on; 256 of fewer weight rows from 160 on). Each tile size against the reference (fp32), and the
+    average, else 64 (128, transposed, from 64 on; 256 of fewer weight rows from 144 on). Each tile size against the reference (fp32), and the
     three against each other to summation order."""
     monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
     assert M.tiles(2 * 37, 4, False, True) == (16, "grouped_mxfp4_few")
@@ -290,8 +290,8 @@ def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
     assert M.tiles(2 * 127, 4, False, True) == (64, "grouped_mxfp4_few")
     assert M.tiles(2 * 128, 4, False, True) == (128, "grouped_mxfp4")
     assert M.tiles(2 * 256, 4, False, True) == (128, "grouped_mxfp4")
-    assert M.tiles(2 * 319, 4, False, True) == (128, "grouped_mxfp4")
-    assert M.tiles(2 * 320, 4, False, True) == (256, "grouped_mxfp4_wide")
+    assert M.tiles(2 * 287, 4, False, True) == (128, "grouped_mxfp4")
+    assert M.tiles(2 * 288, 4, False, True) == (256, "grouped_mxfp4_wide")
     tiles, outs = M.tiles, []
     for bm in (16, 64, 128):
         monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _b=bm: (_b, tiles(P, E, dec, mx)[1]))

@@ -72,9 +72,10 @@ CONFIGS = {
     "grouped_mxfp4": dict(w13=(128, 128, 8, 3, 3), w2=(256, 64, 8, 3, 3), wt=(True, True)),
     # ... and from MXFP4_WIDE_TILE_PAIRS pairs an expert on, 256-pair tiles of 64 (gate/up) and 128
     # (down) weight rows: each decoded weight value serves twice the pairs. H200, Flash layer, 8192
-    # tokens (bench/moe_prefill_tune.py --cases 11 16 19 --bm 128 256, results/2026-11-28e):
-    # gate/up 7.30 -> 6.53 ms, down 3.13 -> 2.54 ms
-    "grouped_mxfp4_wide": dict(w13=(64, 128, 8, 3, 3), w2=(128, 64, 8, 4, 4), wt=(True, True)),
+    # tokens (bench/moe_prefill_tune.py --cases 11 16 --bm 128 256, results/2026-11-28e): gate/up
+    # 7.30 -> 6.53 ms, down 3.13 -> 2.93 ms. (The down GEMM at BK 64 took 2.54 ms but wrote garbage at
+    # Pro's shapes with 256-pair tiles, bench/results/2026-11-28e/pro_nan.txt: not used.)
+    "grouped_mxfp4_wide": dict(w13=(64, 128, 8, 3, 3), w2=(128, 128, 8, 3, 3), wt=(True, True)),
     # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 24 an expert, else 64, four
     # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_*.txt), the MoE's two
     # GEMMs, before -> after: 512 tokens (12 pairs an expert) 4.64 -> 2.58 ms; 1024 (24) 4.70 ->
@@ -86,8 +87,10 @@ CONFIGS = {
 #: and run transposed (at 96 an expert, the padding of half-empty tiles costs less than the smaller
 #: tiles' extra weight decoding: 6.11 vs 8.74 ms)
 MXFP4_LARGE_TILE_PAIRS = 64
-#: from this many pairs an expert on average, 256-pair tiles ("grouped_mxfp4_wide")
-MXFP4_WIDE_TILE_PAIRS = 160
+#: from this many pairs an expert on average, 256-pair tiles ("grouped_mxfp4_wide"): H200, Flash
+#: layer, both GEMMs (the down one at BK 64), 128-pair -> 256-pair tiles: 6144 tokens (144 an expert) 9.95 -> 9.05 ms, 4096
+#: (96 an expert) 5.58 -> 8.67 ms (results/2026-11-28e/wide_tune.txt)
+MXFP4_WIDE_TILE_PAIRS = 144
 #: below this many pairs an expert on average the dequantized MXFP4 grouped GEMM takes 16-pair tiles
 MXFP4_SMALL_TILE_PAIRS = 24
 _FORMATS = (FormatCode.FP8_F32, FormatCode.FP8_UE8M0, FormatCode.MXFP4, FormatCode.NVFP4)
