@@ -593,6 +593,30 @@ def test_gpu_weight_rows_on_the_mma_m_side_real_shapes(monkeypatch, geo, T, bt):
 
 @pytest.mark.gpu
 @cuda_only
+@pytest.mark.parametrize("geo", ["flash", "pro"])
+@pytest.mark.parametrize("path, bt", [("grouped_mxfp4_few", 16), ("grouped_mxfp4_few", 64), ("grouped_mxfp4", 128),
+                                      ("grouped_mxfp4_wide", 256)])
+def test_gpu_grouped_mxfp4_tiles_repeat_bit_for_bit(monkeypatch, geo, path, bt):
+    """Every production tile config of the MXFP4 grouped GEMMs, 12 calls on fresh NaN-poisoned buffers
+    at each geometry: finite and the same bits every time. (The wide config's down GEMM at BK 64 gave
+    a different garbage each call at Pro's shapes and none at Flash's, with the same compiled IR:
+    results/2026-11-28e/pro_nan.txt; a race of that kind shows here.)"""
+    g = FLASH if geo == "flash" else PRO
+    E = 32
+    w1, w3 = (_weights("mxfp4", E, g["I"], g["D"], s) for s in (1, 3))
+    w2 = _weights("mxfp4", E, g["D"], g["I"], 2)
+    x = (torch.randn(2048, g["D"], device="cuda") * 2).bfloat16()
+    ids, rw = _routing(2048, g["k"], E, 9)
+    tiles = M.tiles
+    monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx: (bt, path) if mx else tiles(P, E, dec, mx))
+    first = M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True)
+    _check(first, ref.moe(x, ids, rw, w1, w3, w2, 10.0, True, True), 2e-2)
+    for _ in range(11):
+        assert torch.equal(M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True), first), "a call differed"
+
+
+@pytest.mark.gpu
+@cuda_only
 @pytest.mark.parametrize("path", MX_PATHS)
 @pytest.mark.parametrize("T", [300, 2048])
 def test_gpu_mxfp4_bf16_decode_equals_the_general_one(monkeypatch, path, T):
