@@ -46,7 +46,7 @@ if __name__ == "__main__":
         for fmt, aq, split, mp in itertools.product([0, 1, 2, 3], [True, False], [1, 4], [16, 32]):
             if not aq and mp == 32: continue
             types = dict(x_ptr="*bf16", w_ptr=wt[fmt], s_ptr=st[fmt], g_ptr="*fp32", w2_ptr=wt[fmt], s2_ptr=st[fmt],
-                         g2_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
+                         g2_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", unit="fp32")
             consts = dict(FMT=fmt, ACT_QUANT=aq, POW2=True, OP_BF16=True, PREC=None, BN=128, MP=mp, KSTEPS=4, SPLIT=split,
                           PAIR=aq)     # the pair variant (wq_a || wkv) runs with act_quant
             compile_(L._skinny_kernel, types, consts, 4, 4, f"skinny fmt={fmt} aq={aq} split={split} MP={mp}")

@@ -6,7 +6,7 @@ and against the QDOT path, per kernel, in one run (one GPU).
 Random MXFP4 experts (all ``E`` of them), random top-k routing, bf16 activations, act-quant with
 power-of-two scales (the checkpoint's ``ue8m0``): what one prefill step of ``--tokens`` tokens
 runs in each MoE layer. For each config: the device time of the gate/up and down GEMMs
-(``_w13_grouped`` / ``_w13_wt`` and ``_w2_grouped`` / ``_w2_wt``; torch.profiler, mean of ``--iters``
+(``_w13_grouped`` / ``_w13_wt`` and ``_w2_grouped``; torch.profiler, mean of ``--iters``
 calls), their TFLOP/s (``2 * pairs * D * I`` per GEMM, the gate and up halves counted apart), the
 whole MoE's time and the output's relative difference from the first row run (with no ``--cases``,
 the QDOT path, which multiplies the e4m3 values on fp16 tensor cores per 32-group).
@@ -26,10 +26,10 @@ GEOS = {"flash": dict(E=256, D=4096, I=2048, k=6), "pro": dict(E=384, D=7168, I=
 
 #: (label, CONFIGS key, config) with the key "grouped" (the QDOT path: e4m3 values on fp16 tensor
 #: cores per 32-group, BM 64), or an MXFP4 one on dequantized operands ("grouped_mxfp4_few" and
-#: "grouped_mxfp4": the GEMMs transposed or not as the config's ``wt`` says; BM from --bm or
-#: moe.tiles); configs as moe.CONFIGS: (BN, BK, num_warps, num_stages, K-loop pipelining) per GEMM,
-#: ``wt`` (gate/up, down transposed: moe_grouped._gemm_wt)
-def _c(w13: tuple, w2: tuple, wt: tuple = (False, False)) -> dict:
+#: "grouped_mxfp4": the gate/up GEMM transposed or not as the config's ``wt`` says, the down one never
+#: (moe_grouped); BM from --bm or moe.tiles); configs as moe.CONFIGS: (BN, BK, num_warps, num_stages,
+#: K-loop pipelining) per GEMM, ``wt`` (the gate/up GEMM transposed: moe_grouped._gemm_wt)
+def _c(w13: tuple, w2: tuple, wt: bool = False) -> dict:
     return dict(w13=w13, w2=w2, wt=wt)
 
 
@@ -47,19 +47,19 @@ CASES = [
     ("deq, BN 128 w4 s4", "grouped_mxfp4_few", _c((128, 128, 4, 4, 3), (128, 128, 4, 4, 3))),
     ("deq, BN 64 w4 s5", "grouped_mxfp4_few", _c((64, 128, 4, 5, 3), (128, 128, 4, 5, 3))),
     # (index 11 on) weight rows on the MMA's M side, both GEMMs (11: the grouped_mxfp4 config)
-    ("wt, w13 BN 128 w8, w2 BN 256 BK 64", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (256, 64, 8, 3, 3), (True, True))),
-    ("wt, BN 128 w8 s3", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (128, 128, 8, 3, 3), (True, True))),
-    ("wt, BN 64 w4 s4", "grouped_mxfp4", _c((64, 128, 4, 4, 4), (64, 128, 4, 4, 4), (True, True))),
-    ("wt, BN 128 BK 64 w4 s4", "grouped_mxfp4", _c((128, 64, 4, 4, 4), (128, 64, 4, 4, 4), (True, True))),
-    ("wt, BN 256 BK 64 w8 s3", "grouped_mxfp4", _c((256, 64, 8, 3, 3), (256, 64, 8, 3, 3), (True, True))),
+    ("wt, w13 BN 128 w8, w2 BN 256 BK 64", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (256, 64, 8, 3, 3), True)),
+    ("wt, BN 128 w8 s3", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
+    ("wt, BN 64 w4 s4", "grouped_mxfp4", _c((64, 128, 4, 4, 4), (64, 128, 4, 4, 4), True)),
+    ("wt, BN 128 BK 64 w4 s4", "grouped_mxfp4", _c((128, 64, 4, 4, 4), (128, 64, 4, 4, 4), True)),
+    ("wt, BN 256 BK 64 w8 s3", "grouped_mxfp4", _c((256, 64, 8, 3, 3), (256, 64, 8, 3, 3), True)),
     # (index 16 on) fewer weight rows a tile, for 256-pair tiles (--bm 256): each decoded weight
     # value serves twice the pairs
-    ("wt, w13 BN 64 w8 s3, w2 BN 128", "grouped_mxfp4", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3), (True, True))),
-    ("wt, BN 64 BK 64 w8 s3, w2 BN 128", "grouped_mxfp4", _c((64, 64, 8, 3, 3), (128, 64, 8, 3, 3), (True, True))),
-    ("wt, BN 64 w8 s2, w2 BN 64 s3", "grouped_mxfp4", _c((64, 128, 8, 2, 2), (64, 128, 8, 3, 3), (True, True))),
-    ("wt, BN 64 BK 64 w8 s4, w2 BK 64 s4", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (True, True))),
+    ("wt, w13 BN 64 w8 s3, w2 BN 128", "grouped_mxfp4", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
+    ("wt, BN 64 BK 64 w8 s3, w2 BN 128", "grouped_mxfp4", _c((64, 64, 8, 3, 3), (128, 64, 8, 3, 3), True)),
+    ("wt, BN 64 w8 s2, w2 BN 64 s3", "grouped_mxfp4", _c((64, 128, 8, 2, 2), (64, 128, 8, 3, 3), True)),
+    ("wt, BN 64 BK 64 w8 s4, w2 BK 64 s4", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 64, 8, 4, 4), True)),
     # (20) the grouped_mxfp4_wide config (256-pair tiles from moe.MXFP4_WIDE_TILE_PAIRS an expert on)
-    ("wide: w13 BN 64 w8 s3, w2 BN 128 s3", "grouped_mxfp4_wide", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3), (True, True))),
+    ("wide: w13 BN 64 w8 s3, w2 BN 128 s3", "grouped_mxfp4_wide", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
 ]
 
 

@@ -53,3 +53,61 @@ def test_decode_moe_registers_do_not_depend_on_the_batch():
     regs = json.loads(done.stdout.strip().splitlines()[-1])["regs"]
     assert regs["8"] == regs["4"], regs
     assert max(regs["8"]) <= 128, regs
+
+
+_HAZARD_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from bench import compile_sm90, wgmma_hazards
+compile_sm90._install()
+out = []
+def report(where, name, kernel):
+    out.append([where, name, wgmma_hazards.hazards(wgmma_hazards._sass(kernel))])
+wgmma_hazards.production(report)
+print(json.dumps(out))
+"""
+
+
+def test_no_register_race_on_an_in_flight_mma():
+    """Triton 3.6 (with its ptxas 12.8) pipelines an MMA whose left operand is computed in registers
+    (the MoE's decoded weight tiles, the GEMV's dequantized FP8 weights) with waits that leave MMAs in
+    flight, and ptxas may give the next K step's values the same registers: the MMA then reads the
+    next tile (a different garbage each call; results/2026-11-28e/pro_nan.txt). The variants the
+    engine runs that way, compiled as a launch specializes them at Flash's shapes: no write to a
+    register that an in-flight MMA reads (``bench/wgmma_hazards.py``; the hazard walk itself is tested
+    in ``test_wgmma_hazard_walk``)."""
+    if _TRITON is None:
+        pytest.skip("triton is not installed (pip install triton)")
+    for tool in ("ptxas", "nvdisasm"):
+        if not os.path.exists(os.path.join(os.path.dirname(_TRITON.origin), "backends", "nvidia", "bin", tool)):
+            pytest.skip(f"Triton's bundled {tool} is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _HAZARD_PROBE, str(ROOT)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(seen) == 5, seen
+    races = [f"{where} {name}: {found[0]}" for where, name, found in seen if found]
+    assert not races, races
+
+
+def test_wgmma_hazard_walk():
+    """The walk of :func:`bench.wgmma_hazards.hazards` on hand-written SASS: a register an in-flight
+    HGMMA reads, written at the loop's top before the wait that retires it, is a race; written after
+    that wait, or with every MMA retired at the back edge, it is not."""
+    from bench.wgmma_hazards import hazards
+
+    def loop(top: str, tail_wait: int) -> str:
+        return "\n".join([
+            ".L_x_0:",
+            f"        /*0000*/                   {top} ;",
+            "        /*0010*/                   HGMMA.64x256x16.F32.BF16 R24, R152, gdesc[UR16], R24, gsb0 ;",
+            "        /*0020*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+            "        /*0030*/                   HGMMA.64x256x16.F32.BF16 R24, R156, gdesc[UR16], R24, gsb0 ;",
+            f"        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, {tail_wait:#x} ;",
+            "        /*0050*/               @P6 BRA `(.L_x_0) ;"])
+    assert hazards(loop("MOV R157, R219", 1))           # R156..R159 read by the MMA still in flight
+    assert hazards(loop("LDS.128 R156, [R1]", 1))
+    assert not hazards(loop("MOV R157, R219", 0))       # every MMA retired at the back edge
+    assert not hazards(loop("MOV R160, R219", 1))       # no MMA reads R160
+    assert not hazards(loop("STS [R156], R3", 1))       # a store reads R156, writes nothing

@@ -49,9 +49,9 @@ from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noq
 #: small tile configs for the interpreter: few programs, still several N tiles and K steps
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
-         "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 64, 4, 1, 2), wt=(True, True)),
+         "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 64, 4, 1, 2), wt=True),
          "grouped_mxfp4_few": dict(w13=(32, 128, 4, 1, 3), w2=(64, 128, 4, 1, 3)),
-         "grouped_mxfp4_wide": dict(w13=(16, 128, 4, 1, 2), w2=(32, 64, 4, 1, 2), wt=(True, True))}
+         "grouped_mxfp4_wide": dict(w13=(16, 128, 4, 1, 2), w2=(32, 64, 4, 1, 2), wt=True)}
 #: the MXFP4 grouped paths: untransposed, transposed, transposed with fewer weight rows a tile
 MX_PATHS = ("grouped_mxfp4_few", "grouped_mxfp4", "grouped_mxfp4_wide")
 

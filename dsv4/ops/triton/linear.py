@@ -133,7 +133,7 @@ def _fp8_scale(s_ptr, rows, r_ok, kb, KB, stride_sn, FMT: tl.constexpr):
 def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, w2_ptr, s2_ptr, g2_ptr, out_ptr, ws_ptr, cnt_ptr,
                    M, R, R2, K, TILES_PER_GROUP,
                    stride_xm, stride_xg, stride_wn, stride_sn, stride_om, stride_og, ws_stride_s, ws_stride_m,
-                   FMT: tl.constexpr, ACT_QUANT: tl.constexpr, POW2: tl.constexpr, OP_BF16: tl.constexpr,
+                   unit, FMT: tl.constexpr, ACT_QUANT: tl.constexpr, POW2: tl.constexpr, OP_BF16: tl.constexpr,
                    PREC: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, KSTEPS: tl.constexpr,
                    SPLIT: tl.constexpr, PAIR: tl.constexpr):
     """``out[m, g, r] = x[m, g, :] . W[g*R + r, :]`` for a tile of BN weight rows and one K split.
@@ -142,7 +142,12 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, w2_ptr, s2_ptr, g2_ptr, out_ptr, 
     ``TILES_PER_GROUP`` tiles are rows of ``W`` (``R`` of them), the others rows of ``W2`` (``R2``),
     written after them (``stride_og = R``): ``out[m, :R] = x W^T``, ``out[m, R:] = x W2^T``.
 
-    The MMA computes ``acc[BN, MP] = W_tile @ x_tile^T`` (weight rows on the MMA's M side)."""
+    The MMA computes ``acc[BN, MP] = W_tile @ x_tile^T`` (weight rows on the MMA's M side).
+
+    ``unit`` is 1.0: FP8 weights without act-quant are dequantized in registers, the MMA's left
+    operand; chained into ``acc`` Triton 3.6 keeps that MMA in flight while the next K step's weights
+    overwrite its registers (a race, ``bench/wgmma_hazards.py``). Its product times ``unit`` (which the
+    compiler cannot fold) is added instead, so each MMA is retired before the next tile is decoded."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     if PAIR:
@@ -183,7 +188,10 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, g_ptr, w2_ptr, s2_ptr, g2_ptr, out_ptr, 
                 acc += p * (sw[:, None] * sx[None, :])
             else:
                 wd = (w.to(tl.float32) * sw[:, None]).to(xr.dtype)
-                acc = tl.dot(wd, tl.trans(xr), acc, input_precision=PREC)
+                if PREC == "ieee":
+                    acc = tl.dot(wd, tl.trans(xr), acc, input_precision=PREC)
+                else:       # retired before the next tile overwrites its registers (see ``unit``)
+                    acc += tl.dot(wd, tl.trans(xr), input_precision=PREC) * unit
         elif FMT == 4:  # ------------------------------------------------ plain (BF16 precision floor)
             kk = k0 + tl.arange(0, 128)
             k_ok = kk < K
@@ -520,7 +528,7 @@ def _run_skinny(x3: torch.Tensor, w: object, act_quant: bool, pow2: bool, out3: 
     _skinny_kernel[(programs, split)](
         x3, data, scale, gs, data2, scale2, gs2, out3, ws, cnt, M, R, R2, K, tiles,
         x3.stride(0), 0 if pair else x3.stride(1), data.stride(0), scale.stride(0), out3.stride(0),
-        R if pair else out3.stride(1), M * (G * R + R2), G * R + R2,
+        R if pair else out3.stride(1), M * (G * R + R2), G * R + R2, 1.0,
         FMT=code, ACT_QUANT=act_quant, POW2=pow2, OP_BF16=op_bf16, PREC=prec,
         BN=BN, MP=cfg["MP"], KSTEPS=cfg["KSTEPS"], SPLIT=split, PAIR=pair,
         num_warps=cfg.get("num_warps", 4 if code < 2 else 8), num_stages=cfg.get("num_stages", 4))

@@ -64,18 +64,20 @@ CONFIGS = {
     # (bench/results/2026-11-25c/moe_decode_tune.txt), though the GEMV reads a shared expert per pair
     "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 256, 4, 3, 1)),
     "grouped": dict(w13=(64, 128, 8, 3, 1), w2=(128, 128, 8, 3, 1)),  # prefill, BM = 64 (16 < 2048 pairs)
-    # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 64 pairs an expert on, both
-    # GEMMs transposed (moe_grouped._gemm_wt: the weight rows on the MMA's M side), the down one on
-    # 256-row tiles of BK 64. bench/moe_prefill_tune.py, H100, Flash layer (results/2026-11-27c):
-    # 8192 tokens 35.1 ms (QDOT, BM 64) -> 13.9 ms (untransposed) -> 12.0 ms; 4096 tokens 8.74 ms
-    # (untransposed, BM 64) -> 6.11 ms
-    "grouped_mxfp4": dict(w13=(128, 128, 8, 3, 3), w2=(256, 64, 8, 3, 3), wt=(True, True)),
-    # ... and from MXFP4_WIDE_TILE_PAIRS pairs an expert on, 256-pair tiles of 64 (gate/up) and 128
-    # (down) weight rows: each decoded weight value serves twice the pairs. H200, Flash layer, 8192
-    # tokens (bench/moe_prefill_tune.py --cases 11 16 --bm 128 256, results/2026-11-28e): gate/up
-    # 7.30 -> 6.53 ms, down 3.13 -> 2.93 ms. (The down GEMM at BK 64 took 2.54 ms but wrote garbage at
-    # Pro's shapes with 256-pair tiles, bench/results/2026-11-28e/pro_nan.txt: not used.)
-    "grouped_mxfp4_wide": dict(w13=(64, 128, 8, 3, 3), w2=(128, 128, 8, 3, 3), wt=(True, True)),
+    # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 64 pairs an expert on, the
+    # gate/up GEMM transposed (moe_grouped._gemm_wt: the weight rows on the MMA's M side).
+    # bench/moe_prefill_tune.py, H100, Flash layer (results/2026-11-27c): 8192 tokens 35.1 ms (QDOT,
+    # BM 64) -> 13.9 ms (untransposed) -> 12.0 ms (both transposed); 4096 tokens 8.74 ms (untransposed,
+    # BM 64) -> 6.11 ms. The down GEMM is not transposed: each of its compiled variants let the next K
+    # step's decoded weights overwrite the registers of an MMA still in flight (a race; Triton 3.6 with
+    # its ptxas 12.8, bench/wgmma_hazards.py; results/2026-11-28e): 4.51 against 3.35 ms at 8192 tokens
+    # on the H100 above.
+    "grouped_mxfp4": dict(w13=(128, 128, 8, 3, 3), w2=(128, 128, 8, 3, 3), wt=True),
+    # ... and from MXFP4_WIDE_TILE_PAIRS pairs an expert on, 256-pair tiles; the gate/up GEMM of 64 weight
+    # rows (each decoded weight value serves twice the pairs): H200, Flash layer, 8192 tokens
+    # (bench/moe_prefill_tune.py --cases 11 16 --bm 128 256, results/2026-11-28e) 7.30 -> 6.53 ms. The
+    # down GEMM untransposed, 64-wide K steps (its transposed variants race, as above)
+    "grouped_mxfp4_wide": dict(w13=(64, 128, 8, 3, 3), w2=(128, 64, 8, 3, 3), wt=True),
     # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 24 an expert, else 64, four
     # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_*.txt), the MoE's two
     # GEMMs, before -> after: 512 tokens (12 pairs an expert) 4.64 -> 2.58 ms; 1024 (24) 4.70 ->
@@ -176,7 +178,7 @@ class Launch:
     y: torch.Tensor                           # [P, D] fp32 expert rows
     out: torch.Tensor                         # [T, D]
     shared: SharedLaunch | None = None        # the shared expert, run by the decode kernels
-    wt: tuple = (False, False)                # gate/up, down GEMM transposed (moe_grouped._gemm_wt)
+    wt: bool = False                          # the gate/up GEMM transposed (moe_grouped._gemm_wt)
     mx_bf16: bool = False                     # MXFP4 tiles dequantized in bf16 (_scales_fit_bf16)
 
 
@@ -319,7 +321,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     w13, w2cfg = cfg["w13"], cfg["w2"]
     if fp8:
         w13, w2cfg = (w13[0], 128, *w13[2:]), (w2cfg[0], 128, *w2cfg[2:])
-    L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg, wt=cfg.get("wt", (False, False)),
+    L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg, wt=cfg.get("wt", False),
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
                q_dtype=q_dtype, limit=float(limit), x=x,
                # (decode: the kernels round x themselves, moe_decode.run)

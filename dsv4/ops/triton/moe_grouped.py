@@ -8,8 +8,11 @@ so still no host read);
 fp32 promotion with both scales, DeepSeek's W8A8); FP4 experts on BF16 tensor cores with exactly
 dequantized operands (per-32 / per-16 weight scales would otherwise need a promotion per 32
 values); then ``_combine_kernel``. MXFP4 experts with power-of-two act-quant scales run on the
-dequantized operands, from 64 pairs an expert on in ``_w13_wt_kernel`` / ``_w2_wt_kernel``: the same
-products transposed, the decoded weight rows on the MMA's M side (:func:`_gemm_wt`).
+dequantized operands, the gate/up GEMM from 64 pairs an expert on in ``_w13_wt_kernel``: the same
+products transposed, the decoded weight rows on the MMA's M side (:func:`_gemm_wt`). (The down GEMM
+stays untransposed: transposed, its decoded weights, the MMA's register operand, were overwritten by
+the next K step while the MMA could still run, in every variant Triton 3.6 compiled;
+``bench/wgmma_hazards.py``.)
 """
 
 from __future__ import annotations
@@ -155,35 +158,17 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
                  mask=valid[None, :] & nmask[:, None])
 
 
-@triton.jit
-def _w2_wt_kernel(h_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, y_ptr, w2_ptr, s2_ptr,
-                  D: tl.constexpr, I: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr = False):
-    """MXFP4 down projection of one tile x ``BN`` columns of ``y`` (fp32), like
-    :func:`_w2_grouped_kernel`, on the dequantized operands (:func:`_gemm_wt`)."""
-    e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BT)
-    if e >= 0:
-        n_offs = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n_offs < D
-        p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, 2)
-        y, _unused = _gemm_wt(h_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D, BN, BT, BK,
-                              CDT, False, PIPE, MXB)
-        tl.store(y_ptr + rows[None, :].to(tl.int64) * D + n_offs[:, None], y,
-                 mask=valid[None, :] & nmask[:, None])
-
-
 # ----------------------------------------------------------------------------- host side
 def run(L: Launch) -> None:
-    """Sort the pairs by expert, the two grouped GEMMs (each transposed or not, ``L.wt``), then the
-    combine into ``L.out``."""
+    """Sort the pairs by expert, the two grouped GEMMs (the gate/up one transposed or not, ``L.wt``),
+    then the combine into ``L.out``."""
     (bn1, bk1, nw1, ns1, pp1), (bn2, bk2, nw2, ns2, pp2) = L.w13, L.w2
     nt1, nt2 = triton.cdiv(L.I, bn1), triton.cdiv(L.D, bn2)
     common = dict(FMT=L.fmt, BM=L.BM, XDT=L.xdt, CDT=L.xdt, QDOT=L.qdot, MXB=L.mx_bf16)
     xh, xq, xs = L.xin
     (d1, s1, g1), (d3, s3, g3), (d2, s2, g2) = L.weights
-    wt13, wt2 = L.wt
     order, tile_e, tile_r0, tile_r1 = _expert_tiles(L.ids.view(-1), L.E, L.BM)
-    if wt13:
+    if L.wt:
         _w13_wt_kernel[(tile_e.numel(), nt1)](
             xh, order, tile_e, tile_r0, tile_r1, L.rw, L.h, d1, s1, d3, s3, L.limit, D=L.D, I=L.I,
             KTOP=L.k, BT=L.BM, BN=bn1, BK=bk1, HAS_LIMIT=L.limit > 0, XDT=L.xdt, CDT=L.xdt, PIPE=pp1, MXB=L.mx_bf16,
@@ -194,14 +179,9 @@ def run(L: Launch) -> None:
             L.limit, D=L.D, I=L.I, KTOP=L.k, BN=bn1, BK=bk1, HAS_LIMIT=L.limit > 0, PIPE=pp1, num_warps=nw1,
             num_stages=ns1, **common)
     hh, hq, hs = quantized(L.h, L.act_quant, L.pow2, L.qdot, L.q_dtype, L.ids)
-    if wt2:
-        _w2_wt_kernel[(tile_e.numel(), nt2)](
-            hh, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, D=L.D, I=L.I, BT=L.BM, BN=bn2, BK=bk2,
-            CDT=L.xdt, PIPE=pp2, MXB=L.mx_bf16, num_warps=nw2, num_stages=ns2)
-    else:
-        _w2_grouped_kernel[(tile_e.numel(), nt2)](
-            hh, hq, hs, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, g2, D=L.D, I=L.I, BN=bn2, BK=bk2,
-            PIPE=pp2, num_warps=nw2, num_stages=ns2, **common)
+    _w2_grouped_kernel[(tile_e.numel(), nt2)](
+        hh, hq, hs, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, g2, D=L.D, I=L.I, BN=bn2, BK=bk2,
+        PIPE=pp2, num_warps=nw2, num_stages=ns2, **common)
     _combine_kernel[(L.T, triton.cdiv(L.D, COMBINE_BN))](
         L.y, L.ids, L.out, D=L.D, KTOP=L.k, BN=COMBINE_BN, XDT=L.xdt, num_warps=4)
 
