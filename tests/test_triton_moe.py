@@ -300,6 +300,26 @@ def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
         _check(o, outs[0], 1e-6)
 
 
+@pytest.mark.parametrize("ptxas, safe", [("release 12.8, V12.8.93", True), ("release 13.3, V13.3.1", True),
+                                         ("release 13.4, V13.4.2", True), ("release 12.4, V12.4.131", False),
+                                         ("release 13.0, V13.0.48", False), ("no version here", False)])
+def test_transposed_moe_only_with_a_ptxas_that_keeps_mma_registers(monkeypatch, ptxas, safe):
+    """The transposed gate/up GEMM (a pipelined MMA with its left operand in registers) runs only
+    where ptxas keeps those registers until the MMA retires: 13.3 on, or 12.8 (Triton 3.6's, whose
+    variants CI checks); any other version gives the untransposed 64-pair tiles."""
+    import triton.backends.nvidia.compiler as nv
+    monkeypatch.setattr(M.runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(nv, "get_ptxas_version", lambda arch=80: f"Cuda compilation tools, {ptxas}")
+    M.register_mma_safe.cache_clear()
+    try:
+        assert M.register_mma_safe() == safe
+        want = (256, "grouped_mxfp4_wide") if safe else (64, "grouped_mxfp4_few")
+        assert M.tiles(2 * 320, 4, False, True) == want
+        assert M.tiles(2 * 60, 4, False, True) == (64, "grouped_mxfp4_few")
+    finally:
+        M.register_mma_safe.cache_clear()
+
+
 @pytest.mark.parametrize("bt", [16, 32])
 def test_grouped_mxfp4_weight_rows_on_the_mma_m_side(monkeypatch, bt):
     """The transposed grouped GEMMs (``moe_grouped._gemm_wt``: weight rows on the MMA's M side,

@@ -39,6 +39,9 @@ pairs sorted by expert). This module checks the inputs and picks the path.
 
 from __future__ import annotations
 
+import functools
+import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -128,13 +131,44 @@ def _exact_dequantized(fmt: FormatCode, pow2: bool, dtype: torch.dtype) -> bool:
     return fmt == FormatCode.MXFP4 and pow2 and dtype in (torch.bfloat16, torch.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def register_mma_safe() -> bool:
+    """Whether the transposed gate/up GEMM (``moe_grouped._gemm_wt``: a pipelined Hopper MMA whose
+    left operand, the decoded weights, sits in registers) may run with the ptxas Triton compiles with.
+    ptxas from 13.3 on keeps such an MMA's registers until it retires (triton-lang/triton#9433); 12.8,
+    the one Triton 3.6 ships, happens to for this kernel's variants, which CI checks on every run
+    (``tests/test_kernel_registers.py``, ``bench/wgmma_hazards.py``). Any other ptxas, or one that
+    cannot be asked: the untransposed kernels (the decoded weights go through shared memory). Not
+    Hopper (the interpreter, Blackwell's MMAs): safe."""
+    if runtime.interpreting():
+        return True
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10:
+        return True
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+        found = re.search(r"release (\d+)\.(\d+)", get_ptxas_version(90))
+    except Exception:                                   # noqa: BLE001 (no ptxas to ask: not safe)
+        found = None
+    version = (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+    if version == (12, 8) or version >= (13, 3):
+        return True
+    print(f"dsv4: Triton's ptxas ({'%d.%d' % version if found else 'version unknown'}) may overwrite the "
+          "registers of an MMA still running (triton-lang/triton#9433), so long prompts run the MXFP4 MoE "
+          "on its slower untransposed tiles; a ptxas from CUDA 13.3 on (TRITON_PTXAS_PATH) lifts this",
+          file=sys.stderr)
+    return False
+
+
 def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
     """``(BM, CONFIGS key)`` for ``P`` pairs over ``E`` experts: the decode GEMV (one pair a
     program), else grouped tiles of BM pairs of one expert (``mx_plain``: MXFP4 on dequantized
-    operands, larger tiles once experts average a full one). bench/moe_prefill_tune.py tries others."""
+    operands, larger tiles once experts average a full one, where :func:`register_mma_safe`).
+    bench/moe_prefill_tune.py tries others."""
     if decode:
         return 1, "gemv"
     if mx_plain:
+        if P >= MXFP4_LARGE_TILE_PAIRS * E and not register_mma_safe():
+            return 64, "grouped_mxfp4_few"
         if P >= MXFP4_WIDE_TILE_PAIRS * E:
             return 256, "grouped_mxfp4_wide"
         if P >= MXFP4_LARGE_TILE_PAIRS * E:
