@@ -35,22 +35,28 @@ print(json.dumps({"regs": out}))
 """
 
 
+def _probe(code: str, tools: tuple[str, ...]) -> object:
+    """Run ``code`` (it prints one JSON line last) in a subprocess without the interpreter flag;
+    skipped without Triton or its bundled ``tools``."""
+    if _TRITON is None:
+        pytest.skip("triton is not installed (pip install triton)")
+    for tool in tools:
+        if not os.path.exists(os.path.join(os.path.dirname(_TRITON.origin), "backends", "nvidia", "bin", tool)):
+            pytest.skip(f"Triton's bundled {tool} is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_decode_moe_registers_do_not_depend_on_the_batch():
     """The decode MoE kernels (Flash: MXFP4 experts, FP8 shared expert, act-quant), compiled through
     ``moe_triton`` as it launches them, take the same registers for 4 and for 8 tokens of top-6.
     Ranking the step's ids over 64 lanes once gave them 155 / 92 registers at 6-10 tokens against
     80 / 91 at 4, and those batches' experts streamed ~45% slower on an H100 (``bench/ptxas_regs.py``
     prints the whole table)."""
-    if _TRITON is None:
-        pytest.skip("triton is not installed (pip install triton)")
-    for tool in ("ptxas", "cuobjdump"):
-        if not os.path.exists(os.path.join(os.path.dirname(_TRITON.origin), "backends", "nvidia", "bin", tool)):
-            pytest.skip(f"Triton's bundled {tool} is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(ROOT)], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    regs = json.loads(done.stdout.strip().splitlines()[-1])["regs"]
+    regs = _probe(_PROBE, ("ptxas", "cuobjdump"))["regs"]
     assert regs["8"] == regs["4"], regs
     assert max(regs["8"]) <= 128, regs
 
@@ -76,16 +82,7 @@ def test_no_register_race_on_an_in_flight_mma():
     engine runs that way, compiled as a launch specializes them at Flash's shapes: no write to a
     register that an in-flight MMA reads (``bench/wgmma_hazards.py``; the hazard walk itself is tested
     in ``test_wgmma_hazard_walk``)."""
-    if _TRITON is None:
-        pytest.skip("triton is not installed (pip install triton)")
-    for tool in ("ptxas", "nvdisasm"):
-        if not os.path.exists(os.path.join(os.path.dirname(_TRITON.origin), "backends", "nvidia", "bin", tool)):
-            pytest.skip(f"Triton's bundled {tool} is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _HAZARD_PROBE, str(ROOT)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = _probe(_HAZARD_PROBE, ("ptxas", "nvdisasm"))
     assert len(seen) == 5, seen
     races = [f"{where} {name}: {found[0]}" for where, name, found in seen if found]
     assert not races, races
