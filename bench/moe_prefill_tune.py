@@ -47,7 +47,7 @@ CASES = [
     ("deq, BN 128 w4 s4", "grouped_mxfp4_few", _c((128, 128, 4, 4, 3), (128, 128, 4, 4, 3))),
     ("deq, BN 64 w4 s5", "grouped_mxfp4_few", _c((64, 128, 4, 5, 3), (128, 128, 4, 5, 3))),
     # (index 11 on) weight rows on the MMA's M side, both GEMMs (11: the grouped_mxfp4 config)
-    ("wt, w13 BN 128 w8, w2 BN 256 BK 64", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (256, 64, 8, 3, 3), True)),
+    ("wt, w13 BN 128 w8, w2 BN 128 (untransposed)", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
     ("wt, BN 128 w8 s3", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
     ("wt, BN 64 w4 s4", "grouped_mxfp4", _c((64, 128, 4, 4, 4), (64, 128, 4, 4, 4), True)),
     ("wt, BN 128 BK 64 w4 s4", "grouped_mxfp4", _c((128, 64, 4, 4, 4), (128, 64, 4, 4, 4), True)),
@@ -59,7 +59,7 @@ CASES = [
     ("wt, BN 64 w8 s2, w2 BN 64 s3", "grouped_mxfp4", _c((64, 128, 8, 2, 2), (64, 128, 8, 3, 3), True)),
     ("wt, BN 64 BK 64 w8 s4, w2 BK 64 s4", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 64, 8, 4, 4), True)),
     # (20) the grouped_mxfp4_wide config (256-pair tiles from moe.MXFP4_WIDE_TILE_PAIRS an expert on)
-    ("wide: w13 BN 64 w8 s3, w2 BN 128 s3", "grouped_mxfp4_wide", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
+    ("wide: w13 BN 64 w8 s3, w2 BN 128 BK 64 s3", "grouped_mxfp4_wide", _c((64, 128, 8, 3, 3), (128, 64, 8, 3, 3), True)),
 ]
 
 
