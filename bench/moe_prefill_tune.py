@@ -46,7 +46,7 @@ CASES = [
     ("deq, BN 32 w2", "grouped_mxfp4_few", _c((32, 128, 2, 3, 3), (64, 128, 2, 3, 3))),
     ("deq, BN 128 w4 s4", "grouped_mxfp4_few", _c((128, 128, 4, 4, 3), (128, 128, 4, 4, 3))),
     ("deq, BN 64 w4 s5", "grouped_mxfp4_few", _c((64, 128, 4, 5, 3), (128, 128, 4, 5, 3))),
-    # (index 11 on) weight rows on the MMA's M side, both GEMMs (11: the grouped_mxfp4 config)
+    # (index 11 on) weight rows on the MMA's M side in the gate/up GEMM (11: the grouped_mxfp4 config)
     ("wt, w13 BN 128 w8, w2 BN 128 (untransposed)", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
     ("wt, BN 128 w8 s3", "grouped_mxfp4", _c((128, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
     ("wt, BN 64 w4 s4", "grouped_mxfp4", _c((64, 128, 4, 4, 4), (64, 128, 4, 4, 4), True)),
