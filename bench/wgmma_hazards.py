@@ -98,7 +98,7 @@ def _sass(kernel) -> str:
         return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
-GEOS = {"flash": (4096, 2048), "pro": (7168, 3072)}
+GEOS = {"flash": (4096, 2048), "pro": (7168, 3072), "tiny": (64, 256)}
 #: the MXFP4 prefill paths: (label, moe.CONFIGS key, pairs a tile)
 MX_PATHS = [("few 16", "grouped_mxfp4_few", 16), ("few 64", "grouped_mxfp4_few", 64),
             ("transposed 128", "grouped_mxfp4", 128), ("wide 256", "grouped_mxfp4_wide", 256)]
@@ -235,7 +235,7 @@ def scan_attention(report) -> None:
                 report(f"attention {kind} S {S}", name, kern)
 
 
-def production(report, geos: tuple[str, ...] = ("flash",)) -> None:
+def production(report, geos: tuple[str, ...] = ("flash", "tiny")) -> None:
     """The variants the engine runs with a register-operand MMA in a pipelined loop: the MXFP4
     prefill MoE's transposed paths (128- and 256-pair tiles) and the FP8 decode GEMV without act-quant
     (``tests/test_kernel_registers.py`` checks these on every CI run)."""

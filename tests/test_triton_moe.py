@@ -282,8 +282,8 @@ def test_grouped_mxfp4_act_quant_on_dequantized_operands(monkeypatch, pow2):
 
 def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
     """The dequantized MXFP4 grouped GEMMs take 16-pair tiles below 24 pairs an expert on
-    average, else 64 (128, transposed, from 64 on; 256 of fewer weight rows from 144 on). Each tile size against the reference (fp32), and the
-    three against each other to summation order."""
+    average, else 64 (128, transposed, from 64 on; 256 of fewer weight rows from 144 on). Each tile
+    size against the reference (fp32), and the three against each other to summation order."""
     monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
     assert M.tiles(2 * 37, 4, False, True) == (16, "grouped_mxfp4_few")
     assert M.tiles(2 * 70, 4, False, True) == (64, "grouped_mxfp4_few")

@@ -93,8 +93,8 @@ CONFIGS = {
 #: tiles' extra weight decoding: 6.11 vs 8.74 ms)
 MXFP4_LARGE_TILE_PAIRS = 64
 #: from this many pairs an expert on average, 256-pair tiles ("grouped_mxfp4_wide"): H200, Flash
-#: layer, both GEMMs (the down one at BK 64), 128-pair -> 256-pair tiles: 6144 tokens (144 an expert) 9.95 -> 9.05 ms, 4096
-#: (96 an expert) 5.58 -> 8.67 ms (results/2026-11-28e/wide_tune.txt)
+#: layer, both GEMMs (the down one transposed at BK 64 then), 128-pair -> 256-pair tiles: 6144 tokens
+#: (144 an expert) 9.95 -> 9.05 ms, 4096 (96 an expert) 5.58 -> 8.67 ms (results/2026-11-28e/wide_tune.txt)
 MXFP4_WIDE_TILE_PAIRS = 144
 #: below this many pairs an expert on average the dequantized MXFP4 grouped GEMM takes 16-pair tiles
 MXFP4_SMALL_TILE_PAIRS = 24
