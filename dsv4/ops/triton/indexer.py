@@ -225,11 +225,11 @@ def indexer_scores_triton(q: torch.Tensor, keys: object, slots: torch.Tensor, we
         bc, bq, warps, stages = DECODE_KEY_TILE, 1, 4, 2
     else:
         bc, bq, warps, stages = PREFILL_KEY_TILE, PREFILL_QUERY_BLOCK, 8, 2
+    cfg = _config if _config and S > 1 else {}
+    bc, bq = cfg.get("BC", bc), cfg.get("BQ", bq)
+    warps, stages = cfg.get("num_warps", warps), cfg.get("num_stages", stages)
     nip = max(16, triton.next_power_of_2(NI))
-    qs = max(1, min(bq, 128 // nip))      # (query, head) rows of one MMA: 128
-    if _config and S > 1:
-        bc, bq, qs = _config.get("BC", bc), _config.get("BQ", bq), _config.get("QS", qs)
-        warps, stages = _config.get("num_warps", warps), _config.get("num_stages", stages)
+    qs = cfg.get("QS", max(1, min(bq, 128 // nip)))      # (query, head) rows of one MMA: 128
     n_qb = triton.cdiv(S, bq)
     n_tiles = triton.cdiv(bound, bc)
     splits, per = _splits(n_tiles, B * n_qb, PROGRAMS_PER_SM * runtime.sm_count(dev))

@@ -167,12 +167,8 @@ def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
     if decode:
         return 1, "gemv"
     if mx_plain:
-        if P >= MXFP4_LARGE_TILE_PAIRS * E and not register_mma_safe():
-            return 64, "grouped_mxfp4_few"
-        if P >= MXFP4_WIDE_TILE_PAIRS * E:
-            return 256, "grouped_mxfp4_wide"
-        if P >= MXFP4_LARGE_TILE_PAIRS * E:
-            return 128, "grouped_mxfp4"
+        if P >= MXFP4_LARGE_TILE_PAIRS * E and register_mma_safe():
+            return (256, "grouped_mxfp4_wide") if P >= MXFP4_WIDE_TILE_PAIRS * E else (128, "grouped_mxfp4")
         return (16 if P < MXFP4_SMALL_TILE_PAIRS * E else 64), "grouped_mxfp4_few"
     if P < 2048:
         return 16, "grouped"

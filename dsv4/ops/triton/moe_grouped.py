@@ -116,9 +116,9 @@ def _dot_t(w, a, acc, CDT: tl.constexpr):
 @triton.jit
 def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n_offs, nmask,
              K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-             CDT: tl.constexpr, TWO: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr):
-    """``(Wa[n_offs] @ A[a_rows]^T`` and, with ``TWO``, ``Wb[n_offs] @ A[a_rows]^T)``, fp32
-    ``[BN, BT]`` each, over all of ``K``: one MXFP4 expert's rows times a tile's dequantized
+             CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr):
+    """``(Wa[n_offs] @ A[a_rows]^T, Wb[n_offs] @ A[a_rows]^T)``, fp32 ``[BN, BT]`` each, over all
+    of ``K``: two MXFP4 experts' rows (gate and up) times a tile's dequantized
     inputs ``x̂`` (exact in bf16 / fp32 like the weights ``e2m1 * 2^(s-127)``: one dot per K tile).
 
     The transpose of :func:`.moe_experts._gemm`'s product: the decoded weight tile is the MMA's
@@ -130,8 +130,7 @@ def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n_offs, nma
     for k0 in tl.range(0, K, BK, num_stages=PIPE):
         a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
         acc_a = _dot_t(_mx_tile(wa_ptr, sa_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT, MXB), a, acc_a, CDT)
-        if TWO:
-            acc_b = _dot_t(_mx_tile(wb_ptr, sb_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT, MXB), a, acc_b, CDT)
+        acc_b = _dot_t(_mx_tile(wb_ptr, sb_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT, MXB), a, acc_b, CDT)
     return acc_a, acc_b
 
 
@@ -151,7 +150,7 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
         p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, 2)
         p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, 2)
         g, u = _gemm_wt(x_ptr, rows // KTOP, valid, p1, q1, p3, q3, n_offs, nmask, D, I, BN, BT, BK,
-                        CDT, True, PIPE, MXB)
+                        CDT, PIPE, MXB)
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
         h = _swiglu(g, u, limit, HAS_LIMIT) * rw[None, :]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * I + n_offs[:, None], h.to(XDT),
