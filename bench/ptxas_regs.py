@@ -84,18 +84,23 @@ def gemv_kernel(rows_m: int, name: str):
     return compiled(call)["_skinny_kernel"]
 
 
+def sass(k) -> str:
+    """The SASS text of compiled kernel ``k`` (nvdisasm of its cubin)."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        return subprocess.run([str(NVDISASM), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
 def loop_mix(k) -> tuple[int, dict[str, int]]:
     """SASS of compiled kernel ``k``'s longest loop (the span from a backward branch's target to the
     branch, by nvdisasm): its instruction count and the count of each opcode (``FFMA``, ``LOP3``,
     ``BAR`` ...), per iteration. The instructions a value of a K step costs, read on the CPU."""
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        sass = subprocess.run([str(NVDISASM), "-c", f.name], capture_output=True, text=True).stdout.splitlines()
-    finally:
-        os.unlink(f.name)
+    sass_lines = sass(k).splitlines()
     labels, best = {}, (0, 0)
-    for i, ln in enumerate(sass):
+    for i, ln in enumerate(sass_lines):
         m = re.match(r"\s*(\.L_x_\d+):", ln)
         if m:
             labels[m.group(1)] = i
@@ -104,7 +109,7 @@ def loop_mix(k) -> tuple[int, dict[str, int]]:
             best = (labels[m.group(1)], i)
     mix: dict[str, int] = {}
     n = 0
-    for ln in sass[best[0]:best[1] + 1]:
+    for ln in sass_lines[best[0]:best[1] + 1]:
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
         if m:
             op = m.group(1)

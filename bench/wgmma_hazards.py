@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -89,47 +87,43 @@ def hazards(sass: str) -> list[str]:
     return found
 
 
-def _sass(kernel) -> str:
-    from bench import compile_sm90
-    tool = Path(compile_sm90.triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
-
-
 GEOS = {"flash": (4096, 2048), "pro": (7168, 3072), "tiny": (64, 256)}
 #: the MXFP4 prefill paths: (label, moe.CONFIGS key, pairs a tile)
 MX_PATHS = [("few 16", "grouped_mxfp4_few", 16), ("few 64", "grouped_mxfp4_few", 64),
             ("transposed 128", "grouped_mxfp4", 128), ("wide 256", "grouped_mxfp4_wide", 256)]
 
 
-def scan_moe(report) -> None:
-    """The prefill MoE's grouped GEMMs: every MXFP4 path's tiles, and the NVFP4 / FP8 (QDOT) ones."""
+def _moe_kernels(D: int, I: int, fmt: str, key: str | None = None, bt: int | None = None) -> dict:
+    """The prefill MoE's kernels compiled for 2048 tokens of top-6 over 16 experts of ``fmt`` at
+    hidden ``D`` / expert width ``I``; with ``key``, MXFP4 on that moe.CONFIGS path at ``bt`` pairs
+    a tile."""
     import torch
 
     from bench.kernel_cases.moe import _experts
     from bench.ptxas_regs import compiled
     from dsv4.ops.triton import moe as M
+    g = torch.Generator().manual_seed(0)
+    E, T, k = 16, 2048, 6
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=g).argsort(-1)[:, :k].contiguous()
+    rw = torch.rand(T, k, generator=g)
+    w1, w3, w2 = (_experts(fmt, E, n, kk, g, "cpu") for n, kk in ((I, D), (I, D), (D, I)))
     tiles = M.tiles
+    if key:
+        M.tiles = lambda P, E, dec, mx: (bt, key) if mx and not dec else tiles(P, E, dec, mx)
+    try:
+        return compiled(lambda: M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True))
+    finally:
+        M.tiles = tiles
+
+
+def scan_moe(report) -> None:
+    """The prefill MoE's grouped GEMMs: every MXFP4 path's tiles, and the NVFP4 (QDOT) ones."""
     for geo, (D, I) in GEOS.items():
-        g = torch.Generator().manual_seed(0)
-        E, T, k = 16, 2048, 6
-        x = torch.randn(T, D, generator=g).to(torch.bfloat16)
-        ids = torch.rand(T, E, generator=g).argsort(-1)[:, :k].contiguous()
-        rw = torch.rand(T, k, generator=g)
-        for fmt in ("mxfp4", "nvfp4", "fp8e"):
-            w1, w3, w2 = (_experts(fmt, E, n, kk, g, "cpu") for n, kk in ((I, D), (I, D), (D, I)))
+        for fmt in ("mxfp4", "nvfp4"):
             for label, key, bt in (MX_PATHS if fmt == "mxfp4" else [("qdot", None, None)]):
-                if key:
-                    M.tiles = lambda P, E, dec, mx, _k=key, _b=bt: (_b, _k) if mx and not dec else tiles(P, E, dec, mx)
-                try:
-                    ks = compiled(lambda: M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True))
-                finally:
-                    M.tiles = tiles
-                for name, kern in ks.items():
-                    if "sort" not in name and "count" not in name and "order" not in name and "combine" not in name \
-                            and "quant" not in name:
+                for name, kern in _moe_kernels(D, I, fmt, key, bt).items():
+                    if name.startswith(("_w13", "_w2")):
                         report(f"moe {geo} {fmt} {label}", name, kern)
 
 
@@ -241,27 +235,16 @@ def production(report, geos: tuple[str, ...] = ("flash", "tiny")) -> None:
     (``tests/test_kernel_registers.py`` checks these on every CI run)."""
     import torch
 
-    from bench.kernel_cases.moe import _experts, fp8_weight
+    from bench.kernel_cases.moe import fp8_weight
     from bench.ptxas_regs import compiled
     from dsv4.ops.triton import linear as lin
-    from dsv4.ops.triton import moe as M
-    tiles = M.tiles
     for geo in geos:
         D, I = GEOS[geo]
-        g = torch.Generator().manual_seed(0)
-        E, T, k = 16, 2048, 6
-        x = torch.randn(T, D, generator=g).to(torch.bfloat16)
-        ids = torch.rand(T, E, generator=g).argsort(-1)[:, :k].contiguous()
-        rw = torch.rand(T, k, generator=g)
-        w1, w3, w2 = (_experts("mxfp4", E, n, kk, g, "cpu") for n, kk in ((I, D), (I, D), (D, I)))
         for label, key, bt in MX_PATHS[2:]:
-            M.tiles = lambda P, E, dec, mx, _k=key, _b=bt: (_b, _k) if mx and not dec else tiles(P, E, dec, mx)
-            try:
-                ks = compiled(lambda: M.moe_triton(x, ids, rw, w1, w3, w2, 10.0, True, True))
-            finally:
-                M.tiles = tiles
+            ks = _moe_kernels(D, I, "mxfp4", key, bt)
             for name in ("_w13_wt_kernel", "_w2_grouped_kernel"):
                 report(f"moe {geo} mxfp4 {label}", name, ks[name])
+        g = torch.Generator().manual_seed(1)
         xs = torch.randn(1, D, generator=g).to(torch.bfloat16)
         ks = compiled(lambda: lin.linear_triton(xs, fp8_weight(I, D, g, "cpu"), False, True))
         report(f"linear {geo} fp8 M 1 weight-only", "_skinny_kernel", ks["_skinny_kernel"])
@@ -276,12 +259,13 @@ def main() -> int:
     ap.add_argument("--only", choices=SCANS, nargs="*")
     a = ap.parse_args()
     from bench import compile_sm90
+    from bench.ptxas_regs import sass
     compile_sm90._install()
     bad = 0
 
     def report(where: str, name: str, kernel) -> None:
         nonlocal bad
-        text = _sass(kernel)
+        text = sass(kernel)
         mma = sum(text.count(m) for m in _MMA)
         found = hazards(text)
         bad += bool(found)

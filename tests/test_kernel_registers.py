@@ -64,11 +64,11 @@ def test_decode_moe_registers_do_not_depend_on_the_batch():
 _HAZARD_PROBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from bench import compile_sm90, wgmma_hazards
+from bench import compile_sm90, ptxas_regs, wgmma_hazards
 compile_sm90._install()
 out = []
 def report(where, name, kernel):
-    out.append([where, name, wgmma_hazards.hazards(wgmma_hazards._sass(kernel))])
+    out.append([where, name, wgmma_hazards.hazards(ptxas_regs.sass(kernel))])
 wgmma_hazards.production(report)
 print(json.dumps(out))
 """
