@@ -309,6 +309,7 @@ def test_transposed_moe_only_with_a_ptxas_that_keeps_mma_registers(monkeypatch, 
     variants CI checks); any other version gives the untransposed 64-pair tiles."""
     import triton.backends.nvidia.compiler as nv
     monkeypatch.setattr(M.runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(M.torch.cuda, "is_available", lambda: False)      # (a Blackwell GPU is always safe)
     monkeypatch.setattr(nv, "get_ptxas_version", lambda arch=80: f"Cuda compilation tools, {ptxas}")
     M.register_mma_safe.cache_clear()
     try:
