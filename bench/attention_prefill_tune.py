@@ -21,7 +21,7 @@ from dsv4.ops.triton import attention as ka
 
 GEOS = {"flash": dict(H=64, topk=512), "pro": dict(H=128, topk=1024)}
 #: configs of the prefill kernel (``attention._rows_config``), the first is the default
-CONFIGS = [(64, 32, 8, 1), (64, 32, 8, 2), (64, 16, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1), (32, 32, 8, 2)]
+CONFIGS = [(64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 1), (64, 16, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2)]
 W, HD, ROPE = 128, 512, 64
 
 
@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--geo", choices=GEOS, default="flash")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--configs", nargs="*", default=None, metavar="BH,BN,WARPS,STAGES",
+                    help="configs to time instead of CONFIGS (the first is the baseline of the differences)")
     a = ap.parse_args()
     g = GEOS[a.geo]
     H = g["H"]
@@ -87,7 +89,7 @@ def main() -> None:
         args, comp, keys = _case(kind, H, g["topk"], a.tokens)
         flops = 4 * H * HD * keys
         first = None
-        for cfg in CONFIGS:
+        for cfg in [tuple(map(int, c.split(","))) for c in a.configs] if a.configs else CONFIGS:
             ka._rows_config = lambda *_a, _c=cfg: _c
             try:
                 ms = _time(lambda: ka.sparse_attention_triton(*args, **comp), a.iters)

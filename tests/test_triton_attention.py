@@ -151,6 +151,23 @@ def test_attention_prefill(kind, layout, dtype, target, poison):
 
 
 @cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_prefill_csa_entry_bound(dtype, poison):
+    """The unsplit kernel's compressed-entry table holds only ``comp_bound`` entries when the caller
+    bounds the indices (the model passes its forward's entry bound): the same result as the whole
+    store, and as the reference."""
+    args, comp = _attn_case("csa", "fp8", dtype, B=2, S=9, H=3, hd=40, rope=8, W=4, n_ent=12, k=5,
+                            starts=[13, 0], seed=7, unrot=True)
+    bound = int(comp["comp_idx"].max()) + 1
+    assert bound < comp["comp"].rows
+    whole = _check_attention(args, comp, dtype, _target_programs=1)
+    bounded = _check_attention(args, dict(comp, comp_bound=bound), dtype, _target_programs=1)
+    assert torch.equal(bounded, whole)
+    with pytest.raises(ka.AttentionKernelError, match="comp_bound"):
+        ka.sparse_attention_triton(*args, **dict(comp, comp_bound=comp["comp"].rows + 1))
+
+
+@cpu_only
 @pytest.mark.parametrize("S,starts", [(1, [3, 30]), (6, [0, 9])])
 def test_attention_rope_chunk(S, starts, poison):
     """fp8 rows whose rope dims fill exactly the last 64-dim chunk (like 448 + 64): the rope

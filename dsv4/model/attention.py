@@ -174,13 +174,14 @@ class Attention(nn.Module):
             # which leaves the state at the boundaries inside it.)
             if self.kind == "csa":
                 visible = self.compressor.decode_step_with(self.indexer.compressor, x, ctx, comp, cache.indexer)
-                return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer, visible=visible))
+                return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer, visible=visible),
+                            comp_bound=bound)
             return dict(comp=comp.entries, comp_len=self.compressor.decode_step(x, ctx, comp), comp_bound=bound)
         # a chunk: RoPE at each window's first position, then store
         entries, pos = self.compressor(x, ctx, comp)
         cos, sin = window_plan(ctx, self.ratio).entry_rope(ctx)      # shared by the ratio's compressors
         store_entries(comp, ctx, ops.apply_rope(entries, cos, sin), pos)
         if self.kind == "csa":
-            return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer))
+            return dict(comp=comp.entries, comp_idx=self.indexer(x, iq, ctx, cache.indexer), comp_bound=bound)
         # HCA attends to every visible entry: entry w is visible from position (w + 1) * m - 1 on
         return dict(comp=comp.entries, comp_len=ctx.visible_entries(self.ratio), comp_bound=bound)

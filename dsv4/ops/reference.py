@@ -437,7 +437,8 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, ring: object, slots:
     Compressed entries (CSA/HCA layers) come from ``comp`` (a ``RowStore`` ``[slots, n, hd]``),
     addressed either by ``comp_idx [B, S, k]`` (CSA: the indexer's picks, ``-1`` = none) or, dense,
     by ``comp_len [B, S]`` (HCA: entries ``0 .. comp_len - 1``, ``comp_bound`` a host-known bound
-    on ``comp_len``). Work per query is O(window + k) (CSA) or O(comp_bound) (HCA).
+    on ``comp_len``). Work per query is O(window + k) (CSA) or O(comp_bound) (HCA). With ``comp_idx``,
+    a nonzero ``comp_bound`` promises every index is below it (kernels read only those entries).
 
     Logits and softmax in fp32, scale ``scale``, plus the per-head sink logit ``sink [H]`` with a
     zero value. Returns ``[B, S, H, hd]`` in ``q.dtype``; given ``cos``, ``sin [B, S, rd/2]`` (the

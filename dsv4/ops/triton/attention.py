@@ -274,29 +274,58 @@ def _softmax_rows(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["NC"])
-def _attn_rows_kernel(q_ptr, kvn_ptr, out_ptr, sink_ptr, slots_ptr, start_ptr,
-                      ring_data, ring_scale, ring_rope, comp_data, comp_scale, comp_rope, idx_ptr, len_ptr,
-                      cos_ptr, sin_ptr, S, H, ring_rows, comp_rows, NC, qk_scale,
-                      sq_b, sq_s, sq_h, skv_b, skv_s, so_b, so_s, so_h, sc_b, sc_s, ROFF, RD2,
-                      W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, DP: tl.constexpr,
-                      BH: tl.constexpr, BN: tl.constexpr,
-                      R_LAYOUT: tl.constexpr, R_NSC: tl.constexpr, R_E8M0: tl.constexpr,
-                      HAS_COMP: tl.constexpr, DENSE: tl.constexpr, C_LAYOUT: tl.constexpr,
-                      C_NSC: tl.constexpr, C_E8M0: tl.constexpr, UNROT: tl.constexpr, BR2: tl.constexpr,
+@triton.jit(do_not_specialize=["S", "NROWS"])
+def _rows_table_kernel(tab_ptr, kvn_ptr, slots_ptr, start_ptr, data_ptr, scale_ptr, rope_ptr, store_rows, S, NROWS,
+                       skv_b, skv_s, W: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, DP: tl.constexpr,
+                       BR: tl.constexpr, LAYOUT: tl.constexpr, NSC: tl.constexpr, E8M0: tl.constexpr,
+                       WINDOW: tl.constexpr):
+    """Rows ``BR`` at a time of one sequence's key table for :func:`_attn_rows_kernel`, ``[NROWS, HD]``
+    in the activation dtype, each row what ``RowStore.read`` gives. ``WINDOW``: row ``j`` holds
+    position ``start - W + j``: the ring's row for ``j < W`` (zeros before position 0), then this
+    forward's ``kv_new`` (``NROWS = W + S``). Else the compressed entries ``0 .. NROWS - 1``."""
+    b = tl.program_id(0)
+    j = tl.program_id(1) * BR + tl.arange(0, BR)
+    dt = tab_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    d = tl.arange(0, DP)
+    dm = d < HD
+    rows = j < NROWS
+    if WINDOW:
+        pos = tl.load(start_ptr + b).to(tl.int64) - W + j
+        in_ring = (j < W) & (pos >= 0)
+        in_new = (j >= W) & rows
+        k = _load_kv_rows(data_ptr, scale_ptr, rope_ptr, slot * store_rows + tl.where(in_ring, pos % W, 0), in_ring,
+                          LAYOUT, HD, NOPE, DP, NSC, E8M0, dt)
+        new_row = b.to(tl.int64) * skv_b + tl.where(in_new, j - W, 0).to(tl.int64) * skv_s
+        x = tl.load(kvn_ptr + new_row[:, None] + d[None, :], mask=in_new[:, None] & dm[None, :], other=0.0)
+        k = tl.where(in_new[:, None], x.to(dt), k)
+    else:
+        k = _load_kv_rows(data_ptr, scale_ptr, rope_ptr, slot * store_rows + tl.where(rows, j, 0), rows,
+                          LAYOUT, HD, NOPE, DP, NSC, E8M0, dt)
+    tl.store(tab_ptr + (b.to(tl.int64) * NROWS + j)[:, None] * HD + d[None, :], k, mask=rows[:, None] & dm[None, :])
+
+
+@triton.jit(do_not_specialize=["S", "NC", "NTAB"])
+def _attn_rows_kernel(q_ptr, win_ptr, ctab_ptr, out_ptr, sink_ptr, start_ptr, idx_ptr, len_ptr,
+                      cos_ptr, sin_ptr, S, H, NC, NTAB, qk_scale,
+                      sq_b, sq_s, sq_h, so_b, so_s, so_h, sc_b, sc_s, ROFF, RD2,
+                      W: tl.constexpr, HD: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                      HAS_COMP: tl.constexpr, DENSE: tl.constexpr, UNROT: tl.constexpr, BR2: tl.constexpr,
                       PREC: tl.constexpr):
     """The unsplit (prefill) attention: what :func:`_attn_kernel` computes with one split, on plain
     ``[BH heads, hd]`` x ``[BN keys, hd]`` tiles, so that each product is one tensor-core GEMM of
     ``K = hd`` (the chunk-major tiles of the decode kernel are batched ``K = 64`` products that keep
-    registers low for few heads but reach ~25 TFLOP/s on a prefill)."""
+    registers low for few heads but reach ~25 TFLOP/s on a prefill).
+
+    Keys come from the sequence's key tables (:func:`_rows_table_kernel`: stored rows already
+    decoded), so each key tile is a plain gather straight into the products' shared-memory operand,
+    which the compiler pipelines; decoding FP8 rows here cost registers the ``[BH, hd]`` fp32
+    accumulator needs (255 registers with ~1 KB of spills a thread, sm_90)."""
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     b = pid_q // S
     s = pid_q % S
-    dt = q_ptr.dtype.element_ty
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    start = tl.load(start_ptr + b).to(tl.int64)
-    t = start + s
+    t = tl.load(start_ptr + b).to(tl.int64) + s
     h = pid_h * BH + tl.arange(0, BH)
     hm = h < H
     d = tl.arange(0, DP)
@@ -308,21 +337,17 @@ def _attn_rows_kernel(q_ptr, kvn_ptr, out_ptr, sink_ptr, slots_ptr, start_ptr,
     acc = tl.zeros([BH, DP], tl.float32)
     n_wb: tl.constexpr = (W + BN - 1) // BN
 
+    # window key i (position t - W + 1 + i) is table row s + 1 + i
+    win = win_ptr + b.to(tl.int64) * (W + S) * HD + (s + 1) * HD
     first = tl.maximum(W - 1 - t, 0) // BN
     for blk in range(first, n_wb):
         i = blk * BN + tl.arange(0, BN)
-        pos = t - W + 1 + i
-        ok = (i < W) & (pos >= 0)
-        in_ring = ok & (pos < start)
-        in_new = ok & (pos >= start)
-        k = _load_kv_rows(ring_data, ring_scale, ring_rope, slot * ring_rows + tl.where(in_ring, pos % W, 0), in_ring,
-                          R_LAYOUT, HD, NOPE, DP, R_NSC, R_E8M0, dt)
-        new_row = b.to(tl.int64) * skv_b + tl.where(in_new, pos - start, 0) * skv_s
-        x = tl.load(kvn_ptr + new_row[:, None] + d[None, :], mask=in_new[:, None] & dm[None, :], other=0.0)
-        k = tl.where(in_new[:, None], x.to(dt), k)
+        ok = (i < W) & (t - W + 1 + i >= 0)
+        k = tl.load(win + i[:, None] * HD + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
         m_i, l_i, acc = _softmax_rows(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
 
     if HAS_COMP:
+        ctab = ctab_ptr + b.to(tl.int64) * NTAB * HD
         n_cb = tl.cdiv(NC, BN)
         if DENSE:
             clen = tl.load(len_ptr + pid_q).to(tl.int32)
@@ -331,12 +356,12 @@ def _attn_rows_kernel(q_ptr, kvn_ptr, out_ptr, sink_ptr, slots_ptr, start_ptr,
             c = cb * BN + tl.arange(0, BN)
             if DENSE:
                 ok = (c < clen) & (c < NC)
-                row = c.to(tl.int64)
+                row = c
             else:
-                row = tl.load(idx_ptr + pid_q.to(tl.int64) * NC + c, mask=c < NC, other=-1).to(tl.int64)
-                ok = row >= 0
-            k = _load_kv_rows(comp_data, comp_scale, comp_rope, slot * comp_rows + tl.where(ok, row, 0), ok,
-                              C_LAYOUT, HD, NOPE, DP, C_NSC, C_E8M0, dt)
+                row = tl.load(idx_ptr + pid_q.to(tl.int64) * NC + c, mask=c < NC, other=-1).to(tl.int32)
+                ok = (row >= 0) & (row < NTAB)
+            k = tl.load(ctab + tl.where(ok, row, 0)[:, None] * HD + d[None, :], mask=ok[:, None] & dm[None, :],
+                        other=0.0)
             m_i, l_i, acc = _softmax_rows(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
 
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -459,7 +484,27 @@ def _rows_config(H: int, hd: int, itemsize: int = 2) -> tuple[int, int, int, int
         return max(16, min(32, triton.next_power_of_2(H))), 16, 4, 1
     if itemsize * hd > 1024:          # fp32 at hd 512: [BH, hd] fp32 queries and keys in shared memory
         return max(16, min(32, triton.next_power_of_2(H))), 16, 8, 1
-    return max(16, min(64, triton.next_power_of_2(H))), 32, 8, 1
+    return max(16, min(64, triton.next_power_of_2(H))), 64, 8, 2
+
+
+W_TABLE, C_TABLE = True, False
+#: rows of a key table a program of :func:`_rows_table_kernel` writes
+TABLE_ROWS = 16
+
+
+def _rows_table(kv_new: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, parts: tuple, n: int,
+                window: bool, hd: int, dp: int) -> torch.Tensor:
+    """The prefill kernel's key table ``[B, rows, hd]`` in ``kv_new``'s dtype (:func:`_rows_table_kernel`):
+    the window (``n`` = the window, ``n + S`` rows) or ``n`` compressed entries, of each sequence."""
+    B, S = kv_new.shape[:2]
+    rows = n + S if window else n
+    tab = runtime.empty((B, rows, hd), kv_new.dtype, kv_new.device)
+    data, scale, rope, layout, nope, nsc, e8m0 = parts
+    _rows_table_kernel[(B, triton.cdiv(rows, TABLE_ROWS))](
+        tab, kv_new, slots, start, data, scale, rope, data.shape[1], S, rows, kv_new.stride(0), kv_new.stride(1),
+        W=n if window else 1, HD=hd, NOPE=nope, DP=dp, BR=TABLE_ROWS, LAYOUT=layout, NSC=nsc, E8M0=e8m0,
+        WINDOW=window, num_warps=4)
+    return tab
 
 
 def _check_int(t: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
@@ -536,12 +581,12 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     comp_p, idx, clen, nc = ring_p, slots, slots, 0
     if has_comp:
         comp_p = _store_parts(comp, "comp", hd, dtype)
+        if not 0 <= comp_bound <= comp_p[0].shape[1]:
+            raise AttentionKernelError(f"comp_bound {comp_bound} outside [0, {comp_p[0].shape[1]}]")
         if dense:
             if comp_len is None:
                 raise AttentionKernelError("comp given without comp_idx needs comp_len (HCA)")
             _check_int(comp_len, "comp_len", (B, S), dev)
-            if not 0 <= comp_bound <= comp_p[0].shape[1]:
-                raise AttentionKernelError(f"comp_bound {comp_bound} outside [0, {comp_p[0].shape[1]}]")
             clen, nc = comp_len.contiguous(), comp_bound
         else:
             if comp_idx.dim() != 3:
@@ -567,15 +612,17 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     if splits == 1:
         # a prefill (enough queries to fill the GPU unsplit): plain tiles, one GEMM of K = hd a product
         rbh, rbn, rwarps, rstages = _rows_config(H, hd, q.element_size())
+        win = _rows_table(kv_new, slots, start, ring_p, window, W_TABLE, hd, dp)
+        ctab, ntab = win, 0
+        if has_comp:
+            ntab = comp_bound if comp_bound > 0 else cd.shape[1]
+            ctab = _rows_table(kv_new, slots, start, comp_p, ntab, C_TABLE, hd, dp)
         _attn_rows_kernel[(B * S, triton.cdiv(H, rbh))](
-            q, kv_new, out, sink, slots, start, rd, rs, rr, cd, cs, cr, idx, clen, cos, sin,
-            S, H, rd.shape[1], cd.shape[1], nc, float(scale) * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2), kv_new.stride(0), kv_new.stride(1),
-            out.stride(0), out.stride(1), out.stride(2), *rope_args,
-            W=window, HD=hd, NOPE=nope, DP=dp, BH=rbh, BN=rbn,
-            R_LAYOUT=r_layout, R_NSC=r_nsc, R_E8M0=r_e8m0, HAS_COMP=has_comp, DENSE=dense,
-            C_LAYOUT=c_layout, C_NSC=c_nsc, C_E8M0=c_e8m0, UNROT=unrot, BR2=triton.next_power_of_2(rd2),
-            PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=rwarps, num_stages=rstages)
+            q, win, ctab, out, sink, start, idx, clen, cos, sin, S, H, nc, ntab, float(scale) * _LOG2E,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2), *rope_args,
+            W=window, HD=hd, DP=dp, BH=rbh, BN=rbn, HAS_COMP=has_comp, DENSE=dense, UNROT=unrot,
+            BR2=triton.next_power_of_2(rd2), PREC="ieee" if dtype == torch.float32 else "tf32",
+            num_warps=rwarps, num_stages=rstages)
         return out
     cnt = _counters(dev)                        # may refuse (first use inside a graph capture)
     pacc = runtime.empty((B * S, H, splits, hd), torch.float32, dev)
