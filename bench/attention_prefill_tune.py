@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--geo", choices=GEOS, default="flash")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--kinds", nargs="*", default=["sliding", "csa", "hca"], choices=["sliding", "csa", "hca"])
     ap.add_argument("--configs", nargs="*", default=None, metavar="BH,BN,WARPS,STAGES",
                     help="configs to time instead of CONFIGS (the first is the baseline of the differences)")
     a = ap.parse_args()
@@ -85,7 +86,7 @@ def main() -> None:
     H = g["H"]
     default = ka._rows_config
     print(f"{a.geo}: {a.tokens} tokens from position 0, H={H}, hd={HD}; {torch.cuda.get_device_name()}")
-    for kind in ("sliding", "csa", "hca"):
+    for kind in a.kinds:
         args, comp, keys = _case(kind, H, g["topk"], a.tokens)
         flops = 4 * H * HD * keys
         first = None

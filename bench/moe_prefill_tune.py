@@ -60,6 +60,14 @@ CASES = [
     ("wt, BN 64 BK 64 w8 s4, w2 BK 64 s4", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 64, 8, 4, 4), True)),
     # (20) the grouped_mxfp4_wide config (256-pair tiles from moe.MXFP4_WIDE_TILE_PAIRS an expert on)
     ("wide: w13 BN 64 w8 s3, w2 BN 128 BK 64 s3", "grouped_mxfp4_wide", _c((64, 128, 8, 3, 3), (128, 64, 8, 3, 3), True)),
+    # (21 on, 2026-11-28 fifth session) gate and up rows stacked into one MMA of 2 BN rows
+    # (moe_grouped._gemm_wt), each product retired before the next K step's decode
+    ("stacked, w13 BN 64 BK 128 s2", "grouped_mxfp4_wide", _c((64, 128, 8, 2, 2), (128, 64, 8, 3, 3), True)),
+    ("stacked, w13 BN 64 BK 64 s3", "grouped_mxfp4_wide", _c((64, 64, 8, 3, 3), (128, 64, 8, 3, 3), True)),
+    ("stacked, w13 BN 64 BK 64 s4", "grouped_mxfp4_wide", _c((64, 64, 8, 4, 4), (128, 64, 8, 3, 3), True)),
+    ("stacked, w13 BN 32 BK 128 s3", "grouped_mxfp4_wide", _c((32, 128, 8, 3, 3), (128, 64, 8, 3, 3), True)),
+    ("stacked, w13 BN 64 BK 128 s3 (128-pair tiles)", "grouped_mxfp4", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
+    ("stacked, w13 BN 64 BK 64 s4 (128-pair tiles)", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 128, 8, 3, 3), True)),
 ]
 
 

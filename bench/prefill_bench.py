@@ -159,6 +159,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens: tokens of one step")
     ap.add_argument("--hf-max", type=int, default=8192)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each prompt length (the median is shown)")
     ap.add_argument("--profile-len", type=int, default=8192)
     args = ap.parse_args()
     config = preset(args.preset, num_layers=args.layers)
@@ -182,7 +183,7 @@ def main() -> None:
     ours = {}
     for n in args.lengths:
         prefill_times(engine, [prompt(min(n, args.budget))])
-        wall, _ = prefill_times(engine, [prompt(n)])
+        wall = statistics.median(prefill_times(engine, [prompt(n)])[0] for _ in range(args.repeats))
         flops = prompt_flops(config, n)
         ours[n] = n / wall
         print(f"one prompt {n:7d} tokens: {wall * 1e3:9.1f} ms  {n / wall:9.0f} tok/s  {wall / n * 1e6:6.2f} us/token  "

@@ -75,12 +75,15 @@ CONFIGS = {
     # step's decoded weights overwrite the registers of an MMA still in flight (a race; Triton 3.6 with
     # its ptxas 12.8, bench/wgmma_hazards.py; results/2026-11-28e): 4.51 against 3.35 ms at 8192 tokens
     # on the H100 above.
-    "grouped_mxfp4": dict(w13=(128, 128, 8, 3, 3), w2=(128, 128, 8, 3, 3), wt=True),
+    "grouped_mxfp4": dict(w13=(64, 64, 8, 4, 4), w2=(128, 128, 8, 3, 3), wt=True),
     # ... and from MXFP4_WIDE_TILE_PAIRS pairs an expert on, 256-pair tiles; the gate/up GEMM of 64 weight
     # rows (each decoded weight value serves twice the pairs): H200, Flash layer, 8192 tokens
     # (bench/moe_prefill_tune.py --cases 11 16 --bm 128 256, results/2026-11-28e) 7.30 -> 6.53 ms. The
-    # down GEMM untransposed, 64-wide K steps (its transposed variants race, as above)
-    "grouped_mxfp4_wide": dict(w13=(64, 128, 8, 3, 3), w2=(128, 64, 8, 3, 3), wt=True),
+    # down GEMM untransposed, 64-wide K steps (its transposed variants race, as above).
+    # Both gate/up configs: the gate and up rows stacked into one MMA of 128 rows, 64-wide K steps,
+    # four stages (moe_grouped._gemm_wt; before, two MMAs of 64 rows spilled at 255 registers). H200,
+    # same run (results/2026-11-28f/call4_*): 8192 tokens 6.53 -> 6.11 ms, 4096 tokens 3.78 -> 3.74 ms
+    "grouped_mxfp4_wide": dict(w13=(64, 64, 8, 4, 4), w2=(128, 64, 8, 3, 3), wt=True),
     # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 24 an expert, else 64, four
     # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_*.txt), the MoE's two
     # GEMMs, before -> after: 512 tokens (12 pairs an expert) 4.64 -> 2.58 ms; 1024 (24) 4.70 ->

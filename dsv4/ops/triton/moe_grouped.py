@@ -114,29 +114,40 @@ def _dot_t(w, a, acc, CDT: tl.constexpr):
 
 
 @triton.jit
-def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n_offs, nmask,
+def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n0, unit,
              K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
              CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr):
-    """``(Wa[n_offs] @ A[a_rows]^T, Wb[n_offs] @ A[a_rows]^T)``, fp32 ``[BN, BT]`` each, over all
+    """``(Wa[n] @ A[a_rows]^T, Wb[n] @ A[a_rows]^T)`` for the rows ``n = n0 .. n0 + BN - 1``, fp32 ``[BN, BT]`` each, over all
     of ``K``: two MXFP4 experts' rows (gate and up) times a tile's dequantized
     inputs ``x̂`` (exact in bf16 / fp32 like the weights ``e2m1 * 2^(s-127)``: one dot per K tile).
 
     The transpose of :func:`.moe_experts._gemm`'s product: the decoded weight tile is the MMA's
     left operand, which Hopper's wgmma takes from registers (only the right one must sit in shared
     memory), and the tile's pairs are its N side. Faster for 128-pair tiles (bench/moe_prefill_tune.py,
-    H100, Flash layer, 4096 tokens: 8.74 -> 6.11 ms for both GEMMs; see ``moe.CONFIGS``)."""
-    acc_a = tl.zeros((BN, BT), tl.float32)
-    acc_b = tl.zeros((BN, BT), tl.float32)
+    H100, Flash layer, 4096 tokens: 8.74 -> 6.11 ms for both GEMMs; see ``moe.CONFIGS``).
+
+    Gate and up rows are stacked into one ``[2 BN, BK]`` left operand, one MMA a K step: with 8 warps
+    one warpgroup decodes and multiplies the gate rows, the other the up rows. (As two products of
+    ``BN`` rows each warpgroup took half the pairs and so decoded and held both tiles whole: 255
+    registers and spills, ncu at 8192 tokens, results/2026-11-28f.)"""
+    r = tl.arange(0, 2 * BN)
+    up = r >= BN
+    rows = n0 + r % BN
+    rmask = rows < N
+    wp = tl.where(up, wb_ptr, wa_ptr)
+    sp = tl.where(up, sb_ptr, sa_ptr)
+    acc = tl.zeros((2 * BN, BT), tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=PIPE):
         a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
-        acc_a = _dot_t(_mx_tile(wa_ptr, sa_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT, MXB), a, acc_a, CDT)
-        acc_b = _dot_t(_mx_tile(wb_ptr, sb_ptr, n_offs, nmask, k0, K, N, BN, BK, CDT, MXB), a, acc_b, CDT)
-    return acc_a, acc_b
+        acc = _dot_t(_mx_tile(wp[:, None, None], sp[:, None], rows, rmask, k0, K, N, 2 * BN, BK, CDT, MXB), a,
+                     acc, CDT) * unit
+    g, u = tl.split(tl.reshape(acc, (2, BN, BT)).permute(1, 2, 0))
+    return g, u
 
 
 @triton.jit
 def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_ptr, h_ptr,
-                   w1_ptr, s1_ptr, w3_ptr, s3_ptr, limit,
+                   w1_ptr, s1_ptr, w3_ptr, s3_ptr, limit, unit,
                    D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, BT: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, HAS_LIMIT: tl.constexpr, XDT: tl.constexpr,
                    CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr = False):
@@ -149,7 +160,7 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
         nmask = n_offs < I
         p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, 2)
         p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, 2)
-        g, u = _gemm_wt(x_ptr, rows // KTOP, valid, p1, q1, p3, q3, n_offs, nmask, D, I, BN, BT, BK,
+        g, u = _gemm_wt(x_ptr, rows // KTOP, valid, p1, q1, p3, q3, tl.program_id(1) * BN, unit, D, I, BN, BT, BK,
                         CDT, PIPE, MXB)
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
         h = _swiglu(g, u, limit, HAS_LIMIT) * rw[None, :]
@@ -169,7 +180,7 @@ def run(L: Launch) -> None:
     order, tile_e, tile_r0, tile_r1 = _expert_tiles(L.ids.view(-1), L.E, L.BM)
     if L.wt:
         _w13_wt_kernel[(tile_e.numel(), nt1)](
-            xh, order, tile_e, tile_r0, tile_r1, L.rw, L.h, d1, s1, d3, s3, L.limit, D=L.D, I=L.I,
+            xh, order, tile_e, tile_r0, tile_r1, L.rw, L.h, d1, s1, d3, s3, L.limit, 1.0, D=L.D, I=L.I,
             KTOP=L.k, BT=L.BM, BN=bn1, BK=bk1, HAS_LIMIT=L.limit > 0, XDT=L.xdt, CDT=L.xdt, PIPE=pp1, MXB=L.mx_bf16,
             num_warps=nw1, num_stages=ns1)
     else:
