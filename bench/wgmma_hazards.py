@@ -269,7 +269,9 @@ def main() -> int:
         mma = sum(text.count(m) for m in _MMA)
         found = hazards(text)
         bad += bool(found)
-        print(f"{where:36s} {name:28s} {mma:4d} MMA  {'RACE: ' + found[0] if found else 'ok'}", flush=True)
+        usage = compile_sm90._usage(kernel.asm["cubin"])          # registers, stack (spills) per thread
+        print(f"{where:36s} {name:28s} {mma:4d} MMA  {usage:38s} {'RACE: ' + found[0] if found else 'ok'}",
+              flush=True)
     for key in a.only or SCANS:
         SCANS[key](report)
     print(f"{bad} kernel variant(s) with a register race on an in-flight MMA")

@@ -151,6 +151,18 @@ def test_attention_prefill(kind, layout, dtype, target, poison):
 
 
 @cpu_only
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_attention_prefill_tables_by_groups(kind, poison, monkeypatch):
+    """Key tables over the budget (``TABLE_BYTES``) go one group of sequences at a time: the same
+    result as all at once."""
+    args, comp = _attn_case(kind, "fp8", torch.float32, B=3, S=5, H=3, hd=40, rope=8, W=4, n_ent=12, k=5,
+                            starts=[13, 0, 6], seed=8, unrot=True)
+    whole = _check_attention(args, comp, torch.float32, _target_programs=1)
+    monkeypatch.setattr(ka, "TABLE_BYTES", 1)
+    assert torch.equal(_check_attention(args, comp, torch.float32, _target_programs=1), whole)
+
+
+@cpu_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_attention_prefill_csa_entry_bound(dtype, poison):
     """The unsplit kernel's compressed-entry table holds only ``comp_bound`` entries when the caller

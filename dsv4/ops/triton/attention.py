@@ -493,6 +493,10 @@ def _rows_config(H: int, hd: int, itemsize: int = 2) -> tuple[int, int, int, int
 
 
 W_TABLE, C_TABLE = True, False
+#: bytes of key tables (:func:`_rows_table`) one prefill attention call holds at a time: sequences
+#: are taken in groups that fit (a long context's entries are ~256 MiB a sequence at 1M positions),
+#: within the engine's working margin (``engine.limits.WORKING_MARGIN_BYTES``)
+TABLE_BYTES = 256 << 20
 #: rows of a key table a program of :func:`_rows_table_kernel` writes
 TABLE_ROWS = 16
 
@@ -617,17 +621,19 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
     if splits == 1:
         # a prefill (enough queries to fill the GPU unsplit): plain tiles, one GEMM of K = hd a product
         rbh, rbn, rwarps, rstages = _rows_config(H, hd, q.element_size())
-        win = _rows_table(kv_new, slots, start, ring_p, window, W_TABLE, hd, dp)
-        ctab, ntab = win, 0
-        if has_comp:
-            ntab = comp_bound if comp_bound > 0 else cd.shape[1]
-            ctab = _rows_table(kv_new, slots, start, comp_p, ntab, C_TABLE, hd, dp)
-        _attn_rows_kernel[(B * S, triton.cdiv(H, rbh))](
-            q, win, ctab, out, sink, start, idx, clen, cos, sin, S, H, nc, ntab, float(scale) * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2), *rope_args,
-            W=window, HD=hd, DP=dp, BH=rbh, BN=rbn, HAS_COMP=has_comp, DENSE=dense, UNROT=unrot,
-            BR2=triton.next_power_of_2(rd2), PREC="ieee" if dtype == torch.float32 else "tf32",
-            num_warps=rwarps, num_stages=rstages)
+        ntab = (comp_bound if comp_bound > 0 else cd.shape[1]) if has_comp else 0
+        # the key tables of a group of sequences at a time, within TABLE_BYTES (one sequence at least)
+        group = max(1, TABLE_BYTES // ((window + S + ntab) * hd * q.element_size()))
+        for b0 in range(0, B, group):
+            g = slice(b0, min(B, b0 + group))
+            win = _rows_table(kv_new[g], slots[g], start[g], ring_p, window, W_TABLE, hd, dp)
+            ctab = _rows_table(kv_new[g], slots[g], start[g], comp_p, ntab, C_TABLE, hd, dp) if has_comp else win
+            _attn_rows_kernel[(kv_new[g].shape[0] * S, triton.cdiv(H, rbh))](
+                q[g], win, ctab, out[g], sink, start[g], idx[g], clen[g], cos[g], sin[g], S, H, nc, ntab,
+                float(scale) * _LOG2E, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
+                out.stride(2), *rope_args, W=window, HD=hd, DP=dp, BH=rbh, BN=rbn, HAS_COMP=has_comp, DENSE=dense,
+                UNROT=unrot, BR2=triton.next_power_of_2(rd2), PREC="ieee" if dtype == torch.float32 else "tf32",
+                num_warps=rwarps, num_stages=rstages)
         return out
     cnt = _counters(dev)                        # may refuse (first use inside a graph capture)
     pacc = runtime.empty((B * S, H, splits, hd), torch.float32, dev)
