@@ -138,11 +138,12 @@ def _exact_dequantized(fmt: FormatCode, pow2: bool, dtype: torch.dtype) -> bool:
 def register_mma_safe() -> bool:
     """Whether the transposed gate/up GEMM (``moe_grouped._gemm_wt``: a pipelined Hopper MMA whose
     left operand, the decoded weights, sits in registers) may run with the ptxas Triton compiles with.
-    ptxas from 13.3 on keeps such an MMA's registers until it retires (triton-lang/triton#9433); 12.8,
-    the one Triton 3.6 ships, happens to for this kernel's variants, which CI checks on every run
-    (``tests/test_kernel_registers.py``, ``bench/wgmma_hazards.py``). Any other ptxas, or one that
-    cannot be asked: the untransposed kernels (the decoded weights go through shared memory). Not
-    Hopper (the interpreter, Blackwell's MMAs): safe."""
+    ptxas from 13.3 on keeps such an MMA's registers until it retires (triton-lang/triton#9433). The
+    kernel now retires each K step's product before the next step's decode (its ``unit`` factor), as
+    the FP8 GEMV does; with 12.8, the one Triton 3.6 ships, CI checks its compiled variants on every
+    run (``tests/test_kernel_registers.py``, ``bench/wgmma_hazards.py``). A ptxas no run has checked,
+    or one that cannot be asked, still takes the untransposed kernels (the decoded weights go through
+    shared memory). Not Hopper (the interpreter, Blackwell's MMAs): safe."""
     if runtime.interpreting():
         return True
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10:
