@@ -68,6 +68,9 @@ CASES = [
     ("stacked, w13 BN 32 BK 128 s3", "grouped_mxfp4_wide", _c((32, 128, 8, 3, 3), (128, 64, 8, 3, 3), True)),
     ("stacked, w13 BN 64 BK 128 s3 (128-pair tiles)", "grouped_mxfp4", _c((64, 128, 8, 3, 3), (128, 128, 8, 3, 3), True)),
     ("stacked, w13 BN 64 BK 64 s4 (128-pair tiles)", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 128, 8, 3, 3), True)),
+    # (27 on) 16 warps: 128 registers a thread, no spills, no race (CPU compile; not yet timed)
+    ("stacked w16, w2 w8", "grouped_mxfp4_wide", _c((64, 64, 16, 4, 4), (128, 64, 8, 3, 3), True)),
+    ("stacked w16, w2 w16", "grouped_mxfp4_wide", _c((64, 64, 16, 4, 4), (128, 64, 16, 3, 3), True)),
 ]
 
 
