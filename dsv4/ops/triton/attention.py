@@ -492,7 +492,6 @@ def _rows_config(H: int, hd: int, itemsize: int = 2) -> tuple[int, int, int, int
     return max(16, min(64, triton.next_power_of_2(H))), 64, 8, 2
 
 
-W_TABLE, C_TABLE = True, False
 #: bytes of key tables (:func:`_rows_table`) one prefill attention call holds at a time: sequences
 #: are taken in groups that fit (a long context's entries are ~256 MiB a sequence at 1M positions),
 #: within the engine's working margin (``engine.limits.WORKING_MARGIN_BYTES``)
@@ -502,7 +501,7 @@ TABLE_ROWS = 16
 
 
 def _rows_table(kv_new: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, parts: tuple, n: int,
-                window: bool, hd: int, dp: int) -> torch.Tensor:
+                hd: int, dp: int, *, window: bool) -> torch.Tensor:
     """The prefill kernel's key table ``[B, rows, hd]`` in ``kv_new``'s dtype (:func:`_rows_table_kernel`):
     the window (``n`` = the window, ``n + S`` rows) or ``n`` compressed entries, of each sequence."""
     B, S = kv_new.shape[:2]
@@ -626,8 +625,8 @@ def sparse_attention_triton(q: torch.Tensor, kv_new: torch.Tensor, ring: object,
         group = max(1, TABLE_BYTES // ((window + S + ntab) * hd * q.element_size()))
         for b0 in range(0, B, group):
             g = slice(b0, min(B, b0 + group))
-            win = _rows_table(kv_new[g], slots[g], start[g], ring_p, window, W_TABLE, hd, dp)
-            ctab = _rows_table(kv_new[g], slots[g], start[g], comp_p, ntab, C_TABLE, hd, dp) if has_comp else win
+            win = _rows_table(kv_new[g], slots[g], start[g], ring_p, window, hd, dp, window=True)
+            ctab = _rows_table(kv_new[g], slots[g], start[g], comp_p, ntab, hd, dp, window=False) if has_comp else win
             _attn_rows_kernel[(kv_new[g].shape[0] * S, triton.cdiv(H, rbh))](
                 q[g], win, ctab, out[g], sink, start[g], idx[g], clen[g], cos[g], sin[g], S, H, nc, ntab,
                 float(scale) * _LOG2E, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
