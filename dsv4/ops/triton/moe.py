@@ -213,6 +213,7 @@ class Launch:
     out: torch.Tensor                         # [T, D]
     shared: SharedLaunch | None = None        # the shared expert, run by the decode kernels
     wt: bool = False                          # the gate/up GEMM transposed (moe_grouped._gemm_wt)
+    wt2: bool = False                         # the down GEMM transposed too (moe_grouped._w2_wt_kernel)
     mx_bf16: bool = False                     # MXFP4 tiles dequantized in bf16 (_scales_fit_bf16)
 
 
@@ -356,6 +357,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     if fp8:
         w13, w2cfg = (w13[0], 128, *w13[2:]), (w2cfg[0], 128, *w2cfg[2:])
     L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg, wt=cfg.get("wt", False),
+               wt2=cfg.get("wt2", False),
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
                q_dtype=q_dtype, limit=float(limit), x=x,
                # (decode: the kernels round x themselves, moe_decode.run)
