@@ -80,10 +80,15 @@ CONFIGS = {
     # rows (each decoded weight value serves twice the pairs): H200, Flash layer, 8192 tokens
     # (bench/moe_prefill_tune.py --cases 11 16 --bm 128 256, results/2026-11-28e) 7.30 -> 6.53 ms. The
     # down GEMM untransposed, 64-wide K steps (its transposed variants race, as above).
-    # Both gate/up configs: the gate and up rows stacked into one MMA of 128 rows, 64-wide K steps,
-    # four stages (moe_grouped._gemm_wt; before, two MMAs of 64 rows spilled at 255 registers). H200,
-    # same run (results/2026-11-28f/call4_*): 8192 tokens 6.53 -> 6.11 ms, 4096 tokens 3.78 -> 3.74 ms
-    "grouped_mxfp4_wide": dict(w13=(64, 64, 8, 4, 4), w2=(128, 64, 8, 3, 3), wt=True),
+    # Both gate/up configs: the gate and up rows stacked into one MMA (moe_grouped._gemm_wt; before,
+    # two MMAs of 64 rows spilled at 255 registers). H200, same run (results/2026-11-28f/call4_*):
+    # 8192 tokens 6.53 -> 6.11 ms, 4096 tokens 3.78 -> 3.74 ms. Then for 256-pair tiles one warpgroup
+    # a program (32 + 32 stacked rows, 3 stages: 248 registers, two programs a multiprocessor, which
+    # wait at no common barrier, so one decodes while the other multiplies), and the down GEMM at 4
+    # stages: H200, 8192 tokens (results/2026-11-28g/call4_moe_8192.txt) gate/up 6.10 -> 5.64 ms,
+    # down 3.19 -> 3.02 ms, the MoE 9.78 -> 9.16 ms. (At 128-pair tiles one warpgroup a program was
+    # slower: 3.73 -> 3.83 ms at 4096 tokens, call3_moe_4096.txt.)
+    "grouped_mxfp4_wide": dict(w13=(32, 64, 4, 3, 3), w2=(128, 64, 8, 4, 4), wt=True),
     # ... fewer pairs an expert (short prompts, mixed steps): BM 16 below 24 an expert, else 64, four
     # warps and four stages. H100, Flash layer (results/2026-11-27b/moe_tune_*.txt), the MoE's two
     # GEMMs, before -> after: 512 tokens (12 pairs an expert) 4.64 -> 2.58 ms; 1024 (24) 4.70 ->
@@ -213,7 +218,6 @@ class Launch:
     out: torch.Tensor                         # [T, D]
     shared: SharedLaunch | None = None        # the shared expert, run by the decode kernels
     wt: bool = False                          # the gate/up GEMM transposed (moe_grouped._gemm_wt)
-    wt2: bool = False                         # the down GEMM transposed too (moe_grouped._w2_wt_kernel)
     mx_bf16: bool = False                     # MXFP4 tiles dequantized in bf16 (_scales_fit_bf16)
 
 
@@ -357,7 +361,6 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     if fp8:
         w13, w2cfg = (w13[0], 128, *w13[2:]), (w2cfg[0], 128, *w2cfg[2:])
     L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg, wt=cfg.get("wt", False),
-               wt2=cfg.get("wt2", False),
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
                q_dtype=q_dtype, limit=float(limit), x=x,
                # (decode: the kernels round x themselves, moe_decode.run)

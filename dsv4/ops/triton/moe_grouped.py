@@ -11,8 +11,9 @@ values); then ``_combine_kernel``. MXFP4 experts with power-of-two act-quant sca
 dequantized operands, the gate/up GEMM from 64 pairs an expert on in ``_w13_wt_kernel``: the same
 products transposed, the decoded weight rows on the MMA's M side (:func:`_gemm_wt`). (The down GEMM
 stays untransposed: transposed, its decoded weights, the MMA's register operand, were overwritten by
-the next K step while the MMA could still run, in every variant Triton 3.6 compiled;
-``bench/wgmma_hazards.py``.)
+the next K step while the MMA could still run, in every variant Triton 3.6 compiled
+(``bench/wgmma_hazards.py``); with each K step retired it raced no more but was no faster, H200,
+8192 tokens: 3.22 against 3.19 ms, results/2026-11-28g/call2_moe_8192.txt.)
 """
 
 from __future__ import annotations
@@ -116,42 +117,33 @@ def _dot_t(w, a, acc, CDT: tl.constexpr):
 @triton.jit
 def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n0, unit,
              K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-             CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr, PAIR: tl.constexpr):
-    """``W[n] @ A[a_rows]^T`` over all of ``K``, fp32: an MXFP4 expert's rows ``n = n0 .. n0 + BN - 1``
-    times a tile's dequantized inputs ``x̂`` (exact in bf16 / fp32 like the weights ``e2m1 *
-    2^(s-127)``: one dot per K tile). ``PAIR``: two experts' rows (gate ``Wa`` and up ``Wb``) stacked
-    into one ``[2 BN, BT]`` result, gate rows first; else ``Wa``'s alone, ``[BN, BT]``.
+             CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr):
+    """``[Wa[n]; Wb[n]] @ A[a_rows]^T`` over all of ``K``, fp32 ``[2 BN, BT]``: two MXFP4 experts'
+    rows ``n = n0 .. n0 + BN - 1`` (gate ``Wa``, then up ``Wb``) times a tile's dequantized inputs
+    ``x̂`` (exact in bf16 / fp32 like the weights ``e2m1 * 2^(s-127)``: one dot per K tile).
 
     The transpose of :func:`.moe_experts._gemm`'s product: the decoded weight tile is the MMA's
     left operand, which Hopper's wgmma takes from registers (only the right one must sit in shared
     memory), and the tile's pairs are its N side. Faster for 128-pair tiles (bench/moe_prefill_tune.py,
     H100, Flash layer, 4096 tokens: 8.74 -> 6.11 ms for both GEMMs; see ``moe.CONFIGS``).
 
-    Gate and up rows are stacked into one ``[2 BN, BK]`` left operand, one MMA a K step: with 8 warps
-    one warpgroup decodes and multiplies the gate rows, the other the up rows. (As two products of
-    ``BN`` rows each warpgroup took half the pairs and so decoded and held both tiles whole: 255
-    registers and spills, ncu at 8192 tokens, results/2026-11-28f.)
+    Gate and up rows are stacked into one ``[2 BN, BK]`` left operand, one MMA a K step. (As two
+    products of ``BN`` rows, with 8 warps each warpgroup took half the pairs and so decoded and held
+    both tiles whole: 255 registers and spills, ncu at 8192 tokens, results/2026-11-28f.)
 
     Each K step's product is multiplied by ``unit`` (1.0 at run time, unknown to the compiler): the
     MMA is retired before the next step decodes its tile. Left in flight, Triton 3.6's pipelined MMA
     had its register operand overwritten by the next tile (bench/wgmma_hazards.py)."""
-    if PAIR:
-        r = tl.arange(0, 2 * BN)
-        up = r >= BN
-        rows = n0 + r % BN
-        wp = tl.where(up, wb_ptr, wa_ptr)
-        sp = tl.where(up, sb_ptr, sa_ptr)
-        RB: tl.constexpr = 2 * BN
-    else:
-        rows = n0 + tl.arange(0, BN)
-        wp = wa_ptr + 0 * rows
-        sp = sa_ptr + 0 * rows
-        RB: tl.constexpr = BN
+    r = tl.arange(0, 2 * BN)
+    up = r >= BN
+    rows = n0 + r % BN
     rmask = rows < N
-    acc = tl.zeros((RB, BT), tl.float32)
+    wp = tl.where(up, wb_ptr, wa_ptr)
+    sp = tl.where(up, sb_ptr, sa_ptr)
+    acc = tl.zeros((2 * BN, BT), tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=PIPE):
         a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
-        acc = _dot_t(_mx_tile(wp[:, None, None], sp[:, None], rows, rmask, k0, K, N, RB, BK, CDT, MXB), a,
+        acc = _dot_t(_mx_tile(wp[:, None, None], sp[:, None], rows, rmask, k0, K, N, 2 * BN, BK, CDT, MXB), a,
                      acc, CDT) * unit
     return acc
 
@@ -172,28 +164,12 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
         p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, 2)
         p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, 2)
         acc = _gemm_wt(x_ptr, rows // KTOP, valid, p1, q1, p3, q3, tl.program_id(1) * BN, unit, D, I, BN, BT, BK,
-                       CDT, PIPE, MXB, True)
+                       CDT, PIPE, MXB)
         g, u = tl.split(tl.reshape(acc, (2, BN, BT)).permute(1, 2, 0))
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
         h = _swiglu(g, u, limit, HAS_LIMIT) * rw[None, :]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * I + n_offs[:, None], h.to(XDT),
                  mask=valid[None, :] & nmask[:, None])
-
-
-@triton.jit
-def _w2_wt_kernel(h_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, y_ptr, w2_ptr, s2_ptr, unit,
-                  D: tl.constexpr, I: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr = False):
-    """MXFP4 down projection of one tile (``BT`` pairs of one expert) x ``BN`` columns of ``y``
-    (fp32), like :func:`_w2_grouped_kernel`, on the dequantized operands (:func:`_gemm_wt`)."""
-    e, rows, valid = _tile_rows(order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BT)
-    if e >= 0:
-        n_offs = tl.program_id(1) * BN + tl.arange(0, BN)
-        p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, 2)
-        y = _gemm_wt(h_ptr, rows, valid, p2, q2, p2, q2, tl.program_id(1) * BN, unit, I, D, BN, BT, BK,
-                     CDT, PIPE, MXB, False)
-        tl.store(y_ptr + rows[None, :].to(tl.int64) * D + n_offs[:, None], y,
-                 mask=valid[None, :] & (n_offs < D)[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -217,14 +193,9 @@ def run(L: Launch) -> None:
             L.limit, D=L.D, I=L.I, KTOP=L.k, BN=bn1, BK=bk1, HAS_LIMIT=L.limit > 0, PIPE=pp1, num_warps=nw1,
             num_stages=ns1, **common)
     hh, hq, hs = quantized(L.h, L.act_quant, L.pow2, L.qdot, L.q_dtype, L.ids)
-    if L.wt2:
-        _w2_wt_kernel[(tile_e.numel(), nt2)](
-            hh, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, 1.0, D=L.D, I=L.I, BT=L.BM, BN=bn2, BK=bk2,
-            CDT=L.xdt, PIPE=pp2, MXB=L.mx_bf16, num_warps=nw2, num_stages=ns2)
-    else:
-        _w2_grouped_kernel[(tile_e.numel(), nt2)](
-            hh, hq, hs, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, g2, D=L.D, I=L.I, BN=bn2, BK=bk2,
-            PIPE=pp2, num_warps=nw2, num_stages=ns2, **common)
+    _w2_grouped_kernel[(tile_e.numel(), nt2)](
+        hh, hq, hs, order, tile_e, tile_r0, tile_r1, L.y, d2, s2, g2, D=L.D, I=L.I, BN=bn2, BK=bk2,
+        PIPE=pp2, num_warps=nw2, num_stages=ns2, **common)
     _combine_kernel[(L.T, triton.cdiv(L.D, COMBINE_BN))](
         L.y, L.ids, L.out, D=L.D, KTOP=L.k, BN=COMBINE_BN, XDT=L.xdt, num_warps=4)
 
