@@ -41,6 +41,21 @@ def _sync_debug():
         torch.cuda.set_sync_debug_mode(0)
 
 
+def _gaps(kernels: list, wall: float, top: int = 5) -> None:
+    """Where the GPU idles inside one prefill: the kernels' span against the wall time, the idle time
+    between kernels inside the span and its largest gaps (with the kernels on either side): what a
+    launch-bound stretch, a host sync or a slow host step between kernels costs."""
+    ks = sorted(kernels, key=lambda e: e.time_range.start)
+    if not ks:
+        return
+    span = (ks[-1].time_range.end - ks[0].time_range.start) / 1e6
+    busy = sum(e.device_time for e in ks) / 1e6
+    gaps = sorted(((b.time_range.start - a.time_range.end) / 1e3, a.name[:40], b.name[:40])
+                  for a, b in zip(ks, ks[1:]))[::-1]
+    print(f"    GPU: kernels span {span * 1e3:.2f} ms of the {wall * 1e3:.2f} ms wall, idle {(span - busy) * 1e3:.2f} ms "
+          f"inside it; largest gaps: " + "; ".join(f"{g:.2f} ms {a} -> {b}" for g, a, b in gaps[:top]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="flash")
@@ -92,6 +107,7 @@ def main() -> None:
               f"{len(kernels) / args.layers:.0f} per layer) | {syncs} host syncs | {n / wall:8.0f} tok/s", flush=True)
         if sync_at:
             print(f"    syncs at {', '.join(sync_at)}")
+        _gaps(kernels, wall)
         if n == args.lengths[-1] or n == 128:
             by_name: dict[str, list[float]] = {}
             for e in kernels:
