@@ -2,7 +2,8 @@
 
     python bench/profile_prefill.py [--layers 4] [--format fp8-mxfp4] [--lengths 16 64 128 256 512]
 
-One eager B=1 prefill (what the scheduler runs for every prompt chunk) on an empty slot, per length:
+One eager B=1 prefill (the step the scheduler runs for a whole prompt: a new sequence, its first
+token sampled) on an empty slot, per length:
 the wall time (synchronized), the host time of the call (the time Python spends launching; when
 it is close to the wall time the prefill is launch-bound, not GPU-bound), the GPU kernel time
 and kernel count from the profiler, and the host-device synchronizations counted by
@@ -25,10 +26,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsv4.config import preset  # noqa: E402
+from dsv4.engine.batch import NewSequence, Row, ScheduledBatch  # noqa: E402
 from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.engine.sampling import SamplingParams  # noqa: E402
 from dsv4.random_weights import build_random_model  # noqa: E402
-from dsv4.testing import prefill  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -64,6 +65,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 128, 256, 512])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--ops", action="store_true",
+                    help="also the torch ops of the last length by their kernels' time, with input shapes "
+                         "(which op launched an unnamed elementwise kernel)")
     ap.add_argument("--cprofile", type=int, nargs="*", default=[16, 128],
                     help="prompt lengths whose prefill's host time is broken down by cProfile")
     args = ap.parse_args()
@@ -75,12 +79,12 @@ def main() -> None:
 
     def once(n: int, around=contextlib.nullcontext) -> tuple[float, float]:
         """One prefill of ``n`` random tokens, the call alone inside ``around()``: (host, wall) s."""
-        ids = torch.randint(2, config.vocab_size, (n,), generator=g).tolist()
-        runner.start(0, params, ids)
+        ids = tuple(torch.randint(2, config.vocab_size, (n,), generator=g).tolist())
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with around():
-            prefill(runner, 0, ids)
+            # the row a step runs for a whole prompt: the slot emptied, the first token sampled
+            runner.run(ScheduledBatch((Row(0, 0, ids, new=NewSequence(params, ids)),)))
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t0
@@ -98,7 +102,8 @@ def main() -> None:
         synced = [w for w in caught if "synchronizing" in str(w.message)]
         sync_at = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in synced})
         syncs = len(synced)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     record_shapes=args.ops and n == args.lengths[-1]) as prof:
             once(n)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         ktime = sum(e.device_time for e in kernels) / 1e6
@@ -108,6 +113,10 @@ def main() -> None:
         if sync_at:
             print(f"    syncs at {', '.join(sync_at)}")
         _gaps(kernels, wall)
+        if args.ops and n == args.lengths[-1]:
+            print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total",
+                                                                      row_limit=args.top * 2, max_name_column_width=40,
+                                                                      max_shapes_column_width=70))
         if n == args.lengths[-1] or n == 128:
             by_name: dict[str, list[float]] = {}
             for e in kernels:
