@@ -658,7 +658,7 @@ def linear_pair_triton(x: torch.Tensor, w1: object, w2: object, act_quant: bool 
     """Two weights of one format on the same input (``wq_a`` and ``wkv``); see
     :func:`dsv4.ops.reference_fused.linear_pair`. Decode: one launch of the split-K GEMV over both
     weights' rows, the results views of one ``[..., N1 + N2]`` buffer. Prefill: the GEMM per weight,
-    on one quantized input.
+    on one quantized input, each result contiguous.
     Plain weights (the compressor's BF16 ``wkv`` and ``wgate``) take the decode kernel's plain path
     (their input is never rounded); their prefill is the reference's matmul. Weights of two formats:
     a launch each. ``_config`` forces the decode tiling (tests)."""
@@ -675,17 +675,23 @@ def linear_pair_triton(x: torch.Tensor, w1: object, w2: object, act_quant: bool 
         return _linear_op(x, w1, act_quant, pow2, out_dtype), _linear_op(x, w2, act_quant, pow2, out_dtype)
     if isinstance(w1, torch.Tensor):
         act_quant = False                 # a plain weight's input is never rounded (reference.linear)
-    out = runtime.empty((x2.shape[0], N1 + N2), out_dtype, x.device)
     if decode:
+        out = runtime.empty((x2.shape[0], N1 + N2), out_dtype, x.device)
         _run_skinny(x2.unsqueeze(1), w1, act_quant, pow2, out.unsqueeze(1), 1, N1, who, _config, w2=w2)
-    elif x2.shape[0]:
+        out = out.view(*x.shape[:-1], N1 + N2)
+        return out[..., :N1], out[..., N1:]
+    # Prefill: each result in its own contiguous buffer. (As views of one [M, N1 + N2] buffer, a
+    # consumer that flattens heads, CSA's queries [M, H, hd], copied the whole result first: 0.6 ms
+    # at 8192 tokens on an H200, results/2026-11-28g/call8_profile_prefill_ops.txt.)
+    out1 = runtime.empty((x2.shape[0], N1), out_dtype, x.device)
+    out2 = runtime.empty((x2.shape[0], N2), out_dtype, x.device)
+    if x2.shape[0]:
         # one quantized input for both GEMMs (the same rounding of the same x: one launch fewer)
         x3 = x2.unsqueeze(1)
         operand = _gemm_operand(x2, _weight_args(w1, who)[0], pow2) if act_quant else None
-        _run_gemm(x3, w1, act_quant, pow2, out[:, :N1].unsqueeze(1), 1, N1, who, operand=operand)
-        _run_gemm(x3, w2, act_quant, pow2, out[:, N1:].unsqueeze(1), 1, N2, who, operand=operand)
-    out = out.view(*x.shape[:-1], N1 + N2)
-    return out[..., :N1], out[..., N1:]
+        _run_gemm(x3, w1, act_quant, pow2, out1.unsqueeze(1), 1, N1, who, operand=operand)
+        _run_gemm(x3, w2, act_quant, pow2, out2.unsqueeze(1), 1, N2, who, operand=operand)
+    return out1.view(*x.shape[:-1], N1), out2.view(*x.shape[:-1], N2)
 
 
 def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str | None = None,
@@ -703,9 +709,14 @@ def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str
     x3 = x.reshape(-1, groups, K)
     if (_path is None and x3.shape[0] >= GROUPED_DENSE_MIN_M and isinstance(w, Fp8BlockWeight)
             and x.dtype in (torch.bfloat16, torch.float16) and not runtime.interpreting()):
-        # the reference's own computation (bit for bit): tensor cores at cuBLAS's rate
+        # the reference's own computation (bit for bit): tensor cores at cuBLAS's rate. The batched
+        # GEMM its einsum runs, written straight into token-major rows: the einsum's result is
+        # group-major, and wo_b's input then copied it whole (0.17 ms a layer at 8192 tokens on an
+        # H200, results/2026-11-28g/call8_profile_prefill_ops.txt).
         wg = fp8_dequantize_triton(w, x.dtype).unflatten(0, (groups, R))
-        return torch.einsum("mgk,grk->mgr", x3, wg).view(*x.shape[:-1], R)
+        out = runtime.empty((x3.shape[0], groups, R), x.dtype, x.device)
+        torch.bmm(x3.transpose(0, 1), wg.transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(*x.shape[:-1], R)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     out = runtime.empty((x3.shape[0], groups, R), x.dtype, x.device)
