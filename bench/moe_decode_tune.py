@@ -4,6 +4,8 @@ FP8 shared expert inside the same launches, act-quant on.
 
     python bench/moe_decode_tune.py                            # 1 / 8 / 32 tokens, the default grid
     python bench/moe_decode_tune.py --compile-only --part 3/8  # fill the Triton cache (run 8 at once)
+    python bench/moe_decode_tune.py --path grouped             # the same tokens through the prefill's grouped
+                                                               # tiles instead (16 pairs a tile, tensor cores)
 
 A config is ``w13=(BN, BK, warps, stages, PIPE) w2=(...)`` (``PIPE``: the K loop's software
 pipelining depth, 1 = none). Timing: a CUDA graph of ``ROTATE`` calls, each with its own random ids
@@ -43,12 +45,25 @@ def grid() -> list[tuple[tuple, tuple]]:
     return out
 
 
+def grouped_grid() -> list[tuple[tuple, tuple]]:
+    """``--path grouped``: (w13, w2) configs of the few-pairs-an-expert grouped tiles
+    (``moe.CONFIGS["grouped_mxfp4_few"]``, BM 16), main's first."""
+    from dsv4.ops.triton.moe import CONFIGS
+    main = (CONFIGS["grouped_mxfp4_few"]["w13"], CONFIGS["grouped_mxfp4_few"]["w2"])
+    return [main, ((32, 128, 4, 4, 3), (64, 128, 4, 4, 3)), ((64, 256, 4, 3, 3), (128, 256, 4, 3, 3)),
+            ((32, 256, 4, 3, 3), (64, 256, 4, 3, 3)), ((64, 128, 4, 3, 1), (128, 128, 4, 3, 1))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--compile-only", action="store_true", help="compile this part's configs, time nothing")
     ap.add_argument("--part", default="0/1", help="i/n: the i-th of n slices of the grid (with --compile-only)")
     ap.add_argument("--configs", type=int, nargs="*", help="indices into the grid (default: all)")
+    ap.add_argument("--path", choices=["gemv", "grouped"], default="gemv",
+                    help="gemv: the decode kernels (the engine's up to moe.DECODE_MAX_PAIRS pairs); grouped: "
+                         "the prefill's grouped GEMMs forced at these sizes (the shared expert then runs "
+                         "as its own GEMVs)")
     args = ap.parse_args()
     from dsv4 import ops
     from dsv4.ops.triton import moe
@@ -58,7 +73,11 @@ def main() -> None:
     shared = (fp8_weight(I, D, g, dev), fp8_weight(I, D, g, dev), fp8_weight(D, I, g, dev))
     per_expert = (w1.nbytes + w3.nbytes + w2.nbytes) / E
     shared_bytes = sum(w.nbytes for w in shared)
-    configs = grid()
+    key = "gemv" if args.path == "gemv" else "grouped_mxfp4_few"
+    configs = grid() if args.path == "gemv" else grouped_grid()
+    max_pairs = moe.DECODE_MAX_PAIRS
+    if args.path == "grouped":
+        moe.DECODE_MAX_PAIRS = -1
     idx = args.configs if args.configs else range(len(configs))
     if args.compile_only:
         i, n = (int(v) for v in args.part.split("/"))
@@ -70,7 +89,7 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}: copy {gbs:.0f} GB/s; Flash MoE layer decode (MXFP4 experts, FP8 shared "
               f"expert, act-quant), graph of {ROTATE} calls with their own ids")
         print(f"{'#':>3} {'w13 (BN,BK,warps,stages,PIPE)':>30} {'w2':>22} " + " ".join(
-            f"{'T=' + str(T) + ' us':>10} {'GB/s':>6}" for T in args.tokens))
+            f"{'T=' + str(T) + ' us':>10} {'GB/s':>6}" for T in args.tokens) + f"  ({args.path})")
         src = dst = None
     inputs = {}
     for T in args.tokens:
@@ -84,11 +103,11 @@ def main() -> None:
             calls.append((ids, rw))
         inputs[T] = (x, calls, (distinct * per_expert + ROTATE * shared_bytes) / ROTATE)
     ref_out = {}
-    saved = dict(moe.CONFIGS["gemv"])
+    saved = dict(moe.CONFIGS[key])
     try:
         for j in idx:
             w13, w2c = configs[j]
-            moe.CONFIGS["gemv"] = dict(w13=w13, w2=w2c)
+            moe.CONFIGS[key] = dict(w13=w13, w2=w2c)
             cells = []
             for T in args.tokens:
                 x, calls, nbytes = inputs[T]
@@ -111,7 +130,8 @@ def main() -> None:
             if not args.compile_only:
                 print(f"{j:3d} {str(w13):>30} {str(w2c):>22} " + " ".join(cells), flush=True)
     finally:
-        moe.CONFIGS["gemv"] = saved
+        moe.CONFIGS[key] = saved
+        moe.DECODE_MAX_PAIRS = max_pairs
 
 
 if __name__ == "__main__":
