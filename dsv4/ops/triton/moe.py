@@ -53,6 +53,13 @@ from .moe_experts import quantized
 
 #: pairs (tokens x top-k) up to which the decode kernels run; above, the grouped GEMM
 DECODE_MAX_PAIRS = 256
+#: ... and for MXFP4 experts with act-quant whose grouped GEMM runs on the exactly dequantized
+#: operands (the engine's QAT path): the 16-pair tiles on tensor cores decode a weight value in fewer instructions
+#: than the CUDA-core GEMV, which is bound by them from 8 tokens on. H200, Flash layer with its FP8
+#: shared expert, a CUDA graph of calls with their own ids (bench/moe_decode_tune.py and its --path
+#: grouped, results/2026-11-28g/call10_moe_decode_paths.txt), GEMV -> grouped: 1 token 80 -> 127 us,
+#: 8 tokens 423 -> 413, 16 tokens 794 -> 697, 32 tokens 1509 -> 1104 us
+MXFP4_DECODE_MAX_PAIRS = 48
 #: tokens up to which the decode kernels also run the shared expert (one more expert a token, its
 #: weights read once per token); above, the linear ops run it as one batched GEMV. H100, Flash layer
 #: (MXFP4 routed, FP8 shared, act-quant), the MoE with its shared expert: fused 0.080 / 0.134 /
@@ -342,7 +349,8 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     d3, s3, g3 = _weight_tensors(w3, "w3")
     d2, s2, g2 = _weight_tensors(w2, "w2")
     P = T * k
-    decode = P <= DECODE_MAX_PAIRS
+    mx_exact = bool(act_quant) and _exact_dequantized(fmt, pow2, x.dtype)     # (measured with act-quant only)
+    decode = P <= (min(DECODE_MAX_PAIRS, MXFP4_DECODE_MAX_PAIRS) if mx_exact else DECODE_MAX_PAIRS)
     fused = _shared_operands(shared, x, D, I) if shared is not None and decode and P and T <= SHARED_FUSED_MAX_TOKENS \
         else None
     if P == 0:
