@@ -159,6 +159,25 @@ def test_every_format_path_and_act_quant(monkeypatch, fmt, act, path):
         _run(fmt, 37, 2, 4, 128, 128, act)
 
 
+@pytest.mark.parametrize("T, grouped", [(8, False), (9, True)])
+def test_mxfp4_decode_batches_above_8_tokens_take_the_grouped_tiles(monkeypatch, T, grouped):
+    """MXFP4 experts with act-quant (the engine's QAT path), top-6, with the shared expert: up to 8
+    tokens the decode kernels run, from 9 on the grouped 16-pair tiles (faster from 16 tokens on an
+    H200, ``moe.MXFP4_DECODE_MAX_PAIRS``); either way the reference's result."""
+    ran = []
+    for mod in (moe_decode, moe_grouped):
+        monkeypatch.setattr(mod, "run", lambda L, _mod=mod, _run=mod.run: (ran.append(_mod), _run(L))[1])
+    E, k, D, I = 8, 6, 128, 64
+    w1, w3 = (_weights("mxfp4", E, I, D, s) for s in (1, 3))
+    w2 = _weights("mxfp4", E, D, I, 2)
+    x = (torch.randn(T, D, generator=_gen(4)) * 2).to(DEV)             # fp32 (bf16, as the engine runs, on the GPU)
+    ids, rw = _routing(T, k, E, 5)
+    shared = _shared("fp8e", I, D, 11)
+    got = M.moe_triton(x, ids, rw, w1, w3, w2, 1.5, True, True, shared)
+    assert ran == [moe_grouped if grouped else moe_decode]
+    _check(got, ref.moe(x, ids, rw, w1, w3, w2, 1.5, True, True, shared), 2e-3)
+
+
 def _shared(fmt: str, I: int, D: int, seed: int, dev: str = DEV) -> tuple:
     """A shared expert ``(w1, w3, w2)`` of 2-D weights in format ``fmt``."""
     return (_weights(fmt, 1, I, D, seed, dev).expert(0), _weights(fmt, 1, I, D, seed + 1, dev).expert(0),
