@@ -25,7 +25,7 @@
 #   sampler (the sampler kernel's GPU tests, bench/sampler_bench.py, the decode step with every row sampling: torch sampler vs kernel),
 #   prefill_gemms (the prefill MoE's bf16 tile decode, the W8A8 GEMM, wo_a's einsum: tests and timings),
 #   indexer_tune (bench/indexer_tune.py: the indexer's prefill tiles at 8192 tokens, then its GPU tests),
-#   moe_tune (bench/moe_decode_tune.py: the decode MoE's tiles), router (bench/router_bench.py), mhc (bench/mhc_bench.py: the mHC ops of a decode step, the Sinkhorn's share), profile_b8 (the batch-8 step's kernels),
+#   moe_tune (bench/moe_decode_tune.py: the decode MoE's tiles), moe_paths (its GEMV against the grouped tiles at 1-32 tokens), router (bench/router_bench.py), mhc (bench/mhc_bench.py: the mHC ops of a decode step, the Sinkhorn's share), profile_b8 (the batch-8 step's kernels),
 #   tcache_save / tcache_load (the Triton cache as $OUT/triton_cache.tgz.part*; copy them into .whl/, or
 #   recompress them there as one .whl/triton_cache.txz: cat parts | gunzip | xz -9; load: a later call,
 #   on a fresh machine, skips the compiles);
@@ -222,6 +222,9 @@ router) t 120 router_bench.txt python3 bench/router_bench.py ;;
 moe_tune)   # the decode MoE's tiles by measurement: compile the grid in 8 processes, then time it in one
   for i in 0 1 2 3 4 5 6 7; do timeout 400 python3 bench/moe_decode_tune.py --compile-only --part $i/8 > "$OUT/moe_tune_compile_$i.log" 2>&1 & done; wait
   t 300 moe_decode_tune.txt python3 bench/moe_decode_tune.py ;;
+moe_paths)   # the decode MoE at 1-32 tokens: the decode GEMV kernels against the grouped tiles (moe.MXFP4_DECODE_MAX_PAIRS)
+  t 80 moe_decode_gemv.txt python3 bench/moe_decode_tune.py --tokens 1 8 16 32 --configs 0
+  t 200 moe_decode_grouped.txt python3 bench/moe_decode_tune.py --path grouped --tokens 1 8 16 32 ;;
 profile_b8) t 120 profile4_b8.txt python3 bench/profile_decode.py --layers 4 --format fp8-mxfp4 --batch 8 --context 8192 \
   --ops kernels --graph --top 14 ;;
 *) echo "unknown step $1"; exit 2 ;;
