@@ -707,6 +707,7 @@ def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str
                                 f"groups (needs x [..., {groups}, K], weight [{groups}*r, K])")
     R = N // groups
     x3 = x.reshape(-1, groups, K)
+    out = runtime.empty((x3.shape[0], groups, R), x.dtype, x.device)
     if (_path is None and x3.shape[0] >= GROUPED_DENSE_MIN_M and isinstance(w, Fp8BlockWeight)
             and x.dtype in (torch.bfloat16, torch.float16) and not runtime.interpreting()):
         # the reference's own computation (bit for bit): tensor cores at cuBLAS's rate. The batched
@@ -714,13 +715,9 @@ def grouped_linear_triton(x: torch.Tensor, w: object, groups: int, *, _path: str
         # group-major, and wo_b's input then copied it whole (0.17 ms a layer at 8192 tokens on an
         # H200, results/2026-11-28g/call8_profile_prefill_ops.txt).
         wg = fp8_dequantize_triton(w, x.dtype).unflatten(0, (groups, R))
-        out = runtime.empty((x3.shape[0], groups, R), x.dtype, x.device)
         torch.bmm(x3.transpose(0, 1), wg.transpose(1, 2), out=out.transpose(0, 1))
-        return out.view(*x.shape[:-1], R)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    out = runtime.empty((x3.shape[0], groups, R), x.dtype, x.device)
-    _run(x3, w, False, True, out, groups, R, who, _path, _config)
+    else:
+        _run(x3 if x3.stride(-1) == 1 else x3.contiguous(), w, False, True, out, groups, R, who, _path, _config)
     return out.view(*x.shape[:-1], R)
 
 

@@ -349,8 +349,9 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     d3, s3, g3 = _weight_tensors(w3, "w3")
     d2, s2, g2 = _weight_tensors(w2, "w2")
     P = T * k
-    mx_exact = bool(act_quant) and _exact_dequantized(fmt, pow2, x.dtype)     # (measured with act-quant only)
-    decode = P <= (min(DECODE_MAX_PAIRS, MXFP4_DECODE_MAX_PAIRS) if mx_exact else DECODE_MAX_PAIRS)
+    exact = _exact_dequantized(fmt, pow2, x.dtype)
+    # (the MXFP4 bound was measured with act-quant only)
+    decode = P <= (min(DECODE_MAX_PAIRS, MXFP4_DECODE_MAX_PAIRS) if act_quant and exact else DECODE_MAX_PAIRS)
     fused = _shared_operands(shared, x, D, I) if shared is not None and decode and P and T <= SHARED_FUSED_MAX_TOKENS \
         else None
     if P == 0:
@@ -358,7 +359,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         return out if shared is None else out + _shared_expert(x, shared, limit, act_quant, pow2)
     out = runtime.empty((T, D), x.dtype, x.device)
     g1, g3, g2 = (g if g is not None else topk_weights for g in (g1, g3, g2))   # unused placeholders
-    qdot = bool(act_quant) and not decode and not _exact_dequantized(fmt, pow2, x.dtype)
+    qdot = bool(act_quant) and not decode and not exact
     # the MXFP4 grouped GEMM on dequantized operands: larger tiles once experts average a full one
     mx_plain = not decode and not qdot and fmt == FormatCode.MXFP4
     BM, path = tiles(P, E, decode, mx_plain)
