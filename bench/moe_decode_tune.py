@@ -45,13 +45,21 @@ def grid() -> list[tuple[tuple, tuple]]:
     return out
 
 
-def grouped_grid() -> list[tuple[tuple, tuple]]:
-    """``--path grouped``: (w13, w2) configs of the few-pairs-an-expert grouped tiles
-    (``moe.CONFIGS["grouped_mxfp4_few"]``, BM 16), main's first."""
+def grouped_grid() -> list[tuple[tuple, tuple] | tuple[tuple, tuple, bool]]:
+    """``--path grouped``: (w13, w2[, wt]) configs of the few-pairs-an-expert grouped tiles
+    (``moe.CONFIGS["grouped_mxfp4_few"]``, BM 16), main's first. ``wt``: the gate/up GEMM transposed
+    (``moe_grouped._w13_wt_kernel``: ``2 BN`` decoded weight rows on the MMA's M side, from registers,
+    the tile's 16 pairs its N side)."""
     from dsv4.ops.triton.moe import CONFIGS
-    main = (CONFIGS["grouped_mxfp4_few"]["w13"], CONFIGS["grouped_mxfp4_few"]["w2"])
+    few = CONFIGS["grouped_mxfp4_few"]
+    main = (few["w13"], few["w2"], few.get("wt", False))
+    w2 = (128, 128, 4, 4, 3)
+    # (5 on, transposed: slower than main's tiles at 8-32 tokens, H200, 2026-11-28, 477-565 vs 408 us at 8
+    # tokens, results/2026-11-28h/call2_moe_grouped_wt.txt)
     return [main, ((32, 128, 4, 4, 3), (64, 128, 4, 4, 3)), ((64, 256, 4, 3, 3), (128, 256, 4, 3, 3)),
-            ((32, 256, 4, 3, 3), (64, 256, 4, 3, 3)), ((64, 128, 4, 3, 1), (128, 128, 4, 3, 1))]
+            ((32, 256, 4, 3, 3), (64, 256, 4, 3, 3)), ((64, 128, 4, 3, 1), (128, 128, 4, 3, 1)),
+            ((32, 128, 4, 3, 3), w2, True), ((32, 64, 4, 4, 4), w2, True), ((32, 256, 4, 2, 2), w2, True),
+            ((64, 128, 8, 3, 3), w2, True), ((64, 64, 8, 4, 4), w2, True), ((16, 128, 4, 3, 3), w2, True)]
 
 
 def main() -> None:
@@ -106,8 +114,8 @@ def main() -> None:
     saved = dict(moe.CONFIGS[key])
     try:
         for j in idx:
-            w13, w2c = configs[j]
-            moe.CONFIGS[key] = dict(w13=w13, w2=w2c)
+            w13, w2c, *wt = configs[j]
+            moe.CONFIGS[key] = dict(w13=w13, w2=w2c, wt=bool(wt and wt[0]))
             cells = []
             for T in args.tokens:
                 x, calls, nbytes = inputs[T]
@@ -128,7 +136,8 @@ def main() -> None:
                 sec = time_graph(fns, 20) / ROTATE
                 cells.append(f"{sec * 1e6:10.1f} {nbytes / sec / 1e9:6.0f}")
             if not args.compile_only:
-                print(f"{j:3d} {str(w13):>30} {str(w2c):>22} " + " ".join(cells), flush=True)
+                print(f"{j:3d} {str(w13) + (' wt' if wt and wt[0] else ''):>30} {str(w2c):>22} " + " ".join(cells),
+                      flush=True)
     finally:
         moe.CONFIGS[key] = saved
         moe.DECODE_MAX_PAIRS = max_pairs

@@ -151,8 +151,8 @@ def register_mma_safe() -> bool:
     """Whether the transposed gate/up GEMM (``moe_grouped._gemm_wt``: a pipelined Hopper MMA whose
     left operand, the decoded weights, sits in registers) may run with the ptxas Triton compiles with.
     ptxas from 13.3 on keeps such an MMA's registers until it retires (triton-lang/triton#9433). The
-    kernel now retires each K step's product before the next step's decode (its ``unit`` factor), as
-    the FP8 GEMV does; with 12.8, the one Triton 3.6 ships, CI checks its compiled variants on every
+    kernel now retires each K step's product before the next step's decode (``moe_grouped._retired``),
+    as the FP8 GEMV does; with 12.8, the one Triton 3.6 ships, CI checks its compiled variants on every
     run (``tests/test_kernel_registers.py``, ``bench/wgmma_hazards.py``). A ptxas no run has checked,
     or one that cannot be asked, still takes the untransposed kernels (the decoded weights go through
     shared memory). Not Hopper (the interpreter, Blackwell's MMAs): safe."""

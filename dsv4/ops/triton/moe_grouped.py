@@ -115,9 +115,26 @@ def _dot_t(w, a, acc, CDT: tl.constexpr):
 
 
 @triton.jit
+def _retired(acc, unit, ASM: tl.constexpr):
+    """``acc`` once the MMA that produced it has finished: any use of an MMA's result outside
+    another MMA makes Triton wait for it. ``ASM``: the use is an empty register move per value,
+    which ptxas folds away (no instruction); else (Triton's interpreter, which runs no PTX) ``acc *
+    unit`` with ``unit`` 1.0 at run time, one multiply per value.
+
+    The move instead of the multiply: the 256-pair gate/up kernel's K step 443 -> 315 instructions
+    (``bench/ptxas_regs.py --prefill --sass``), no race (``bench/wgmma_hazards.py``); H200, Flash
+    layer, 8192 tokens 5.62 -> 5.46 ms, 4096 tokens (128-pair tiles) 3.73 -> 3.59 ms
+    (``results/2026-11-28h/call3_moe_*.txt``)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return acc * unit
+
+
+@triton.jit
 def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n0, unit,
              K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-             CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr):
+             CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr, ASM: tl.constexpr = False):
     """``[Wa[n]; Wb[n]] @ A[a_rows]^T`` over all of ``K``, fp32 ``[2 BN, BT]``: two MXFP4 experts'
     rows ``n = n0 .. n0 + BN - 1`` (gate ``Wa``, then up ``Wb``) times a tile's dequantized inputs
     ``x̂`` (exact in bf16 / fp32 like the weights ``e2m1 * 2^(s-127)``: one dot per K tile).
@@ -131,9 +148,9 @@ def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n0, unit,
     products of ``BN`` rows, with 8 warps each warpgroup took half the pairs and so decoded and held
     both tiles whole: 255 registers and spills, ncu at 8192 tokens, results/2026-11-28f.)
 
-    Each K step's product is multiplied by ``unit`` (1.0 at run time, unknown to the compiler): the
-    MMA is retired before the next step decodes its tile. Left in flight, Triton 3.6's pipelined MMA
-    had its register operand overwritten by the next tile (bench/wgmma_hazards.py)."""
+    Each K step's product is retired (:func:`_retired`) before the next step decodes its tile. Left
+    in flight, Triton 3.6's pipelined MMA had its register operand overwritten by the next tile
+    (bench/wgmma_hazards.py)."""
     r = tl.arange(0, 2 * BN)
     up = r >= BN
     rows = n0 + r % BN
@@ -143,8 +160,8 @@ def _gemm_wt(a_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, n0, unit,
     acc = tl.zeros((2 * BN, BT), tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=PIPE):
         a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
-        acc = _dot_t(_mx_tile(wp[:, None, None], sp[:, None], rows, rmask, k0, K, N, 2 * BN, BK, CDT, MXB), a,
-                     acc, CDT) * unit
+        acc = _retired(_dot_t(_mx_tile(wp[:, None, None], sp[:, None], rows, rmask, k0, K, N, 2 * BN, BK, CDT, MXB),
+                              a, acc, CDT), unit, ASM)
     return acc
 
 
@@ -153,7 +170,7 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
                    w1_ptr, s1_ptr, w3_ptr, s3_ptr, limit, unit,
                    D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, BT: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, HAS_LIMIT: tl.constexpr, XDT: tl.constexpr,
-                   CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr = False):
+                   CDT: tl.constexpr, PIPE: tl.constexpr, MXB: tl.constexpr = False, ASM: tl.constexpr = False):
     """MXFP4 gate/up of one tile (``BT`` pairs of one expert) x ``BN`` columns of ``h``, on the
     dequantized operands (:func:`_gemm_wt`): the clamped SwiGLU times the routing weight, like
     :func:`.moe_experts._w13_rows`."""
@@ -164,7 +181,7 @@ def _w13_wt_kernel(x_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, rw_pt
         p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, 2)
         p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, 2)
         acc = _gemm_wt(x_ptr, rows // KTOP, valid, p1, q1, p3, q3, tl.program_id(1) * BN, unit, D, I, BN, BT, BK,
-                       CDT, PIPE, MXB)
+                       CDT, PIPE, MXB, ASM)
         g, u = tl.split(tl.reshape(acc, (2, BN, BT)).permute(1, 2, 0))
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
         h = _swiglu(g, u, limit, HAS_LIMIT) * rw[None, :]
@@ -186,7 +203,7 @@ def run(L: Launch) -> None:
         _w13_wt_kernel[(tile_e.numel(), nt1)](
             xh, order, tile_e, tile_r0, tile_r1, L.rw, L.h, d1, s1, d3, s3, L.limit, 1.0, D=L.D, I=L.I,
             KTOP=L.k, BT=L.BM, BN=bn1, BK=bk1, HAS_LIMIT=L.limit > 0, XDT=L.xdt, CDT=L.xdt, PIPE=pp1, MXB=L.mx_bf16,
-            num_warps=nw1, num_stages=ns1)
+            ASM=not runtime.interpreting(), num_warps=nw1, num_stages=ns1)
     else:
         _w13_grouped_kernel[(tile_e.numel(), nt1)](
             xh, xq, xs, order, tile_e, tile_r0, tile_r1, L.rw, L.h, d1, s1, g1, d3, s3, g3,
