@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import dataclasses
 import os
 import sys
@@ -115,7 +116,30 @@ def _hooks() -> None:
             getattr(mod, op)._counted = True
 
 
-def count(prof, launches_of) -> tuple[dict, dict, collections.Counter]:
+@functools.lru_cache(maxsize=None)
+def launches_of(name: str) -> int:
+    """1 if the profiler op ``name`` launches a kernel when nothing below it does (an aten op that
+    is no view and not in :data:`NO_LAUNCH`), else 0."""
+    return 0 if (name in NO_LAUNCH or _is_view(name) or not name.startswith("aten::")) else 1
+
+
+def hook_gpu_triton() -> None:
+    """Each Triton kernel launched on a GPU as a ``triton::<name>`` profiler region (what
+    :func:`_use_fused` does for the interpreter), so :func:`count` counts it."""
+    import torch
+    from triton.runtime.jit import JITFunction
+    if getattr(JITFunction.run, "_counted", False):
+        return
+    orig = JITFunction.run
+
+    def run(self, *a, **k):
+        with torch.profiler.record_function(f"triton::{self.fn.__name__}"):
+            return orig(self, *a, **k)
+    run._counted = True
+    JITFunction.run = run
+
+
+def count(prof, launches_of=launches_of) -> tuple[dict, dict, collections.Counter]:
     """``(layers, state, step)``: ``{layer kind: {label: launches}}`` averaged over the layers of
     each kind; ``{"save"/"rollback": {layer kind: launches}}`` likewise; the step's other launches
     by label."""
@@ -208,12 +232,6 @@ def main() -> None:
     if args.fused:
         _use_fused(model)
     _hooks()
-    cache: dict[str, int] = {}
-
-    def launches_of(name: str) -> int:
-        if name not in cache:
-            cache[name] = 0 if (name in NO_LAUNCH or _is_view(name) or not name.startswith("aten::")) else 1
-        return cache[name]
 
     idx = torch.arange(args.batch)
     warm = None
