@@ -80,7 +80,8 @@ serve)
   echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
   t 120 bench_serve.txt python3 -m dsv4.cli bench serve -n 128 --concurrency 32 --input-len 512 --output-len 128 \
     --plot "$OUT/bench_serve.png" --json "$OUT/bench_serve.json"
-  t 60 bench_serve_c1.txt python3 -m dsv4.cli bench serve -n 8 --concurrency 1 --input-len 512 --output-len 128
+  # (a seed of its own: the first run's prompts again would hit the server's prefix cache)
+  t 60 bench_serve_c1.txt python3 -m dsv4.cli bench serve -n 8 --concurrency 1 --input-len 512 --output-len 128 --seed 1
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 serve8k)   # the agents' workload: 8000-token prompts, 16 at a time (TTFT is what they wait for)
@@ -88,7 +89,8 @@ serve8k)   # the agents' workload: 8000-token prompts, 16 at a time (TTFT is wha
   echo "server up ($(date +%T))"; grep -E "warm-up|captured" "$OUT/server.log"
   t 150 bench_serve_8k.txt python3 -m dsv4.cli bench serve -n 32 --concurrency 16 --input-len 8000 --output-len 128 \
     --json "$OUT/bench_serve_8k.json"
-  t 60 bench_serve_8k_c1.txt python3 -m dsv4.cli bench serve -n 4 --concurrency 1 --input-len 8000 --output-len 128
+  t 60 bench_serve_8k_c1.txt python3 -m dsv4.cli bench serve -n 4 --concurrency 1 --input-len 8000 --output-len 128 \
+    --seed 1   # not the first run's prompts, which the server's prefix cache holds
   kill -TERM $server; wait $server; tail -3 "$OUT/server.log"
   ;;
 agent)   # issue 27's agent workload (caching off, then on): one conversation alone (a turn's own TTFT), 64 users
