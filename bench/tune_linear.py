@@ -1,6 +1,10 @@
 """Try a few tilings of the linear kernels on the GPU (time and error vs the reference):
 
-    python bench/tune_linear.py [prefill] [decode] [w8a8]
+    python bench/tune_linear.py [prefill] [decode] [w8a8] [crossover]
+
+``crossover``: the decode GEMV (``_skinny_kernel``) against the FP8 GEMM (its act-quant launch
+included) at 4-64 rows on Flash's FP8 projections, each call in a CUDA graph on weights not in L2:
+where ``linear.SKINNY_MAX_M`` should sit.
 
 ``w8a8``: the FP8 GEMM with e4m3 activations (``linear._gemm_w8a8_kernel``) on Flash's prefill
 shapes at 8192 tokens, per tile config, against cuBLAS BF16 on the same shape.
@@ -133,6 +137,34 @@ def w8a8(m: int = 8192) -> None:
             except Exception as e:  # noqa: BLE001
                 print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         del q
+
+
+def crossover() -> None:
+    print(f"{torch.cuda.get_device_name()}: us a call (CUDA graph, weights rotated past L2), act-quant, FP8 weights")
+    print(f"{'projection':>14} {'N x K':>12} " + " ".join(f"{'M=' + str(m) + ' gemv/gemm':>20}" for m in CROSS_M))
+    for name, n, k in FLASH_W8A8:
+        torch.manual_seed(0)
+        wf = torch.randn(n, k, device="cuda") * 0.02
+        ws = [quant("fp8", wf) for _ in range(max(2, (512 << 20) // (n * k)))]
+        cells = []
+        for m in CROSS_M:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = ref.linear(x, ws[0], True, True, torch.float32)
+            times = []
+            for path in ("skinny", "gemm"):
+                err = rel(lin.linear_triton(x, ws[0], True, True, torch.float32, _path=path), want)
+                assert err < 1e-2, f"{name} M={m} {path}: error {err}"
+                i = [0]
+
+                def call(path=path):
+                    i[0] = (i[0] + 1) % len(ws)
+                    return lin.linear_triton(x, ws[i[0]], True, True, _path=path)
+                times.append(tt.do_bench_cudagraph(call, rep=50) * 1e3)
+            cells.append(f"{times[0]:9.1f}/{times[1]:<9.1f}" + ("<" if times[1] < times[0] else " "))
+        print(f"{name:>14} {f'{n}x{k}':>12} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+
+
+CROSS_M = (4, 8, 16, 24, 32, 48, 64)
 
 
 if __name__ == "__main__":
