@@ -3,7 +3,7 @@
     python bench/tune_linear.py [prefill] [decode] [w8a8] [crossover]
 
 ``crossover``: the decode GEMV (``_skinny_kernel``) against the FP8 GEMM (its act-quant launch
-included) at 4-64 rows on Flash's FP8 projections, each call in a CUDA graph on weights not in L2:
+included) at 4-32 rows on Flash's FP8 projections, each call in a CUDA graph on weights not in L2:
 where ``linear.SKINNY_MAX_M`` should sit.
 
 ``w8a8``: the FP8 GEMM with e4m3 activations (``linear._gemm_w8a8_kernel``) on Flash's prefill
@@ -164,7 +164,7 @@ def crossover() -> None:
         print(f"{name:>14} {f'{n}x{k}':>12} " + " ".join(f"{c:>20}" for c in cells), flush=True)
 
 
-CROSS_M = (4, 8, 16, 24, 32, 48, 64)
+CROSS_M = (4, 8, 16, 24, 32)       # the decode tile holds at most 32 rows
 
 
 if __name__ == "__main__":
