@@ -90,6 +90,10 @@ CASES = [
     ("w2 BN 128 BK 64 w8 s4 (128-pair tiles)", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 64, 8, 4, 4), True)),
     ("w2 BN 128 BK 64 w8 s5 (128-pair tiles)", "grouped_mxfp4", _c((64, 64, 8, 4, 4), (128, 64, 8, 5, 5), True)),
     ("w13 BN 32 w4 s3, w2 BN 128 w8 s5", "grouped_mxfp4_wide", _c((32, 64, 4, 3, 3), (128, 64, 8, 5, 5), True)),
+    # (41, 2026-11-28 seventh session) case 14's gate/up GEMM with case 7's down GEMM at 64-pair tiles (faster,
+    # but its gate/up kernel keeps 32 bytes of stack); 42: the grouped_mxfp4_mid config (case 33's gate/up GEMM)
+    ("mid: w13 wt BN 128 BK 64 w4 s4, w2 BN 128 w4 s4", "grouped_mxfp4_mid", _c((128, 64, 4, 4, 4), (128, 128, 4, 4, 3), True)),
+    ("mid: w13 wt BN 32 BK 64 w4 s3, w2 BN 128 w4 s4", "grouped_mxfp4_mid", _c((32, 64, 4, 3, 3), (128, 128, 4, 4, 3), True)),
 ]
 
 

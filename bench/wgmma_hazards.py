@@ -90,7 +90,8 @@ def hazards(sass: str) -> list[str]:
 GEOS = {"flash": (4096, 2048), "pro": (7168, 3072), "tiny": (64, 256)}
 #: the MXFP4 prefill paths: (label, moe.CONFIGS key, pairs a tile)
 MX_PATHS = [("few 16", "grouped_mxfp4_few", 16), ("few 64", "grouped_mxfp4_few", 64),
-            ("transposed 128", "grouped_mxfp4", 128), ("wide 256", "grouped_mxfp4_wide", 256)]
+            ("transposed 64", "grouped_mxfp4_mid", 64), ("transposed 128", "grouped_mxfp4", 128),
+            ("wide 256", "grouped_mxfp4_wide", 256)]
 
 
 def _moe_kernels(D: int, I: int, fmt: str, key: str | None = None, bt: int | None = None) -> dict:
@@ -231,7 +232,7 @@ def scan_attention(report) -> None:
 
 def production(report, geos: tuple[str, ...] = ("flash", "tiny")) -> None:
     """The variants the engine runs with a register-operand MMA in a pipelined loop: the MXFP4
-    prefill MoE's transposed paths (128- and 256-pair tiles) and the FP8 decode GEMV without act-quant
+    prefill MoE's transposed paths (64-, 128- and 256-pair tiles) and the FP8 decode GEMV without act-quant
     (``tests/test_kernel_registers.py`` checks these on every CI run)."""
     import torch
 

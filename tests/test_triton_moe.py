@@ -51,9 +51,11 @@ SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 64, 4, 1, 2), wt=True),
          "grouped_mxfp4_few": dict(w13=(32, 128, 4, 1, 3), w2=(64, 128, 4, 1, 3)),
+         "grouped_mxfp4_mid": dict(w13=(32, 128, 4, 1, 2), w2=(64, 128, 4, 1, 3), wt=True),
          "grouped_mxfp4_wide": dict(w13=(16, 128, 4, 1, 2), w2=(32, 64, 4, 1, 2), wt=True)}
-#: the MXFP4 grouped paths: untransposed, transposed, transposed with fewer weight rows a tile
-MX_PATHS = ("grouped_mxfp4_few", "grouped_mxfp4", "grouped_mxfp4_wide")
+#: the MXFP4 grouped paths: untransposed, transposed (64- and 128-pair tiles), transposed with fewer
+#: weight rows a tile
+MX_PATHS = ("grouped_mxfp4_few", "grouped_mxfp4_mid", "grouped_mxfp4", "grouped_mxfp4_wide")
 
 
 @pytest.fixture(autouse=True)
@@ -301,12 +303,12 @@ def test_grouped_mxfp4_act_quant_on_dequantized_operands(monkeypatch, pow2):
 
 def test_grouped_mxfp4_tiles_by_pairs_an_expert(monkeypatch):
     """The dequantized MXFP4 grouped GEMMs take 16-pair tiles below 24 pairs an expert on
-    average, else 64 (128, transposed, from 64 on; 256 of fewer weight rows from 144 on). Each tile
+    average, else 64, transposed (128 from 64 on; 256 of fewer weight rows from 144 on). Each tile
     size against the reference (fp32), and the three against each other to summation order."""
     monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
     assert M.tiles(2 * 37, 4, False, True) == (16, "grouped_mxfp4_few")
-    assert M.tiles(2 * 70, 4, False, True) == (64, "grouped_mxfp4_few")
-    assert M.tiles(2 * 127, 4, False, True) == (64, "grouped_mxfp4_few")
+    assert M.tiles(2 * 70, 4, False, True) == (64, "grouped_mxfp4_mid")
+    assert M.tiles(2 * 127, 4, False, True) == (64, "grouped_mxfp4_mid")
     assert M.tiles(2 * 128, 4, False, True) == (128, "grouped_mxfp4")
     assert M.tiles(2 * 256, 4, False, True) == (128, "grouped_mxfp4")
     assert M.tiles(2 * 287, 4, False, True) == (128, "grouped_mxfp4")
@@ -335,7 +337,8 @@ def test_transposed_moe_only_with_a_ptxas_that_keeps_mma_registers(monkeypatch, 
         assert M.register_mma_safe() == safe
         want = (256, "grouped_mxfp4_wide") if safe else (64, "grouped_mxfp4_few")
         assert M.tiles(2 * 320, 4, False, True) == want
-        assert M.tiles(2 * 60, 4, False, True) == (64, "grouped_mxfp4_few")
+        assert M.tiles(2 * 60, 4, False, True) == (64, "grouped_mxfp4_mid" if safe else "grouped_mxfp4_few")
+        assert M.tiles(2 * 40, 4, False, True) == (16, "grouped_mxfp4_few")
     finally:
         M.register_mma_safe.cache_clear()
 
@@ -634,8 +637,8 @@ def test_gpu_weight_rows_on_the_mma_m_side_real_shapes(monkeypatch, geo, T, bt):
 @pytest.mark.gpu
 @cuda_only
 @pytest.mark.parametrize("geo", ["flash", "pro"])
-@pytest.mark.parametrize("path, bt", [("grouped_mxfp4_few", 16), ("grouped_mxfp4_few", 64), ("grouped_mxfp4", 128),
-                                      ("grouped_mxfp4_wide", 256)])
+@pytest.mark.parametrize("path, bt", [("grouped_mxfp4_few", 16), ("grouped_mxfp4_few", 64), ("grouped_mxfp4_mid", 64),
+                                      ("grouped_mxfp4", 128), ("grouped_mxfp4_wide", 256)])
 def test_gpu_grouped_mxfp4_tiles_repeat_bit_for_bit(monkeypatch, geo, path, bt):
     """Every production tile config of the MXFP4 grouped GEMMs, 12 calls on fresh NaN-poisoned buffers
     at each geometry: finite and the same bits every time. (The wide config's down GEMM at BK 64 gave

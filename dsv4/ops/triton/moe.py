@@ -102,9 +102,17 @@ CONFIGS = {
     # 4.50 ms (BM 16: 4.56); 2048 (48) 4.96 -> 4.60 ms (BM 32: 6.59; the down GEMM transposed:
     # 1.28-1.69 vs 1.31 ms, results/2026-11-27c)
     "grouped_mxfp4_few": dict(w13=(64, 128, 4, 4, 3), w2=(128, 128, 4, 4, 3)),
+    # ... and its 64-pair tiles (24 to 64 pairs an expert: Flash prompts of ~1000-2700 tokens) with the
+    # gate/up GEMM transposed, where register_mma_safe: the wide config's gate/up tiles (32 + 32 stacked
+    # rows, one warpgroup), the few config's down GEMM. H200, Flash layer, 2048 tokens, gate/up GEMM
+    # (bench/moe_prefill_tune.py --tokens 2048 --bm 64, results/2026-11-28h/call9_moe_2048.txt): 2.87 ->
+    # 2.49 ms, same output. (2 x 128 rows a program: 2.40 ms, and MoE 4.13 -> 3.65 ms at 2048 tokens, 4.01
+    # -> 3.54 at 1024, call10_moe_mid_*.txt; but 255 registers and 32 bytes of stack, which
+    # tests/test_kernel_registers.py refuses.)
+    "grouped_mxfp4_mid": dict(w13=(32, 64, 4, 3, 3), w2=(128, 128, 4, 4, 3), wt=True),
 }
 #: from this many pairs an expert on average the dequantized MXFP4 grouped GEMMs take 128-pair tiles
-#: and run transposed (at 96 an expert, the padding of half-empty tiles costs less than the smaller
+#: (transposed from MXFP4_SMALL_TILE_PAIRS on; at 96 an expert, the padding of half-empty tiles costs less than the smaller
 #: tiles' extra weight decoding: 6.11 vs 8.74 ms)
 MXFP4_LARGE_TILE_PAIRS = 64
 #: from this many pairs an expert on average, 256-pair tiles ("grouped_mxfp4_wide"): H200, Flash
@@ -183,9 +191,13 @@ def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
     if decode:
         return 1, "gemv"
     if mx_plain:
-        if P >= MXFP4_LARGE_TILE_PAIRS * E and register_mma_safe():
-            return (256, "grouped_mxfp4_wide") if P >= MXFP4_WIDE_TILE_PAIRS * E else (128, "grouped_mxfp4")
-        return (16 if P < MXFP4_SMALL_TILE_PAIRS * E else 64), "grouped_mxfp4_few"
+        if P < MXFP4_SMALL_TILE_PAIRS * E:
+            return 16, "grouped_mxfp4_few"
+        if not register_mma_safe():
+            return 64, "grouped_mxfp4_few"
+        if P < MXFP4_LARGE_TILE_PAIRS * E:
+            return 64, "grouped_mxfp4_mid"
+        return (256, "grouped_mxfp4_wide") if P >= MXFP4_WIDE_TILE_PAIRS * E else (128, "grouped_mxfp4")
     if P < 2048:
         return 16, "grouped"
     return 64, "grouped"

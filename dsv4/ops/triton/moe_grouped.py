@@ -8,7 +8,7 @@ so still no host read);
 fp32 promotion with both scales, DeepSeek's W8A8); FP4 experts on BF16 tensor cores with exactly
 dequantized operands (per-32 / per-16 weight scales would otherwise need a promotion per 32
 values); then ``_combine_kernel``. MXFP4 experts with power-of-two act-quant scales run on the
-dequantized operands, the gate/up GEMM from 64 pairs an expert on in ``_w13_wt_kernel``: the same
+dequantized operands, the gate/up GEMM from 24 pairs an expert on in ``_w13_wt_kernel``: the same
 products transposed, the decoded weight rows on the MMA's M side (:func:`_gemm_wt`). (The down GEMM
 stays untransposed: transposed, its decoded weights, the MMA's register operand, were overwritten by
 the next K step while the MMA could still run, in every variant Triton 3.6 compiled
