@@ -352,7 +352,9 @@ def test_grouped_mxfp4_weight_rows_on_the_mma_m_side(monkeypatch, bt):
     monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
     tiles = M.tiles
     outs = []
-    for path in MX_PATHS:
+    # (not the 64-pair config: at these small tiles its kernels are the 128-pair config's gate/up GEMM and
+    # the few-pairs config's down GEMM, both run here; the GPU tests run it at its own tiles)
+    for path in (p for p in MX_PATHS if p != "grouped_mxfp4_mid"):
         monkeypatch.setattr(M, "tiles", lambda P, E, dec, mx, _p=path: (bt, _p) if mx else tiles(P, E, dec, mx))
         got, exp = _run("mxfp4", 41, 2, 4, 256, 96, True, dtype=torch.float32)
         _check(got, exp, 1e-5)
