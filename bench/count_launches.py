@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path

@@ -112,8 +112,9 @@ CONFIGS = {
     "grouped_mxfp4_mid": dict(w13=(32, 64, 4, 3, 3), w2=(128, 128, 4, 4, 3), wt=True),
 }
 #: from this many pairs an expert on average the dequantized MXFP4 grouped GEMMs take 128-pair tiles
-#: (transposed from MXFP4_SMALL_TILE_PAIRS on; at 96 an expert, the padding of half-empty tiles costs less than the smaller
-#: tiles' extra weight decoding: 6.11 vs 8.74 ms)
+#: (at 96 an expert, the padding of half-empty tiles costs less than the smaller tiles' extra weight
+#: decoding: 6.11 vs 8.74 ms); their gate/up GEMM runs transposed from MXFP4_SMALL_TILE_PAIRS on
+#: ("grouped_mxfp4_mid")
 MXFP4_LARGE_TILE_PAIRS = 64
 #: from this many pairs an expert on average, 256-pair tiles ("grouped_mxfp4_wide"): H200, Flash
 #: layer, both GEMMs (the down one transposed at BK 64 then), 128-pair -> 256-pair tiles: 6144 tokens
