@@ -164,8 +164,10 @@ def prefill_main() -> None:
 
 
 def main() -> None:
+    from dsv4.ops.triton.moe import MXFP4_DECODE_MAX_PAIRS
     print("Flash decode MoE (MXFP4 experts, FP8 shared expert, act-quant), sm_90a, as the wrapper launches it")
-    for tokens in (1, 2, 4, 8, 16, 32):
+    # (the decode kernels run up to MXFP4_DECODE_MAX_PAIRS pairs; above, the grouped tiles: --prefill)
+    for tokens in (t for t in (1, 2, 4, 8, 16, 32) if t * TOP_K <= MXFP4_DECODE_MAX_PAIRS):
         k = moe_kernels(tokens)
         print(f"{tokens:3d} tokens: gate/up {registers(k['_w13_decode_kernel'])} registers, "
               f"down {registers(k['_w2_decode_kernel'])}; {compile_sm90._usage(k['_w2_decode_kernel'].asm['cubin'])}")
