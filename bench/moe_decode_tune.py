@@ -7,11 +7,12 @@ FP8 shared expert inside the same launches, act-quant on.
     python bench/moe_decode_tune.py --path grouped             # the same tokens through the prefill's grouped
                                                                # tiles instead (16 pairs a tile, tensor cores)
 
-A config is ``w13=(BN, BK, warps, stages, PIPE) w2=(...)`` (``PIPE``: the K loop's software
+A config is ``w13=(BN, BK, warps, stages, PIPE[, maxnreg]) w2=(...)`` (``PIPE``: the K loop's software
 pipelining depth, 1 = none). Timing: a CUDA graph of ``ROTATE`` calls, each with its own random ids
 (~6 / ~45 / ~140 distinct experts a call at 1 / 8 / 32 tokens), so no call finds its experts in
 L2; ms a call and GB/s of the distinct experts' bytes (shared expert included), against the
-device-copy bandwidth measured in the same run. The first config is the one in main.
+device-copy bandwidth measured in the same run. The first two configs are main's (``gemv`` up to
+``moe.GEMV_NARROW_MAX_PAIRS`` pairs, ``gemv_wide`` above).
 """
 
 from __future__ import annotations
@@ -33,13 +34,18 @@ ROTATE = 8
 
 
 def grid() -> list[tuple[tuple, tuple]]:
-    """(w13, w2) configs: main's first, then the search."""
+    """(w13, w2) configs: main's first (``gemv``, which the engine runs up to
+    ``moe.GEMV_NARROW_MAX_PAIRS`` pairs, then ``gemv_wide``), then each gate/up tile with each down tile (chosen apart: at
+    one token the two grids' programs fill the machine differently). A sixth entry caps a thread's
+    registers (``maxnreg``: more programs resident a multiprocessor)."""
     from dsv4.ops.triton.moe import CONFIGS
-    main = (CONFIGS["gemv"]["w13"], CONFIGS["gemv"]["w2"])
-    out = [main]
-    for bn1, bk, nw, pipe in itertools.product((16, 32), (256, 512), (4, 8), (1, 2, 3)):
-        w13 = (bn1, bk, nw, 3, pipe)
-        w2 = (2 * bn1, bk, nw, 3, pipe)
+    out = [(CONFIGS[k]["w13"], CONFIGS[k]["w2"]) for k in ("gemv", "gemv_wide")]
+    # (PIPE is 1: the GEMV's K loop orders its own loads, moe_experts._gemm; Triton's pipelining of
+    # it was 2.1-2.3x slower, results/2026-11-28i/call10_gemv_pipe.txt)
+    w13s = [(16, 256, 4, 3, 1), (16, 256, 4, 3, 1, 64), (32, 256, 4, 3, 1), (16, 512, 4, 3, 1)]
+    w2s = [(32, 256, 4, 3, 1), (32, 256, 4, 3, 1, 64), (64, 256, 4, 3, 1), (16, 256, 4, 3, 1),
+           (32, 128, 4, 3, 1), (64, 128, 4, 3, 1), (16, 512, 4, 3, 1), (32, 512, 4, 3, 1), (64, 256, 8, 3, 1)]
+    for w13, w2 in itertools.product(w13s, w2s):
         if (w13, w2) not in out:
             out.append((w13, w2))
     return out
@@ -86,7 +92,7 @@ def main() -> None:
     shared = (fp8_weight(I, D, g, dev), fp8_weight(I, D, g, dev), fp8_weight(D, I, g, dev))
     per_expert = (w1.nbytes + w3.nbytes + w2.nbytes) / E
     shared_bytes = sum(w.nbytes for w in shared)
-    key = "gemv" if args.path == "gemv" else "grouped_mxfp4_few"
+    keys = ("gemv", "gemv_wide") if args.path == "gemv" else ("grouped_mxfp4_few",)
     configs = grid() if args.path == "gemv" else grouped_grid()
     max_pairs = moe.DECODE_MAX_PAIRS
     if args.path == "grouped":
@@ -116,11 +122,12 @@ def main() -> None:
             calls.append((ids, rw))
         inputs[T] = (x, calls, (distinct * per_expert + ROTATE * shared_bytes) / ROTATE)
     ref_out = {}
-    saved = dict(moe.CONFIGS[key])
+    saved = {key: moe.CONFIGS[key] for key in keys}
     try:
         for j in idx:
             w13, w2c, *wt = configs[j]
-            moe.CONFIGS[key] = dict(w13=w13, w2=w2c, wt=bool(wt and wt[0]))
+            for key in keys:   # (the config at every size)
+                moe.CONFIGS[key] = dict(w13=w13, w2=w2c, wt=bool(wt and wt[0]))
             cells = []
             for T in args.tokens:
                 x, calls, nbytes = inputs[T]
@@ -144,7 +151,7 @@ def main() -> None:
                 print(f"{j:3d} {str(w13) + (' wt' if wt and wt[0] else ''):>30} {str(w2c):>22} " + " ".join(cells),
                       flush=True)
     finally:
-        moe.CONFIGS[key] = saved
+        moe.CONFIGS.update(saved)
         moe.DECODE_MAX_PAIRS = max_pairs
 
 

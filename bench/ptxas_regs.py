@@ -122,7 +122,7 @@ def sass_main() -> None:
     """The K loop's instruction mix of the decode MoE kernels and the FP8 GEMV at one token."""
     moe = moe_kernels(1)
     kernels = {"MoE gate/up (16 rows of W1 and W3 x 256 K a step, 64 values a thread)": moe["_w13_decode_kernel"],
-               "MoE down (32 rows x 256 K a step, 64 values a thread)": moe["_w2_decode_kernel"],
+               "MoE down (32 rows x 128 K a step, 32 values a thread)": moe["_w2_decode_kernel"],
                "FP8 GEMV wo_b (64 rows x 128 K a step, 64 values a thread)": gemv_kernel(1, "wo_b")}
     for name, k in kernels.items():
         n, mix = loop_mix(k)

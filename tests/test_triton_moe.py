@@ -48,6 +48,7 @@ from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noq
 
 #: small tile configs for the interpreter: few programs, still several N tiles and K steps
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
+         "gemv_wide": dict(w13=(64, 128, 4, 1, 1), w2=(32, 128, 4, 1, 1)),
          "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 64, 4, 1, 2), wt=True),
          "grouped_mxfp4_few": dict(w13=(32, 128, 4, 1, 3), w2=(64, 128, 4, 1, 3)),
@@ -145,16 +146,18 @@ FORMATS = ["mxfp4", "nvfp4", "fp8e", "fp8"]          # fp8e: e8m0 block scales, 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("act", [True, False])
-@pytest.mark.parametrize("path", ["gemv", "gemv4", "grouped"])
+@pytest.mark.parametrize("path", ["gemv", "gemv4", "gemv4_wide", "grouped"])
 def test_every_format_path_and_act_quant(monkeypatch, fmt, act, path):
     """Every format x decode GEMV (one program per pair and N tile; T = 1 with a ``-1`` slot; T = 4
     with ``-1`` slots, an empty token, one token with an expert twice, experts shared across
-    tokens) / prefill grouped GEMM
+    tokens; the same on the wider tiles of more pairs, ``gemv_wide``) / prefill grouped GEMM
     (above DECODE_MAX_PAIRS: pairs sorted by expert on the device, tiles, combine) x act-quant
     on / off."""
     if path == "gemv":
         _run(fmt, 1, 3, 5, 256, 128, act)
-    elif path == "gemv4":
+    elif path.startswith("gemv4"):
+        monkeypatch.setattr(M, "GEMV_NARROW_MAX_PAIRS", 0 if path == "gemv4_wide" else 8)
+        assert M.tiles(8, 4, True, False)[1] == ("gemv_wide" if path == "gemv4_wide" else "gemv")
         _run(fmt, 4, 2, 4, 256, 128, act)
     else:
         monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)

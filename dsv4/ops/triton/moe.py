@@ -65,6 +65,9 @@ MXFP4_DECODE_MAX_PAIRS = 48
 #: (MXFP4 routed, FP8 shared, act-quant), the MoE with its shared expert: fused 0.080 / 0.134 /
 #: 0.274 / 0.844 ms at 1 / 2 / 4 / 8 tokens, by the linear ops 0.099 / 0.153 / 0.260 / 0.686 ms
 SHARED_FUSED_MAX_TOKENS = 2
+#: pairs up to which the decode GEMV runs CONFIGS["gemv"]'s narrower tiles (more programs), above
+#: CONFIGS["gemv_wide"]'s
+GEMV_NARROW_MAX_PAIRS = 6
 #: tile configs per path and projection: (BN, BK, num_warps, num_stages, K-loop pipelining of the
 #: CUDA-core GEMV: 1 = plain loop); FP8 experts use BK 128
 CONFIGS = {
@@ -72,7 +75,13 @@ CONFIGS = {
     # tokens' random top-k rarely share an expert, so 16-pair tl.dot tiles were mostly padding: on
     # an H100 (Flash layer, MXFP4, act-quant) they took 1.7-2.1x the GEMV's time at 1-32 tokens
     # (bench/results/2026-11-25c/moe_decode_tune.txt), though the GEMV reads a shared expert per pair
-    "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 256, 4, 3, 1)),
+    # The two GEMVs' tiles chosen apart, and by the pairs (bench/moe_decode_tune.py, H200, Flash
+    # layer; before: w13 (16, 256) and w2 (32, 256) at every size). Up to GEMV_NARROW_MAX_PAIRS
+    # (one token) the narrower tiles, more programs: 1 token 78.4 -> 73.0 us; above, the wider:
+    # 4 tokens 215.0 -> 214.5, 8 tokens 376.9 -> 351.8 us (results/2026-11-29/call2_tune.txt).
+    # 2 tokens, narrow 131.3 us, wide 116.5 (call3_tune.txt).
+    "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 128, 4, 3, 1)),
+    "gemv_wide": dict(w13=(32, 256, 4, 3, 1), w2=(64, 128, 4, 3, 1)),
     "grouped": dict(w13=(64, 128, 8, 3, 1), w2=(128, 128, 8, 3, 1)),  # prefill, BM = 64 (16 < 2048 pairs)
     # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 64 pairs an expert on, the
     # gate/up GEMM transposed (moe_grouped._gemm_wt: the weight rows on the MMA's M side).
@@ -190,7 +199,7 @@ def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
     operands, larger tiles once experts average a full one, where :func:`register_mma_safe`).
     bench/moe_prefill_tune.py tries others."""
     if decode:
-        return 1, "gemv"
+        return 1, "gemv" if P <= GEMV_NARROW_MAX_PAIRS else "gemv_wide"
     if mx_plain:
         if P < MXFP4_SMALL_TILE_PAIRS * E:
             return 16, "grouped_mxfp4_few"

@@ -110,12 +110,36 @@ def _mx_bf16_tile(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexp
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexpr,
-                 FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RAW: tl.constexpr):
-    """Rows ``rows [BN]`` x columns ``[k0, k0 + BK)`` of one expert's weight, dequantized but for
-    a per-group factor: returns ``(w [BN, G, GS], scale [BN, G] fp32)``, the weight being
-    ``w * scale`` (``G * GS = BK``; zeros past ``K`` or ``N``). ``w_ptr`` / ``s_ptr`` point at the
-    expert's data (FP4: int32 words of 8 codes; FP8: bytes) and scales.
+def _weight_raw(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexpr,
+                FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows ``rows [BN]`` x columns ``[k0, k0 + BK)`` of one expert's weight as stored, for
+    :func:`_weight_decode`: ``(data, scales)`` (FP8: bytes ``[BN, 1, BK]`` and the 128x128 blocks'
+    scales ``[BN]``; FP4: int32 words of 8 codes and the groups' scale bytes, :func:`_fp4_words`;
+    zeros past ``K`` or ``N``). Split from the decode so a K loop can put every load of a step in
+    flight before it waits on any of them."""
+    GS: tl.constexpr = BK if FMT < 2 else (32 if FMT == 2 else 16)
+    EVEN: tl.constexpr = (K % BK == 0) and (N % BN == 0)
+    if FMT < 2:
+        kk = tl.arange(0, BK)
+        ptrs = w_ptr + rows[:, None, None] * K + (k0 + kk)[None, None, :]
+        if EVEN:
+            data = tl.load(ptrs)
+        else:
+            data = tl.load(ptrs, mask=rmask[:, None, None] & ((k0 + kk) < K)[None, None, :], other=0)
+        sp = s_ptr + (rows // 128) * ((K + 127) // 128) + k0 // 128
+        if FMT == 1:
+            sv = tl.load(sp, mask=rmask, other=127)
+        else:
+            sv = tl.load(sp, mask=rmask, other=1.0)
+    else:
+        data, sv = _fp4_words(w_ptr, s_ptr, rows, rmask, k0, K, N, GS, BN, BK)
+    return data, sv
+
+
+@triton.jit
+def _weight_decode(data, sv, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RAW: tl.constexpr):
+    """:func:`_weight_raw`'s tile dequantized but for a per-group factor: ``(w [BN, G, GS],
+    scale [BN, G] fp32)``, the weight being ``w * scale`` (``G * GS = BK``).
 
     FP4 (``GS`` = 32 MXFP4, 16 NVFP4): ``w = e2m1 * 2^-14`` (fp32), ``scale = 2^(s-127) * 2^14``
     or ``block_scale * 2^14``; with ``RAW`` (NVFP4) ``w`` in fp16 and the block scale as fp16. FP8:
@@ -124,26 +148,17 @@ def _weight_tile(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexpr
     """
     GS: tl.constexpr = BK if FMT < 2 else (32 if FMT == 2 else 16)
     G: tl.constexpr = BK // GS
-    EVEN: tl.constexpr = (K % BK == 0) and (N % BN == 0)
     if FMT < 2:
-        kk = tl.arange(0, BK)
-        ptrs = w_ptr + rows[:, None, None] * K + (k0 + kk)[None, None, :]
-        if EVEN:
-            b = tl.load(ptrs)
-        else:
-            b = tl.load(ptrs, mask=rmask[:, None, None] & ((k0 + kk) < K)[None, None, :], other=0)
-        w = b.to(tl.float8e4nv, bitcast=True)
+        w = data.to(tl.float8e4nv, bitcast=True)
         if not RAW:
             w = w.to(tl.float32)
-        sp = s_ptr + (rows // 128) * ((K + 127) // 128) + k0 // 128
         if FMT == 1:
-            sc = e8m0_to_f32(tl.load(sp, mask=rmask, other=127))
+            sc = e8m0_to_f32(sv)
         else:
-            sc = tl.load(sp, mask=rmask, other=1.0)
+            sc = sv
         scale = tl.reshape(sc, (BN, 1))
     else:
-        words, sv = _fp4_words(w_ptr, s_ptr, rows, rmask, k0, K, N, GS, BN, BK)
-        w = tl.reshape(e2m1x8_to_f16(words, not RAW), (BN, G, GS))
+        w = tl.reshape(e2m1x8_to_f16(data, not RAW), (BN, G, GS))
         if FMT == 2:
             scale = e8m0_to_f32(sv) * 16384.0
         elif RAW:
@@ -151,6 +166,16 @@ def _weight_tile(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexpr
         else:
             scale = e4m3_decode(sv, tl.float32) * 16384.0
     return w, scale
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, rows, rmask, k0, K: tl.constexpr, N: tl.constexpr,
+                 FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RAW: tl.constexpr):
+    """Rows ``rows [BN]`` x columns ``[k0, k0 + BK)`` of one expert's weight (``w_ptr`` / ``s_ptr``
+    point at the expert's data, FP4 int32 words of 8 codes or FP8 bytes, and scales), loaded and
+    dequantized but for a per-group factor (:func:`_weight_decode`)."""
+    data, sv = _weight_raw(w_ptr, s_ptr, rows, rmask, k0, K, N, FMT, BN, BK)
+    return _weight_decode(data, sv, FMT, BN, BK, RAW)
 
 
 @triton.jit
@@ -278,6 +303,28 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
                 acc_a += blk_a * sx
                 if TWO:
                     acc_b += blk_b * sx
+    elif BM == 1:
+        # The CUDA-core GEMV. The order of a K step's loads is chosen, because the compiler moves
+        # none across the barriers of the activation's rounding (its per-128 amax is a block-wide
+        # reduction): the next step's activation tile is loaded a step ahead (from L2), and both
+        # weights' bytes are in flight together, right after the rounding. Loaded in place, the
+        # GEMV waited for the activation, then W1, then W3, one after the other, every step.
+        # (Loading the weights before the rounding gives their tiles another layout, converted
+        # through shared memory every step: 912 instructions a step instead of 388, sm_90a SASS.)
+        a_next = _load_rows(a_ptr, a_rows, a_valid, 0, K, BK, K % BK == 0)
+        for k0 in range(0, K, BK):
+            a = a_next
+            a_next = _load_rows(a_ptr, a_rows, a_valid & (k0 + BK < K), k0 + BK, K, BK, K % BK == 0)
+            if AQ:
+                a = _act_quant_tile(a, BM, BK, POW2)
+            ra, qa = _weight_raw(wa_ptr, sa_ptr, rows, rmask, k0, K, N, FMT, BN, BK)
+            if TWO:
+                rb, qb = _weight_raw(wb_ptr, sb_ptr, rows, rmask, k0, K, N, FMT, BN, BK)
+            wa, sa = _weight_decode(ra, qa, FMT, BN, BK, False)
+            acc_a = _accumulate(acc_a, a, wa, sa, FMT, BM, BN, BK, CDT)
+            if TWO:
+                wb, sb = _weight_decode(rb, qb, FMT, BN, BK, False)
+                acc_b = _accumulate(acc_b, a, wb, sb, FMT, BM, BN, BK, CDT)
     else:
         for k0 in tl.range(0, K, BK, num_stages=PIPE):
             a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
