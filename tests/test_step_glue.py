@@ -1,7 +1,8 @@
 """The index bookkeeping of multi-token steps (prefill chunks, speculative verify) is made once per
 step, not once per layer: the compressors' window plans once per forward and ratio, the rollback's
-ring rows and window indices once per step and ratio (issue 25: a verify step launched ~390 more
-small kernels than a decode step, most of them this per-layer glue). Exactness is the other tests'
+window indices once per step and ratio; the state saves and the ring's restore one op a layer
+(issue 25: a verify step launched ~390 more small kernels than a decode step, most of them this
+per-layer glue). Exactness is the other tests'
 (tests/test_speculative.py, tests/test_generation_state.py, tests/test_batched_step.py)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from conftest import parity_config, random_model
 from dsv4.engine.runner import Runner
 from dsv4.engine.sampling import SampleFlags
-from dsv4.model import cache, compressor
+from dsv4.model import compressor
 from dsv4.ops import reference
 from dsv4.testing import prefill
 
@@ -50,7 +51,8 @@ def test_verify_step_makes_its_index_tensors_once(model, monkeypatch):
         dicts.append(plans)
         return orig(state, saved, slots, start, S, kept, plans)
     monkeypatch.setattr(reference, "window_rollback", rollback)
-    ring = _counting(monkeypatch, cache, "_ring_plan")
+    saves = _counting(monkeypatch, reference, "rows_save")
+    restores = _counting(monkeypatch, reference, "rows_restore")
     with torch.inference_mode():
         r._verify_step(torch.tensor([0]), torch.tensor([[5, 6, 7]]), SampleFlags(), r.max_model_len)
     assert len(plans) == 0              # the forward: its 4 tokens a row step the compressors in one op, no plan
@@ -59,8 +61,10 @@ def test_verify_step_makes_its_index_tensors_once(model, monkeypatch):
         sum(1 for b in model.layers if b.attn.kind == "csa")
     assert len(dicts) == n_comp and all(d is dicts[0] for d in dicts)
     assert {k for k in dicts[0] if k[0] == "window"} == {("window", m) for m in ratios}
-    # the ring rows: asked for by every layer's save and rollback, made once by each
-    assert len(ring) == 2 * model.config.num_hidden_layers and len({id(x) for x in ring}) == 2
+    # the state saves: one op for each layer's ring (all its tensors) and one for each compressor's
+    # windows; the rollback puts each ring's rows back in one op
+    assert len(saves) == model.config.num_hidden_layers + n_comp
+    assert len(restores) == model.config.num_hidden_layers
 
 
 def test_prefill_chunk_makes_its_window_plans_once(model, monkeypatch):

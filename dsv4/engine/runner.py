@@ -574,10 +574,8 @@ class Runner:
 
     # ------------------------------------------------------------------ verify steps (speculative)
     def _save(self, slots: torch.Tensor, start: torch.Tensor, S: int) -> list:
-        """Every layer's state a verify forward of ``S`` tokens may overwrite (for the rollback);
-        the ring rows' index tensors made once for all layers."""
-        plans: dict = {}
-        return [layer.save(slots, start, S, plans) for layer in self.state.layers]
+        """Every layer's state a verify forward of ``S`` tokens may overwrite (for the rollback)."""
+        return [layer.save(slots, start, S) for layer in self.state.layers]
 
     def _verify_step(self, idx: torch.Tensor, drafts: torch.Tensor | None, flags: SampleFlags, bound: int
                      ) -> tuple[SampleOutput, torch.Tensor]:

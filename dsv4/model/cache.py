@@ -241,11 +241,10 @@ class CompressorState:
 
     def save(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copies of the windows a forward may rewrite (a multi-token forward writes the whole new
-        open window), for :meth:`rollback`."""
-        out = (self.win_kv[slots], self.win_gate[slots])
-        if self.prev_kv is not None:
-            out += (self.prev_kv[slots], self.prev_gate[slots])
-        return out
+        open window), for :meth:`rollback`: ``win_kv, win_gate[, prev_kv, prev_gate]`` of the slots
+        (one op, :func:`dsv4.ops.fused.rows_save`)."""
+        windows = [self.win_kv, self.win_gate] + ([self.prev_kv, self.prev_gate] if self.prev_kv is not None else [])
+        return tuple(fused.rows_save(windows, slots, None, self.ratio))
 
     def rollback(self, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, start: torch.Tensor, S: int,
                  kept: torch.Tensor, plans: dict | None = None) -> None:
@@ -259,15 +258,6 @@ class CompressorState:
         ratio use the same index tensors, made once). One op (:func:`dsv4.ops.fused.window_rollback`:
         one kernel on the GPU)."""
         fused.window_rollback(self, saved, slots, start, S, kept, plans)
-
-
-def _ring_plan(W: int, slots: torch.Tensor, start: torch.Tensor, S: int, plans: dict
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(slots [B, 1], rows [B, S])``: the ring rows ``pos % W`` of the step's positions, made once
-    per step in ``plans``."""
-    if ("ring", W) not in plans:
-        plans[("ring", W)] = (slots.unsqueeze(1), (start.unsqueeze(1) + torch.arange(S, device=start.device)) % W)
-    return plans[("ring", W)]
 
 
 @dataclass
@@ -291,27 +281,22 @@ class LayerCache:
                 out += comp.tensors()
         return out
 
-    def save(self, slots: torch.Tensor, start: torch.Tensor, S: int, plans: dict | None = None) -> list:
+    def save(self, slots: torch.Tensor, start: torch.Tensor, S: int) -> list:
         """What a forward of ``S`` tokens at ``start [B]`` in ``slots [B]`` may overwrite, for
-        :meth:`rollback` (``S <= window``; compressors must have :meth:`CompressorState.enable_log`).
-        ``plans``: a dict shared by the saves and rollbacks of one step (index tensors made once)."""
-        sl, rows = _ring_plan(self.ring.rows, slots, start, S, {} if plans is None else plans)
-        ring = tuple(t[sl, rows] for t in self.ring.tensors())
+        :meth:`rollback` (``S <= window``; compressors must have :meth:`CompressorState.enable_log`):
+        one op for the ring's rows, one for each compressor's windows (:func:`dsv4.ops.fused.rows_save`)."""
+        ring = tuple(fused.rows_save(self.ring.tensors(), slots, start, S))
         return [ring] + [c.save(slots) if c is not None else None for c in (self.compressor, self.indexer)]
 
     def rollback(self, saved: list, slots: torch.Tensor, start: torch.Tensor, S: int, kept: torch.Tensor,
                  plans: dict | None = None) -> None:
         """Keep the first ``kept [B]`` of the ``S`` positions a forward wrote since :meth:`save`:
-        the state becomes what plain decoding of them leaves (device ops only: capturable).
-        ``plans``: a dict shared by the rollbacks of one step (index tensors made once, not per layer)."""
+        the state becomes what plain decoding of them leaves (device ops only: capturable): the ring's
+        rejected rows put back in one op (:func:`dsv4.ops.fused.rows_restore`), each compressor's
+        windows rebuilt in one. ``plans``: a dict shared by the rollbacks of one step (the compressors'
+        index tensors, made once, not per layer)."""
         plans = {} if plans is None else plans
-        sl, rows = _ring_plan(self.ring.rows, slots, start, S, plans)
-        if "undo" not in plans:
-            i = torch.arange(S, device=start.device)
-            plans["undo"] = (i >= kept.unsqueeze(1)).unsqueeze(-1)         # [B, S, 1] rejected
-        undo = plans["undo"]
-        for t, old in zip(self.ring.tensors(), saved[0]):
-            t[sl, rows] = torch.where(undo, old, t[sl, rows])
+        fused.rows_restore(self.ring.tensors(), list(saved[0]), slots, start, kept)
         for comp, s in zip((self.compressor, self.indexer), saved[1:]):
             if comp is not None:
                 comp.rollback(s, slots, start, S, kept, plans)

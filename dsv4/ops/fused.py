@@ -92,6 +92,21 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
     return _call("window_rollback", start.device, None, state, saved, slots, start, S, kept, plans)
 
 
+
+def rows_save(tensors: list[torch.Tensor], slots: torch.Tensor, start: torch.Tensor | None, n: int
+              ) -> list[torch.Tensor]:
+    """Copies of the state rows a verify forward may overwrite, every tensor in one launch; see
+    :func:`reference_fused.rows_save`."""
+    return _call("rows_save", slots.device, None, tensors, slots, start, n)
+
+
+def rows_restore(tensors: list[torch.Tensor], saved: list[torch.Tensor], slots: torch.Tensor, start: torch.Tensor,
+                 kept: torch.Tensor) -> None:
+    """The rejected positions' ring rows put back, every tensor in one launch; see
+    :func:`reference_fused.rows_restore`."""
+    return _call("rows_restore", slots.device, None, tensors, saved, slots, start, kept)
+
 __all__ = ["linear_pair", "mhc_pre_norm", "mhc_post_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare",
            "store_rows",
-           "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback"]
+           "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback",
+           "rows_save", "rows_restore"]

@@ -211,6 +211,33 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
         t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
 
 
+
+def rows_save(tensors: list[torch.Tensor], slots: torch.Tensor, start: torch.Tensor | None, n: int
+              ) -> list[torch.Tensor]:
+    """Copies of ``n`` rows of slots ``slots [B]`` of each state tensor ``t [slots, R, ...]`` (any
+    dtype), ``[B, n, ...]`` each: rows ``(start[b] + i) % R`` (a ring's rows of positions ``start ..
+    start + n - 1``; ``n <= R``) or, with ``start`` None, rows ``0 .. n - 1`` (a whole window,
+    ``n == R``). What a verify forward may overwrite, for :func:`rows_restore` or a window rollback."""
+    if start is None:
+        return [t[slots, :n] for t in tensors]
+    rows = (start.unsqueeze(1) + torch.arange(n, device=start.device)) % tensors[0].shape[1]
+    return [t[slots.unsqueeze(1), rows] for t in tensors]
+
+
+def rows_restore(tensors: list[torch.Tensor], saved: list[torch.Tensor], slots: torch.Tensor, start: torch.Tensor,
+                 kept: torch.Tensor) -> None:
+    """Put back the ring rows :func:`rows_save` copied (``saved [B, n, ...]``, positions ``start[b] +
+    i``) for the rejected positions, ``i >= kept[b]``; the kept ones stay as the forward wrote them."""
+    n = saved[0].shape[1]
+    i = torch.arange(n, device=start.device)
+    rows = (start.unsqueeze(1) + i) % tensors[0].shape[1]
+    sl = slots.unsqueeze(1)
+    undo = (i >= kept.unsqueeze(1))                                   # [B, n] rejected
+    for t, old in zip(tensors, saved):
+        u = undo.view(*undo.shape, *([1] * (old.dim() - 2)))
+        t[sl, rows] = torch.where(u, old, t[sl, rows])
+
 __all__ = ["linear_pair", "mhc_pre_norm", "mhc_post_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare",
            "store_rows",
-           "rope_hadamard", "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback"]
+           "rope_hadamard", "compressor_step", "compressor_step_pair", "queries_prepare", "window_rollback",
+           "rows_save", "rows_restore"]
