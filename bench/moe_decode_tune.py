@@ -7,7 +7,7 @@ FP8 shared expert inside the same launches, act-quant on.
     python bench/moe_decode_tune.py --path grouped             # the same tokens through the prefill's grouped
                                                                # tiles instead (16 pairs a tile, tensor cores)
 
-A config is ``w13=(BN, BK, warps, stages, PIPE[, maxnreg]) w2=(...)`` (``PIPE``: the K loop's software
+A config is ``w13=(BN, BK, warps, stages, PIPE) w2=(...)`` (``PIPE``: the K loop's software
 pipelining depth, 1 = none). Timing: a CUDA graph of ``ROTATE`` calls, each with its own random ids
 (~6 / ~45 / ~140 distinct experts a call at 1 / 8 / 32 tokens), so no call finds its experts in
 L2; ms a call and GB/s of the distinct experts' bytes (shared expert included), against the
@@ -35,15 +35,16 @@ ROTATE = 8
 
 def grid() -> list[tuple[tuple, tuple]]:
     """(w13, w2) configs: main's first (``gemv``, which the engine runs up to
-    ``moe.GEMV_NARROW_MAX_PAIRS`` pairs, then ``gemv_wide``), then each gate/up tile with each down tile (chosen apart: at
-    one token the two grids' programs fill the machine differently). A sixth entry caps a thread's
-    registers (``maxnreg``: more programs resident a multiprocessor)."""
+    ``moe.GEMV_NARROW_MAX_PAIRS`` pairs, then ``gemv_wide``), then each gate/up tile with each down
+    tile (chosen apart: at one token the two grids' programs fill the machine differently). (A
+    64-register cap, more programs resident a multiprocessor, was no faster at 1-8 tokens:
+    results/2026-11-29/call2_tune.txt; the kernels no longer take one.)"""
     from dsv4.ops.triton.moe import CONFIGS
     out = [(CONFIGS[k]["w13"], CONFIGS[k]["w2"]) for k in ("gemv", "gemv_wide")]
     # (PIPE is 1: the GEMV's K loop orders its own loads, moe_experts._gemm; Triton's pipelining of
     # it was 2.1-2.3x slower, results/2026-11-28i/call10_gemv_pipe.txt)
-    w13s = [(16, 256, 4, 3, 1), (16, 256, 4, 3, 1, 64), (32, 256, 4, 3, 1), (16, 512, 4, 3, 1)]
-    w2s = [(32, 256, 4, 3, 1), (32, 256, 4, 3, 1, 64), (64, 256, 4, 3, 1), (16, 256, 4, 3, 1),
+    w13s = [(16, 256, 4, 3, 1), (32, 256, 4, 3, 1), (16, 512, 4, 3, 1)]
+    w2s = [(32, 256, 4, 3, 1), (64, 256, 4, 3, 1), (16, 256, 4, 3, 1),
            (32, 128, 4, 3, 1), (64, 128, 4, 3, 1), (16, 512, 4, 3, 1), (32, 512, 4, 3, 1), (64, 256, 8, 3, 1)]
     for w13, w2 in itertools.product(w13s, w2s):
         if (w13, w2) not in out:

@@ -178,9 +178,7 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
 
 def run(L: Launch) -> None:
     """The two decode launches of one MoE call (the second also sums each token's rows into ``L.out``)."""
-    (bn1, bk1, nw1, ns1, pp1, *r1), (bn2, bk2, nw2, ns2, pp2, *r2) = L.w13, L.w2
-    # (an optional sixth entry caps the registers a thread: more programs a multiprocessor)
-    cap1, cap2 = (dict(maxnreg=r[0]) if r else {} for r in (r1, r2))
+    (bn1, bk1, nw1, ns1, pp1), (bn2, bk2, nw2, ns2, pp2) = L.w13, L.w2
     nt1, nt2 = triton.cdiv(L.I, bn1), triton.cdiv(L.D, bn2)
     # one pair a program (BM 1): with act-quant the kernels round x and h tile by tile in their K
     # loops (bit for bit the quantization kernel's values), so nothing else launches
@@ -207,9 +205,9 @@ def run(L: Launch) -> None:
         x, x, x, L.ids, L.rw, L.h, cnt, ncnt, d1, s1, g1, d3, s3, g3, L.P, L.E, L.limit,
         sh_in, v1, t1, f1, v3, t3, f3, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn1, BK=bk1, PP=pp, ZB=zb, HAS_LIMIT=L.limit > 0,
-        PIPE=pp1, num_warps=nw1, num_stages=ns1, **cap1, **common, **sh1)
+        PIPE=pp1, num_warps=nw1, num_stages=ns1, **common, **sh1)
     _w2_decode_kernel[(slots, nt2)](
         L.h, L.h, L.h, L.ids, L.y, L.out, cnt, d2, s2, g2, L.P, L.E,
         sh_in, sh_in, sh_in, sh_out, v2, t2, f2, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn2, BK=bk2, PP=pp, KP2=max(triton.next_power_of_2(L.k), 2),
-        PIPE=pp2, num_warps=nw2, num_stages=ns2, **cap2, **common, **sh2)
+        PIPE=pp2, num_warps=nw2, num_stages=ns2, **common, **sh2)
