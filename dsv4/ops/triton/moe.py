@@ -68,8 +68,9 @@ SHARED_FUSED_MAX_TOKENS = 2
 #: pairs up to which the decode GEMV runs CONFIGS["gemv"]'s narrower tiles (more programs), above
 #: CONFIGS["gemv_wide"]'s
 GEMV_NARROW_MAX_PAIRS = 6
-#: tile configs per path and projection: (BN, BK, num_warps, num_stages, K-loop pipelining of the
-#: CUDA-core GEMV: 1 = plain loop); FP8 experts use BK 128
+#: tile configs per path and projection: (BN, BK, num_warps, num_stages, K-loop pipelining depth:
+#: 1 = plain loop; the decode GEMV's loop orders its own loads, moe_experts._gemm, and takes 1);
+#: FP8 experts use BK 128
 CONFIGS = {
     # decode, BM = 1: one program per (token, expert) pair and N tile, a CUDA-core GEMV. A few
     # tokens' random top-k rarely share an expert, so 16-pair tl.dot tiles were mostly padding: on
