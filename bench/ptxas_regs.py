@@ -94,10 +94,10 @@ def sass(k) -> str:
         os.unlink(f.name)
 
 
-def loop_mix(k) -> tuple[int, dict[str, int]]:
-    """SASS of compiled kernel ``k``'s longest loop (the span from a backward branch's target to the
-    branch, by nvdisasm): its instruction count and the count of each opcode (``FFMA``, ``LOP3``,
-    ``BAR`` ...), per iteration. The instructions a value of a K step costs, read on the CPU."""
+def loop_ops(k) -> list[str]:
+    """The opcodes (``FFMA``, ``LDG``, ``BAR`` ..., predicates and modifiers dropped) of compiled
+    kernel ``k``'s longest loop in order: the span from a backward branch's target to the branch,
+    by nvdisasm."""
     sass_lines = sass(k).splitlines()
     labels, best = {}, (0, 0)
     for i, ln in enumerate(sass_lines):
@@ -107,15 +107,22 @@ def loop_mix(k) -> tuple[int, dict[str, int]]:
         m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
         if m and m.group(1) in labels and i - labels[m.group(1)] > best[1] - best[0]:
             best = (labels[m.group(1)], i)
-    mix: dict[str, int] = {}
-    n = 0
+    ops = []
     for ln in sass_lines[best[0]:best[1] + 1]:
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
         if m:
-            op = m.group(1)
-            mix[op] = mix.get(op, 0) + 1
-            n += 1
-    return n, dict(sorted(mix.items(), key=lambda kv: -kv[1]))
+            ops.append(m.group(1))
+    return ops
+
+
+def loop_mix(k) -> tuple[int, dict[str, int]]:
+    """:func:`loop_ops` counted: the loop's instruction count and the count of each opcode, per
+    iteration. The instructions a value of a K step costs, read on the CPU."""
+    ops = loop_ops(k)
+    mix: dict[str, int] = {}
+    for op in ops:
+        mix[op] = mix.get(op, 0) + 1
+    return len(ops), dict(sorted(mix.items(), key=lambda kv: -kv[1]))
 
 
 def sass_main() -> None:
