@@ -285,7 +285,7 @@ class LayerCache:
         """What a forward of ``S`` tokens at ``start [B]`` in ``slots [B]`` may overwrite, for
         :meth:`rollback` (``S <= window``; compressors must have :meth:`CompressorState.enable_log`):
         one op for the ring's rows, one for each compressor's windows (:func:`dsv4.ops.fused.rows_save`)."""
-        ring = tuple(fused.rows_save(self.ring.tensors(), slots, start, S))
+        ring = fused.rows_save(self.ring.tensors(), slots, start, S)
         return [ring] + [c.save(slots) if c is not None else None for c in (self.compressor, self.indexer)]
 
     def rollback(self, saved: list, slots: torch.Tensor, start: torch.Tensor, S: int, kept: torch.Tensor,
@@ -296,7 +296,7 @@ class LayerCache:
         windows rebuilt in one. ``plans``: a dict shared by the rollbacks of one step (the compressors'
         index tensors, made once, not per layer)."""
         plans = {} if plans is None else plans
-        fused.rows_restore(self.ring.tensors(), list(saved[0]), slots, start, kept)
+        fused.rows_restore(self.ring.tensors(), saved[0], slots, start, kept)
         for comp, s in zip((self.compressor, self.indexer), saved[1:]):
             if comp is not None:
                 comp.rollback(s, slots, start, S, kept, plans)

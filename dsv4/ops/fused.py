@@ -92,7 +92,6 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
     return _call("window_rollback", start.device, None, state, saved, slots, start, S, kept, plans)
 
 
-
 def rows_save(tensors: list[torch.Tensor], slots: torch.Tensor, start: torch.Tensor | None, n: int
               ) -> list[torch.Tensor]:
     """Copies of the state rows a verify forward may overwrite, every tensor in one launch; see
@@ -105,6 +104,7 @@ def rows_restore(tensors: list[torch.Tensor], saved: list[torch.Tensor], slots: 
     """The rejected positions' ring rows put back, every tensor in one launch; see
     :func:`reference_fused.rows_restore`."""
     return _call("rows_restore", slots.device, None, tensors, saved, slots, start, kept)
+
 
 __all__ = ["linear_pair", "mhc_pre_norm", "mhc_post_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare",
            "store_rows",

@@ -211,6 +211,10 @@ def window_rollback(state: object, saved: tuple[torch.Tensor, ...], slots: torch
         t[slots] = torch.where(from_log, log[sl, lj], torch.where(closed, 0.0, old))
 
 
+def _ring_rows(start: torch.Tensor, n: int, R: int) -> torch.Tensor:
+    """``[B, n]``: the ring rows ``(start[b] + i) % R`` of positions ``start[b] + i``."""
+    return (start.unsqueeze(1) + torch.arange(n, device=start.device)) % R
+
 
 def rows_save(tensors: list[torch.Tensor], slots: torch.Tensor, start: torch.Tensor | None, n: int
               ) -> list[torch.Tensor]:
@@ -220,7 +224,7 @@ def rows_save(tensors: list[torch.Tensor], slots: torch.Tensor, start: torch.Ten
     ``n == R``). What a verify forward may overwrite, for :func:`rows_restore` or a window rollback."""
     if start is None:
         return [t[slots, :n] for t in tensors]
-    rows = (start.unsqueeze(1) + torch.arange(n, device=start.device)) % tensors[0].shape[1]
+    rows = _ring_rows(start, n, tensors[0].shape[1])
     return [t[slots.unsqueeze(1), rows] for t in tensors]
 
 
@@ -229,13 +233,13 @@ def rows_restore(tensors: list[torch.Tensor], saved: list[torch.Tensor], slots: 
     """Put back the ring rows :func:`rows_save` copied (``saved [B, n, ...]``, positions ``start[b] +
     i``) for the rejected positions, ``i >= kept[b]``; the kept ones stay as the forward wrote them."""
     n = saved[0].shape[1]
-    i = torch.arange(n, device=start.device)
-    rows = (start.unsqueeze(1) + i) % tensors[0].shape[1]
+    rows = _ring_rows(start, n, tensors[0].shape[1])
     sl = slots.unsqueeze(1)
-    undo = (i >= kept.unsqueeze(1))                                   # [B, n] rejected
+    undo = torch.arange(n, device=start.device) >= kept.unsqueeze(1)  # [B, n] rejected
     for t, old in zip(tensors, saved):
         u = undo.view(*undo.shape, *([1] * (old.dim() - 2)))
         t[sl, rows] = torch.where(u, old, t[sl, rows])
+
 
 __all__ = ["linear_pair", "mhc_pre_norm", "mhc_post_pre_norm", "hc_head_norm", "rope_qnorm", "q_kv_prepare",
            "store_rows",

@@ -114,7 +114,6 @@ def window_rollback_triton(state: object, saved: tuple[torch.Tensor, ...], slots
         S, state.log_kv.shape[1], m, W, D, OVERLAP=overlap, BLK=min(1024, pow2(W)), num_warps=4)
 
 
-
 #: tensors one rows_save / rows_restore launch copies (a ring: values, scales, RoPE part; a
 #: compressor: both windows and, overlapping, both previous windows)
 MAX_ROW_TENSORS = 4
@@ -210,6 +209,7 @@ def rows_restore_triton(tensors: list[torch.Tensor], saved: list[torch.Tensor], 
     R, n = tensors[0].shape[1], saved[0].shape[1]
     check(all(t.shape[1] == R for t in tensors) and n <= R, op, "the tensors need the same rows a slot")
     _launch_rows(op, views, copies, nbytes, slots, start, kept, R, n, True)
+
 
 REGISTRATIONS = [("window_rollback", None, window_rollback_triton), ("rows_save", None, rows_save_triton),
                  ("rows_restore", None, rows_restore_triton)]
