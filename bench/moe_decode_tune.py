@@ -11,8 +11,7 @@ A config is ``w13=(BN, BK, warps, stages, PIPE) w2=(...)`` (``PIPE``: the K loop
 pipelining depth, 1 = none). Timing: a CUDA graph of ``ROTATE`` calls, each with its own random ids
 (~6 / ~45 / ~140 distinct experts a call at 1 / 8 / 32 tokens), so no call finds its experts in
 L2; ms a call and GB/s of the distinct experts' bytes (shared expert included), against the
-device-copy bandwidth measured in the same run. The first two configs are main's (``gemv`` up to
-``moe.GEMV_NARROW_MAX_PAIRS`` pairs, ``gemv_wide`` above).
+device-copy bandwidth measured in the same run. The first config is main's (``moe.CONFIGS["gemv"]``).
 """
 
 from __future__ import annotations
@@ -34,13 +33,12 @@ ROTATE = 8
 
 
 def grid() -> list[tuple[tuple, tuple]]:
-    """(w13, w2) configs: main's first (``gemv``, which the engine runs up to
-    ``moe.GEMV_NARROW_MAX_PAIRS`` pairs, then ``gemv_wide``), then each gate/up tile with each down
+    """(w13, w2) configs: main's first (``moe.CONFIGS["gemv"]``), then each gate/up tile with each down
     tile (chosen apart: at one token the two grids' programs fill the machine differently). (A
     64-register cap, more programs resident a multiprocessor, was no faster at 1-8 tokens:
     results/2026-11-29/call2_tune.txt; the kernels no longer take one.)"""
     from dsv4.ops.triton.moe import CONFIGS
-    out = [(CONFIGS[k]["w13"], CONFIGS[k]["w2"]) for k in ("gemv", "gemv_wide")]
+    out = [(CONFIGS["gemv"]["w13"], CONFIGS["gemv"]["w2"])]
     # (PIPE is 1: the GEMV's K loop orders its own loads, moe_experts._gemm; Triton's pipelining of
     # it was 2.1-2.3x slower, results/2026-11-28i/call10_gemv_pipe.txt)
     w13s = [(16, 256, 4, 3, 1), (32, 256, 4, 3, 1), (16, 512, 4, 3, 1)]
@@ -84,6 +82,11 @@ def main() -> None:
                     help="gemv: the decode kernels (the engine's up to moe.DECODE_MAX_PAIRS pairs); grouped: "
                          "the prefill's grouped GEMMs forced at these sizes (the shared expert then runs "
                          "as its own GEMVs)")
+    ap.add_argument("--max-pairs", type=int, help="run the decode kernels up to this many pairs (default: the "
+                                                      "engine's moe.MXFP4_DECODE_MAX_PAIRS), to time them past it")
+    ap.add_argument("--shared-fused-max", type=int,
+                    help="tokens up to which the decode kernels run the shared expert (default: the engine's "
+                         "moe.SHARED_FUSED_MAX_TOKENS; above, the linear ops run it)")
     args = ap.parse_args()
     from dsv4 import ops
     from dsv4.ops.triton import moe
@@ -93,11 +96,15 @@ def main() -> None:
     shared = (fp8_weight(I, D, g, dev), fp8_weight(I, D, g, dev), fp8_weight(D, I, g, dev))
     per_expert = (w1.nbytes + w3.nbytes + w2.nbytes) / E
     shared_bytes = sum(w.nbytes for w in shared)
-    keys = ("gemv", "gemv_wide") if args.path == "gemv" else ("grouped_mxfp4_few",)
+    keys = ("gemv",) if args.path == "gemv" else ("grouped_mxfp4_few",)
     configs = grid() if args.path == "gemv" else grouped_grid()
-    max_pairs = moe.DECODE_MAX_PAIRS
+    max_pairs, mx_max_pairs, shared_max = moe.DECODE_MAX_PAIRS, moe.MXFP4_DECODE_MAX_PAIRS, moe.SHARED_FUSED_MAX_TOKENS
+    if args.shared_fused_max is not None:
+        moe.SHARED_FUSED_MAX_TOKENS = args.shared_fused_max
     if args.path == "grouped":
         moe.DECODE_MAX_PAIRS = -1
+    elif args.max_pairs:
+        moe.DECODE_MAX_PAIRS = moe.MXFP4_DECODE_MAX_PAIRS = args.max_pairs
     idx = args.configs if args.configs else range(len(configs))
     if args.compile_only:
         i, n = (int(v) for v in args.part.split("/"))
@@ -153,7 +160,8 @@ def main() -> None:
                       flush=True)
     finally:
         moe.CONFIGS.update(saved)
-        moe.DECODE_MAX_PAIRS = max_pairs
+        moe.DECODE_MAX_PAIRS, moe.MXFP4_DECODE_MAX_PAIRS = max_pairs, mx_max_pairs
+        moe.SHARED_FUSED_MAX_TOKENS = shared_max
 
 
 if __name__ == "__main__":

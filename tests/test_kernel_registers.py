@@ -61,7 +61,7 @@ def _probe(code: str, tools: tuple[str, ...]) -> object:
 
 def test_decode_moe_registers_do_not_depend_on_the_batch(decode_moe):
     """The decode MoE kernels take the same registers for 4 and for 8 tokens of top-6 (the same
-    tiles, ``moe.CONFIGS["gemv_wide"]``). Ranking the step's ids over 64 lanes once gave them 155 /
+    tiles, ``moe.CONFIGS["gemv"]``). Ranking the step's ids over 64 lanes once gave them 155 /
     92 registers at 6-10 tokens against 80 / 91 at 4, and those batches' experts streamed ~45% slower
     on an H100 (``bench/ptxas_regs.py`` prints the whole table)."""
     regs = decode_moe["regs"]

@@ -48,7 +48,6 @@ from dsv4.ops.triton import moe_decode, moe_experts, moe_grouped, runtime  # noq
 
 #: small tile configs for the interpreter: few programs, still several N tiles and K steps
 SMALL = {"gemv": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
-         "gemv_wide": dict(w13=(64, 128, 4, 1, 1), w2=(32, 128, 4, 1, 1)),
          "grouped": dict(w13=(32, 128, 4, 1, 1), w2=(64, 128, 4, 1, 1)),
          "grouped_mxfp4": dict(w13=(32, 128, 4, 1, 2), w2=(64, 64, 4, 1, 2), wt=True),
          "grouped_mxfp4_few": dict(w13=(32, 128, 4, 1, 3), w2=(64, 128, 4, 1, 3)),
@@ -146,18 +145,16 @@ FORMATS = ["mxfp4", "nvfp4", "fp8e", "fp8"]          # fp8e: e8m0 block scales, 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("act", [True, False])
-@pytest.mark.parametrize("path", ["gemv", "gemv4", "gemv4_wide", "grouped"])
+@pytest.mark.parametrize("path", ["gemv", "gemv4", "grouped"])
 def test_every_format_path_and_act_quant(monkeypatch, fmt, act, path):
     """Every format x decode GEMV (one program per pair and N tile; T = 1 with a ``-1`` slot; T = 4
     with ``-1`` slots, an empty token, one token with an expert twice, experts shared across
-    tokens; the same on the wider tiles of more pairs, ``gemv_wide``) / prefill grouped GEMM
+    tokens) / prefill grouped GEMM
     (above DECODE_MAX_PAIRS: pairs sorted by expert on the device, tiles, combine) x act-quant
     on / off."""
     if path == "gemv":
         _run(fmt, 1, 3, 5, 256, 128, act)
-    elif path.startswith("gemv4"):
-        monkeypatch.setattr(M, "GEMV_NARROW_MAX_PAIRS", 0 if path == "gemv4_wide" else 8)
-        assert M.tiles(8, 4, True, False)[1] == ("gemv_wide" if path == "gemv4_wide" else "gemv")
+    elif path == "gemv4":
         _run(fmt, 4, 2, 4, 256, 128, act)
     else:
         monkeypatch.setattr(M, "DECODE_MAX_PAIRS", 8)
@@ -195,12 +192,21 @@ def test_shared_expert_runs_in_the_decode_kernels(monkeypatch, fmt, sfmt, T, act
     """The shared expert (its own format; full width, and half width as under expert parallel) is one
     more expert of the two decode launches: the same as the reference's routed sum plus shared
     output, with a ``-1`` slot and (T = 3) a token holding no routed expert, which gets the shared
-    output alone. Nothing runs the shared expert outside the kernels, and one token (the GEMV)
-    launches nothing else: the kernels round x and h themselves."""
+    output alone. Nothing runs the shared expert outside the kernels. With act-quant, x is rounded
+    by one launch, and h by one launch for the routed and shared rows together at full width (two
+    at half width: the rows are not one buffer)."""
     monkeypatch.setattr(M, "_shared_expert", None)           # any call outside the kernels fails
     monkeypatch.setattr(M, "SHARED_FUSED_MAX_TOKENS", T)     # T = 3: the kernels' multi-token case
-    if T == 1:
-        monkeypatch.setattr(moe_experts, "_quant_kernel", None)
+    rounded = []
+    quant = moe_experts._quant_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(v, *args, **kw):
+                rounded.append(tuple(v.shape))
+                return quant[grid](v, *args, **kw)
+            return launch
+    monkeypatch.setattr(moe_experts, "_quant_kernel", Counted())
     E, k, D, I = 5, 3, 256, 128
     w1, w3 = (_weights(fmt, E, I, D, s) for s in (1, 3))
     w2 = _weights(fmt, E, D, I, 2)
@@ -214,6 +220,9 @@ def test_shared_expert_runs_in_the_decode_kernels(monkeypatch, fmt, sfmt, T, act
         _check(got, exp, 2e-3 if exact else (3e-3 if not act else 2e-2))
         if exact:
             assert (got == exp).float().mean() > 0.99
+        full = [(T, D), (T * k + T, I)]
+        assert rounded == ((full if width == I else [(T, D), (T * k, I), (T, width)]) if act else []), rounded
+        rounded.clear()
 
 
 @pytest.mark.parametrize("prefill", [True, False])

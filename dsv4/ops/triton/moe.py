@@ -61,13 +61,11 @@ DECODE_MAX_PAIRS = 256
 #: 8 tokens 423 -> 413, 16 tokens 794 -> 697, 32 tokens 1509 -> 1104 us
 MXFP4_DECODE_MAX_PAIRS = 48
 #: tokens up to which the decode kernels also run the shared expert (one more expert a token, its
-#: weights read once per token); above, the linear ops run it as one batched GEMV. H100, Flash layer
-#: (MXFP4 routed, FP8 shared, act-quant), the MoE with its shared expert: fused 0.080 / 0.134 /
-#: 0.274 / 0.844 ms at 1 / 2 / 4 / 8 tokens, by the linear ops 0.099 / 0.153 / 0.260 / 0.686 ms
-SHARED_FUSED_MAX_TOKENS = 2
-#: pairs up to which the decode GEMV runs CONFIGS["gemv"]'s narrower tiles (more programs), above
-#: CONFIGS["gemv_wide"]'s
-GEMV_NARROW_MAX_PAIRS = 6
+#: weights read once per token); above, the linear ops run it as one batched GEMV. H200, Flash layer
+#: (MXFP4 routed, FP8 shared, act-quant), the MoE with its shared expert, the linear ops -> fused:
+#: 4 tokens 182.6 -> 174.9 us, 8 tokens 315.8 -> 324.3 us (bench/moe_decode_tune.py
+#: --shared-fused-max 8, results/2026-11-29b/call2_sizes.txt)
+SHARED_FUSED_MAX_TOKENS = 4
 #: tile configs per path and projection: (BN, BK, num_warps, num_stages, K-loop pipelining depth:
 #: 1 = plain loop; the decode GEMV's loop orders its own loads, moe_experts._gemm, and takes 1);
 #: FP8 experts use BK 128
@@ -76,13 +74,11 @@ CONFIGS = {
     # tokens' random top-k rarely share an expert, so 16-pair tl.dot tiles were mostly padding: on
     # an H100 (Flash layer, MXFP4, act-quant) they took 1.7-2.1x the GEMV's time at 1-32 tokens
     # (bench/results/2026-11-25c/moe_decode_tune.txt), though the GEMV reads a shared expert per pair
-    # The two GEMVs' tiles chosen apart, and by the pairs (bench/moe_decode_tune.py, H200, Flash
-    # layer; before: w13 (16, 256) and w2 (32, 256) at every size). Up to GEMV_NARROW_MAX_PAIRS
-    # (one token) the narrower tiles, more programs: 1 token 78.4 -> 73.0 us; above, the wider:
-    # 4 tokens 215.0 -> 214.5, 8 tokens 376.9 -> 351.8 us (results/2026-11-29/call2_tune.txt).
-    # 2 tokens, narrow 131.3 us, wide 116.5 (call3_tune.txt).
+    # The two GEMVs' tiles chosen apart (bench/moe_decode_tune.py, H200, Flash layer, 24 configs;
+    # results/2026-11-29b/call2_tune.txt): these are the fastest at 1, 4 and 8 tokens (58.1 / 182.6
+    # / 315.8 us) and within 10% of the fastest at 2 (103.6 against 94.8 us). Before the GEMVs'
+    # inputs were rounded ahead of them, wider tiles won from 2 tokens on (results/2026-11-29).
     "gemv": dict(w13=(16, 256, 4, 3, 1), w2=(32, 128, 4, 3, 1)),
-    "gemv_wide": dict(w13=(32, 256, 4, 3, 1), w2=(64, 128, 4, 3, 1)),
     "grouped": dict(w13=(64, 128, 8, 3, 1), w2=(128, 128, 8, 3, 1)),  # prefill, BM = 64 (16 < 2048 pairs)
     # prefill, MXFP4 on dequantized operands (no QDOT), BM = 128 from 64 pairs an expert on, the
     # gate/up GEMM transposed (moe_grouped._gemm_wt: the weight rows on the MMA's M side).
@@ -200,7 +196,7 @@ def tiles(P: int, E: int, decode: bool, mx_plain: bool) -> tuple[int, str]:
     operands, larger tiles once experts average a full one, where :func:`register_mma_safe`).
     bench/moe_prefill_tune.py tries others."""
     if decode:
-        return 1, "gemv" if P <= GEMV_NARROW_MAX_PAIRS else "gemv_wide"
+        return 1, "gemv"
     if mx_plain:
         if P < MXFP4_SMALL_TILE_PAIRS * E:
             return 16, "grouped_mxfp4_few"
@@ -259,6 +255,7 @@ class SharedLaunch:
     weights: tuple                            # ((data, scale, global) of w1, of w3, of w2)
     h: torch.Tensor                           # [T, I] gate/up output
     y: torch.Tensor                           # [T, D] fp32 rows
+    h_all: torch.Tensor | None = None         # [P + T, I]: Launch.h's rows then h's, one buffer (same width)
 
 
 def _format_code(w: object) -> FormatCode:
@@ -395,7 +392,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg, wt=cfg.get("wt", False),
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
                q_dtype=q_dtype, limit=float(limit), x=x,
-               # (decode: the kernels round x themselves, moe_decode.run)
+               # (decode: moe_decode.run rounds x itself)
                xin=quantized(x, act_quant and not decode, pow2, qdot, q_dtype),
                ids=topk_ids, rw=topk_weights, weights=((d1, s1, g1), (d3, s3, g3), (d2, s2, g2)),
                h=runtime.empty((P, I), x.dtype, x.device), y=runtime.empty((P, D), torch.float32, x.device),
@@ -403,8 +400,13 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     if fused is not None:
         fmt_s, I_s, tensors = fused
         tensors = tuple((d, s, g if g is not None else topk_weights) for d, s, g in tensors)
-        L.shared = SharedLaunch(fmt=fmt_s, I=I_s, weights=tensors, h=runtime.empty((T, I_s), x.dtype, x.device),
-                                y=runtime.empty((T, D), torch.float32, x.device))
+        # (at one width the pairs' and the shared rows share a buffer: ĥ is rounded in one launch)
+        h_all = runtime.empty((P + T, I), x.dtype, x.device) if I_s == I else None
+        if h_all is not None:
+            L.h = h_all[:P]
+        L.shared = SharedLaunch(fmt=fmt_s, I=I_s, weights=tensors,
+                                h=h_all[P:] if h_all is not None else runtime.empty((T, I_s), x.dtype, x.device),
+                                y=runtime.empty((T, D), torch.float32, x.device), h_all=h_all)
     (moe_decode if decode else moe_grouped).run(L)
     if shared is not None and fused is None:
         out = out + _shared_expert(x, shared, limit, act_quant, pow2)

@@ -3,8 +3,11 @@
 Decode (``T * k <= DECODE_MAX_PAIRS``), two launches for the routed experts and the shared one,
 no host read, fixed shapes (CUDA-graph capturable). The shared expert is one more "expert" of
 weight 1: ``T`` more slots of each grid (one token each), with its own format and width (``I / N``
-under expert parallel). With act-quant the kernels round ``x`` and ``h`` per 128 block as they
-stream them (``moe_experts._act_quant_tile``), so no quantization kernel runs:
+under expert parallel). With act-quant, ``x`` and then ``h`` (the routed and shared experts' rows
+together) are rounded per 128 block by one small launch each before the GEMV that reads them
+(``moe_experts.quantized``): rounding them inside the GEMVs' K loops, as every program streams the
+whole row, cost the Flash layer 72.5 -> 59.4 us at one token and 350.7 -> 316.4 us at eight, H200
+(``bench/results/2026-11-29b/call1_tune.txt``):
 
 1. ``_w13_decode_kernel``, grid ``(T*k (+ T shared) slots, I / BN)``. Each slot ``j`` owns a *chunk*: when pair
    ``j`` is the first of its expert, or the ``BM``-th, ``2BM``-th ... pair of that expert (pairs
@@ -12,12 +15,12 @@ stream them (``moe_experts._act_quant_tile``), so no quantization kernel runs:
    The chunk is found in registers from the ``T*k`` ids (compare, cumsum), so each expert's
    bytes are read once for up to ``BM`` tokens without any sort or extra launch. The program
    streams ``BN`` rows of W1 and W3 over all of ``D`` and writes ``h`` (SwiGLU + clamp + routing
-   weight epilogue) for its pairs. The engine runs ``BM = 1`` (``moe.CONFIGS["gemv"]`` says why;
-   ``"gemv_wide"`` above one token): a CUDA-core GEMV whose group scales multiply per-group partial
+   weight epilogue) for its pairs. The engine runs ``BM = 1`` (``moe.CONFIGS["gemv"]`` says why):
+   a CUDA-core GEMV whose group scales multiply per-group partial
    sums, its K step's loads ordered by hand (``moe_experts._gemm``).
    It also zeroes the combine counters of step 2 (saves a memset launch).
 2. ``_w2_decode_kernel``, grid ``(T*k (+ T shared) slots, D / BN)``: the same chunks over W2 with
-   ``ĥ`` as input (quantized per 128 in the prologue of each K block), fp32 rows per pair; then the
+   ``ĥ`` as input, fp32 rows per pair; then the
    combine: each program bumps a per-(token, N tile) counter (``atomic_add``, acq_rel) and the
    program that completes a token sums that token's ``k`` rows in slot order, adds the shared
    expert's row (each cast to the activation dtype first, as the reference adds the two outputs)
@@ -36,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .moe_experts import _expert_ptrs, _gemm, _w13_rows
+from .moe_experts import _expert_ptrs, _gemm, _w13_rows, quantized
 
 if TYPE_CHECKING:
     from .moe import Launch
@@ -77,7 +80,7 @@ def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, n
                        ZB: tl.constexpr, HAS_LIMIT: tl.constexpr, XDT: tl.constexpr,
                        CDT: tl.constexpr, QDOT: tl.constexpr, SHARED: tl.constexpr = False,
                        FMT_S: tl.constexpr = 0, I_S: tl.constexpr = 1, BK_S: tl.constexpr = 128,
-                       AQ: tl.constexpr = False, POW2: tl.constexpr = True, PIPE: tl.constexpr = 1):
+                       PIPE: tl.constexpr = 1):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     # zero the w2 kernel's combine counters (ZB per program)
@@ -89,14 +92,14 @@ def _w13_decode_kernel(x_ptr, xq_ptr, xs_ptr, ids_ptr, rw_ptr, h_ptr, cnt_ptr, n
         if active & (e < E):
             _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr,
                       e, rows, valid, pid_n, limit, D, I, KTOP, FMT, BM, BN, BK, HAS_LIMIT, XDT, CDT, QDOT,
-                      PIPE, True, AQ, POW2)
+                      PIPE, True)
     elif SHARED:
         # the shared expert: the slots past the pairs, BM tokens each, weight 1, its own format
         tok = (slot - P) * BM + tl.arange(0, BM)
         if pid_n * BN < I_S:
             _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, sh_ptr, v1_ptr, t1_ptr, f1_ptr, v3_ptr, t3_ptr, f3_ptr,
                       tl.full((), 0, tl.int32), tok, tok < T, pid_n, limit, D, I_S, 1, FMT_S, BM, BN, BK_S,
-                      HAS_LIMIT, XDT, CDT, QDOT, PIPE, False, AQ, POW2)
+                      HAS_LIMIT, XDT, CDT, QDOT, PIPE, False)
 
 
 @triton.jit
@@ -136,8 +139,7 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PP: tl.constexpr,
                       KP2: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr, QDOT: tl.constexpr,
                       SHARED: tl.constexpr = False, FMT_S: tl.constexpr = 0, I_S: tl.constexpr = 1,
-                      BK_S: tl.constexpr = 128, AQ: tl.constexpr = False, POW2: tl.constexpr = True,
-                      PIPE: tl.constexpr = 1):
+                      BK_S: tl.constexpr = 128, PIPE: tl.constexpr = 1):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_offs = pid_n * BN + tl.arange(0, BN)
@@ -148,7 +150,7 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
         if active & (e < E):
             p2, q2 = _expert_ptrs(w2_ptr, s2_ptr, e, D, I, FMT)
             y, _unused = _gemm(h_ptr, hq_ptr, hs_ptr, rows, valid, p2, q2, p2, q2, n_offs, nmask, I, D,
-                               FMT, BM, BN, BK, CDT, False, QDOT, PIPE, AQ, POW2)
+                               FMT, BM, BN, BK, CDT, False, QDOT, PIPE)
             if FMT == 3:
                 y = y * tl.load(g2_ptr + e)
             tl.store(y_ptr + rows[:, None] * D + n_offs[None, :], y,
@@ -159,7 +161,7 @@ def _w2_decode_kernel(h_ptr, hq_ptr, hs_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
         tok = (slot - P) * BM + tl.arange(0, BM)
         valid = tok < T
         y, _unused = _gemm(sh_ptr, shq_ptr, shs_ptr, tok, valid, v2_ptr, t2_ptr, v2_ptr, t2_ptr, n_offs, nmask,
-                           I_S, D, FMT_S, BM, BN, BK_S, CDT, False, QDOT, PIPE, AQ, POW2)
+                           I_S, D, FMT_S, BM, BN, BK_S, CDT, False, QDOT, PIPE)
         if FMT_S == 3:
             y = y * tl.load(f2_ptr)
         tl.store(ys_ptr + tok[:, None] * D + n_offs[None, :], y, mask=valid[:, None] & nmask[None, :])
@@ -180,15 +182,13 @@ def run(L: Launch) -> None:
     """The two decode launches of one MoE call (the second also sums each token's rows into ``L.out``)."""
     (bn1, bk1, nw1, ns1, pp1), (bn2, bk2, nw2, ns2, pp2) = L.w13, L.w2
     nt1, nt2 = triton.cdiv(L.I, bn1), triton.cdiv(L.D, bn2)
-    # one pair a program (BM 1): with act-quant the kernels round x and h tile by tile in their K
-    # loops (bit for bit the quantization kernel's values), so nothing else launches
     assert L.BM == 1 and not L.qdot, "the decode kernels run one pair a program"
-    common = dict(FMT=L.fmt, BM=1, XDT=L.xdt, CDT=L.xdt, QDOT=False, AQ=L.act_quant, POW2=L.pow2)
+    common = dict(FMT=L.fmt, BM=1, XDT=L.xdt, CDT=L.xdt, QDOT=False)
     ncnt = L.T * nt2
     cnt = runtime.empty((ncnt,), torch.int32, L.x.device)       # zeroed by the first kernel
     zb = triton.next_power_of_2(triton.cdiv(ncnt, L.P * nt1))
     pp = max(triton.next_power_of_2(L.P), 2)
-    x = L.x
+    x = quantized(L.x, L.act_quant, L.pow2, False, L.q_dtype)[0]
     (d1, s1, g1), (d3, s3, g3), (d2, s2, g2) = L.weights
     S = L.shared
     if S is not None:
@@ -206,8 +206,25 @@ def run(L: Launch) -> None:
         sh_in, v1, t1, f1, v3, t3, f3, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn1, BK=bk1, PP=pp, ZB=zb, HAS_LIMIT=L.limit > 0,
         PIPE=pp1, num_warps=nw1, num_stages=ns1, **common, **sh1)
+    h, sh_h = _rounded_h(L)
     _w2_decode_kernel[(slots, nt2)](
-        L.h, L.h, L.h, L.ids, L.y, L.out, cnt, d2, s2, g2, L.P, L.E,
-        sh_in, sh_in, sh_in, sh_out, v2, t2, f2, L.T,
+        h, h, h, L.ids, L.y, L.out, cnt, d2, s2, g2, L.P, L.E,
+        sh_h, sh_h, sh_h, sh_out, v2, t2, f2, L.T,
         D=L.D, I=L.I, KTOP=L.k, BN=bn2, BK=bk2, PP=pp, KP2=max(triton.next_power_of_2(L.k), 2),
         PIPE=pp2, num_warps=nw2, num_stages=ns2, **common, **sh2)
+
+
+def _rounded_h(L: Launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The down GEMV's inputs ``(ĥ of the pairs, ĥ of the shared expert's rows)``: with act-quant
+    rounded per 128 block, in one launch when the shared rows follow the pairs' in one buffer
+    (``SharedLaunch.h_all``, same width); rows of empty pairs are skipped."""
+    S = L.shared
+    if not L.act_quant:
+        return L.h, L.h if S is None else S.h
+    if S is None:
+        return quantized(L.h, True, L.pow2, False, L.q_dtype, ids=L.ids)[0], L.h
+    if S.h_all is not None:
+        both = quantized(S.h_all, True, L.pow2, False, L.q_dtype, ids=L.ids)[0]
+        return both[:L.P], both[L.P:]
+    return (quantized(L.h, True, L.pow2, False, L.q_dtype, ids=L.ids)[0],
+            quantized(S.h, True, L.pow2, False, L.q_dtype)[0])

@@ -19,8 +19,8 @@ from .numerics import (e2m1x8_to_f16, e4m3_decode, e8m0_to_f32, fp8_scale, mxfp4
 QUANT_BLOCKS = 4
 
 
-@triton.jit(do_not_specialize=["R"])
-def _quant_kernel(src_ptr, dst_ptr, q_ptr, s_ptr, ids_ptr, R, K: tl.constexpr, NB: tl.constexpr,
+@triton.jit(do_not_specialize=["R", "n_ids"])
+def _quant_kernel(src_ptr, dst_ptr, q_ptr, s_ptr, ids_ptr, R, n_ids, K: tl.constexpr, NB: tl.constexpr,
                   POW2: tl.constexpr, XDT: tl.constexpr, WRITE_Q: tl.constexpr,
                   SKIP_EMPTY: tl.constexpr):
     """DeepSeek's ``act_quant`` of ``NB`` 128-blocks of one row of ``src [R, K]``
@@ -28,13 +28,14 @@ def _quant_kernel(src_ptr, dst_ptr, q_ptr, s_ptr, ids_ptr, R, K: tl.constexpr, N
     (IEEE division; rounded up to a power of two from the float's bits with ``POW2``),
     ``q = e4m3(clamp(v / scale))``. Writes ``dst = (q * scale).to(XDT)`` (the reference's
     ``act_quant_sim``) and, with ``WRITE_Q``, ``q`` (e4m3 or fp16, exact either way) and the fp32
-    scales. ``SKIP_EMPTY``: rows are pairs, those whose id is ``-1`` (never computed) are skipped."""
+    scales. ``SKIP_EMPTY``: the first ``n_ids`` rows are pairs, those whose id is ``-1`` (never
+    computed) are skipped; rows past them (the decode's shared-expert rows) are all computed."""
     r = tl.program_id(0)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     kk = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
     bm = blk < (K + 127) // 128
     if SKIP_EMPTY:
-        bm = bm & (tl.load(ids_ptr + r) >= 0)
+        bm = bm & ((r >= n_ids) | (tl.load(ids_ptr + r, mask=r < n_ids, other=0) >= 0))
     m = (kk < K) & bm[:, None]
     v = tl.load(src_ptr + r.to(tl.int64) * K + kk, mask=m, other=0.0).to(tl.float32)
     s = fp8_scale(tl.max(tl.abs(v), axis=1), POW2)
@@ -229,28 +230,12 @@ def _accumulate(acc, a, w, scale, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.co
 
 
 @triton.jit
-def _act_quant_tile(a, BM: tl.constexpr, BK: tl.constexpr, POW2: tl.constexpr):
-    """``act_quant_sim`` of a ``[BM, BK]`` tile of rows (``BK`` a multiple of 128, at a multiple
-    of 128): what :func:`_quant_kernel` writes as ``dst`` for those values, bit for bit."""
-    NB: tl.constexpr = BK // 128
-    v = tl.reshape(a.to(tl.float32), (BM, NB, 128))
-    s = fp8_scale(tl.max(tl.abs(v), axis=2), POW2)[:, :, None]
-    if POW2:
-        y = v * pow2_inv(s)   # v / s, exact
-    else:
-        y = tl.math.div_rn(v, tl.broadcast_to(s, v.shape))
-    return tl.reshape((quantize_e4m3(y) * s).to(a.dtype), (BM, BK))
-
-
-@triton.jit
 def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr, rows, rmask,
           K: tl.constexpr, N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr, TWO: tl.constexpr, QDOT: tl.constexpr,
-          PIPE: tl.constexpr, AQ: tl.constexpr = False, POW2: tl.constexpr = True,
-          MXB: tl.constexpr = False):
+          PIPE: tl.constexpr, MXB: tl.constexpr = False):
     """``A[a_rows] @ Wa[rows]^T`` (and ``@ Wb[rows]^T`` with ``TWO``, sharing the A tiles) over all
-    of ``K``: fp32 ``[BM, BN]`` each. ``A`` is the matmul input (``x̂``) ``[*, K]``, or with ``AQ``
-    (act-quant, no ``QDOT``) the raw input, rounded to ``x̂`` tile by tile here. With ``QDOT``
+    of ``K``: fp32 ``[BM, BN]`` each. ``A`` is the matmul input (``x̂``) ``[*, K]``. With ``QDOT``
     (act-quant, ``BM >= 16``) it is the e4m3 values ``q`` and their per-128 scales instead, and the
     product is DeepSeek's ``sum_kb (q . w) * s_x * s_w`` (DSV4_FACTS 2b) on tensor cores: FP8
     experts e4m3 x e4m3 per 128 block; FP4 experts fp16 per 32 / 16 group (``q`` and
@@ -304,19 +289,14 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
                 if TWO:
                     acc_b += blk_b * sx
     elif BM == 1:
-        # The CUDA-core GEMV. The order of a K step's loads is chosen, because the compiler moves
-        # none across the barriers of the activation's rounding (its per-128 amax is a block-wide
-        # reduction): the next step's activation tile is loaded a step ahead (from L2), and both
-        # weights' bytes are in flight together, right after the rounding. Loaded in place, the
-        # GEMV waited for the activation, then W1, then W3, one after the other, every step.
-        # (Loading the weights before the rounding gives their tiles another layout, converted
-        # through shared memory every step: 912 instructions a step instead of 388, sm_90a SASS.)
+        # The CUDA-core GEMV, on an input already rounded (moe_decode.run: rounding it here, every
+        # program again, cost a fifth of the layer's time at one token). The next step's
+        # activation tile is loaded a step ahead (from L2) and both weights' bytes are in flight
+        # together before either is decoded, so a K step waits on memory once, not three times.
         a_next = _load_rows(a_ptr, a_rows, a_valid, 0, K, BK, K % BK == 0)
         for k0 in range(0, K, BK):
             a = a_next
             a_next = _load_rows(a_ptr, a_rows, a_valid & (k0 + BK < K), k0 + BK, K, BK, K % BK == 0)
-            if AQ:
-                a = _act_quant_tile(a, BM, BK, POW2)
             ra, qa = _weight_raw(wa_ptr, sa_ptr, rows, rmask, k0, K, N, FMT, BN, BK)
             if TWO:
                 rb, qb = _weight_raw(wb_ptr, sb_ptr, rows, rmask, k0, K, N, FMT, BN, BK)
@@ -328,8 +308,6 @@ def _gemm(a_ptr, aq_ptr, as_ptr, a_rows, a_valid, wa_ptr, sa_ptr, wb_ptr, sb_ptr
     else:
         for k0 in tl.range(0, K, BK, num_stages=PIPE):
             a = _load_rows(a_ptr, a_rows, a_valid, k0, K, BK, K % BK == 0)
-            if AQ:
-                a = _act_quant_tile(a, BM, BK, POW2)
             if MXB:   # MXFP4 tiles (BM > 1, bf16) dequantized in bf16 (_mx_bf16_tile)
                 ab = a.to(tl.bfloat16)
                 acc_a = tl.dot(ab, tl.trans(_mx_bf16_tile(wa_ptr, sa_ptr, rows, rmask, k0, K, N, BN, BK)), acc_a)
@@ -372,20 +350,18 @@ def _w13_rows(x_ptr, xq_ptr, xs_ptr, rw_ptr, h_ptr, w1_ptr, s1_ptr, g1_ptr, w3_p
               e, rows, valid, pid_n, limit, D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr,
               FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               HAS_LIMIT: tl.constexpr, XDT: tl.constexpr, CDT: tl.constexpr, QDOT: tl.constexpr,
-              PIPE: tl.constexpr, WEIGHTED: tl.constexpr = True, AQ: tl.constexpr = False,
-              POW2: tl.constexpr = True, MXB: tl.constexpr = False):
+              PIPE: tl.constexpr, WEIGHTED: tl.constexpr = True, MXB: tl.constexpr = False):
     """The gate/up half of expert ``e`` for the pairs ``rows`` (``valid`` masks the padding), output
     columns ``pid_n * BN ...``: W1 and W3 in one pass, the NVFP4 global scales, the clamped SwiGLU
-    times the routing weight (``WEIGHTED``; the shared expert has none), stored to ``h``. ``AQ``:
-    ``x`` is raw, rounded in the K loop (:func:`_gemm`). Shared by the decode and the grouped
-    (prefill) kernel."""
+    times the routing weight (``WEIGHTED``; the shared expert has none), stored to ``h``. Shared by
+    the decode and the grouped (prefill) kernel."""
     tok = rows // KTOP
     n_offs = pid_n * BN + tl.arange(0, BN)
     nmask = n_offs < I
     p1, q1 = _expert_ptrs(w1_ptr, s1_ptr, e, I, D, FMT)
     p3, q3 = _expert_ptrs(w3_ptr, s3_ptr, e, I, D, FMT)
     g, u = _gemm(x_ptr, xq_ptr, xs_ptr, tok, valid, p1, q1, p3, q3, n_offs, nmask, D, I, FMT,
-                 BM, BN, BK, CDT, True, QDOT, PIPE, AQ, POW2, MXB)
+                 BM, BN, BK, CDT, True, QDOT, PIPE, MXB)
     if FMT == 3:
         g = g * tl.load(g1_ptr + e)
         u = u * tl.load(g3_ptr + e)
@@ -403,7 +379,7 @@ def quantized(v: torch.Tensor, act_quant: bool, pow2: bool, with_q: bool, q_dtyp
               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(v̂, q, scales)``: the matmul input (``act_quant_sim(v)`` or ``v``) and, with ``with_q``,
     its e4m3 values (as ``q_dtype``) and per-128 fp32 scales (else placeholders). With ``ids`` the
-    rows are pairs and rows of empty slots are left alone."""
+    first ``ids.numel()`` rows are pairs and rows of empty slots are left alone."""
     if not act_quant:
         return v, v, v
     R, K = v.shape
@@ -411,6 +387,6 @@ def quantized(v: torch.Tensor, act_quant: bool, pow2: bool, with_q: bool, q_dtyp
     q = runtime.empty((R, K) if with_q else (1,), q_dtype, v.device)
     s = runtime.empty((R, triton.cdiv(K, 128)) if with_q else (1,), torch.float32, v.device)
     _quant_kernel[(R, triton.cdiv(K, 128 * QUANT_BLOCKS))](
-        v, out, q, s, v if ids is None else ids, R, K=K, NB=QUANT_BLOCKS, POW2=bool(pow2),
+        v, out, q, s, v if ids is None else ids, R, 0 if ids is None else ids.numel(), K=K, NB=QUANT_BLOCKS, POW2=bool(pow2),
         XDT=runtime.tl_dtype(v.dtype), WRITE_Q=with_q, SKIP_EMPTY=ids is not None, num_warps=4)
     return out, q, s
