@@ -161,11 +161,11 @@ def test_every_format_path_and_act_quant(monkeypatch, fmt, act, path):
         _run(fmt, 37, 2, 4, 128, 128, act)
 
 
-@pytest.mark.parametrize("T, grouped", [(8, False), (9, True)])
-def test_mxfp4_decode_batches_above_8_tokens_take_the_grouped_tiles(monkeypatch, T, grouped):
-    """MXFP4 experts with act-quant (the engine's QAT path), top-6, with the shared expert: up to 8
-    tokens the decode kernels run, from 9 on the grouped 16-pair tiles (faster from 16 tokens on an
-    H200, ``moe.MXFP4_DECODE_MAX_PAIRS``); either way the reference's result."""
+@pytest.mark.parametrize("T, grouped", [(16, False), (17, True)])
+def test_mxfp4_decode_batches_above_16_tokens_take_the_grouped_tiles(monkeypatch, T, grouped):
+    """MXFP4 experts with act-quant (the engine's QAT path), top-6, with the shared expert: up to 16
+    tokens the decode kernels run, from 17 on the grouped 16-pair tiles (``moe.MXFP4_DECODE_MAX_PAIRS``);
+    either way the reference's result."""
     ran = []
     for mod in (moe_decode, moe_grouped):
         monkeypatch.setattr(mod, "run", lambda L, _mod=mod, _run=mod.run: (ran.append(_mod), _run(L))[1])

@@ -54,12 +54,14 @@ from .moe_experts import quantized
 #: pairs (tokens x top-k) up to which the decode kernels run; above, the grouped GEMM
 DECODE_MAX_PAIRS = 256
 #: ... and for MXFP4 experts with act-quant whose grouped GEMM runs on the exactly dequantized
-#: operands (the engine's QAT path): the 16-pair tiles on tensor cores decode a weight value in fewer instructions
-#: than the CUDA-core GEMV, which is bound by them from 8 tokens on. H200, Flash layer with its FP8
-#: shared expert, a CUDA graph of calls with their own ids (bench/moe_decode_tune.py and its --path
-#: grouped, results/2026-11-28g/call10_moe_decode_paths.txt), GEMV -> grouped: 1 token 80 -> 127 us,
-#: 8 tokens 423 -> 413, 16 tokens 794 -> 697, 32 tokens 1509 -> 1104 us
-MXFP4_DECODE_MAX_PAIRS = 48
+#: operands (the engine's QAT path): above, the 16-pair tiles on tensor cores, which decode a weight
+#: value in fewer instructions than the CUDA-core GEMV and read an expert once for all its tokens.
+#: H200, Flash layer with its FP8 shared expert, a CUDA graph of calls with their own ids
+#: (bench/moe_decode_tune.py --max-pairs 288 and --path grouped, results/2026-11-29b/call3_sizes.txt),
+#: GEMV against grouped: 16 tokens 577 / 679 us, 24 tokens 841 / 921, 32 tokens 1097 / 1103, 48
+#: tokens 1618 / 1389. Random routing; tokens that share experts favour the grouped tiles, so the
+#: bound is 16 tokens, not 24
+MXFP4_DECODE_MAX_PAIRS = 96
 #: tokens up to which the decode kernels also run the shared expert (one more expert a token, its
 #: weights read once per token); above, the linear ops run it as one batched GEMV. H200, Flash layer
 #: (MXFP4 routed, FP8 shared, act-quant), the MoE with its shared expert, the linear ops -> fused:
