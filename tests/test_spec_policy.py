@@ -87,13 +87,13 @@ def test_bad_disable_by_batch_size_is_one_clear_error(value):
 
 
 def test_verify_cost_ratio_is_the_measured_table():
-    assert verify_cost_ratio(1, 3) == pytest.approx(2.39)
-    assert verify_cost_ratio(32, 3) == pytest.approx(1.62)
-    assert verify_cost_ratio(128, 3) == pytest.approx(1.62)               # constant beyond the table
-    assert verify_cost_ratio(4, 3) == pytest.approx(2.39 + 2 / 5 * (1.62 - 2.39))   # log2 interpolation
+    assert verify_cost_ratio(1, 3) == pytest.approx(1.81)
+    assert verify_cost_ratio(32, 3) == pytest.approx(1.73)
+    assert verify_cost_ratio(128, 3) == pytest.approx(1.73)               # constant beyond the table
+    assert verify_cost_ratio(4, 3) == pytest.approx(1.81 + 2 / 5 * (1.73 - 1.81))   # log2 interpolation
     ratios = [verify_cost_ratio(b, 3) for b in range(1, 40)]
     assert ratios == sorted(ratios, reverse=True)
-    assert verify_cost_ratio(1, 1) == pytest.approx(1 + 1.39 / 3)          # the extra cost scales with k
+    assert verify_cost_ratio(1, 1) == pytest.approx(1 + 0.81 / 3)          # the extra cost scales with k
     for k in (1, 2, 3, 4, 8):                                            # a new request starts speculating
         assert SpecPolicy().start(k).ema >= verify_cost_ratio(1, k)
 
@@ -165,7 +165,8 @@ def test_steps_of_one_kind_where_verify_graphs_replay(model, plain):
         return (_right if kind[tuple(req.prompt_ids)] == 0 else _wrong)(truth, req, k)
 
     engine = _engine(model, {"method": "ngram", "num_speculative_tokens": k})
-    engine.spec_policy = SpecPolicy(probe_every=PROBE)
+    # (a table of its own: at 3 rows it costs 2.15x a decode step, whatever the engine's table says)
+    engine.spec_policy = SpecPolicy(probe_every=PROBE, cost=((1, 2.39), (32, 1.62)))
     engine.one_kind_steps = True
     engine.propose = propose
     kinds = []

@@ -18,19 +18,23 @@ draws use the request's counter-based noise at draw counter ``step + i`` (unifor
 test on a salted stream), so a seeded request is reproducible.
 
 When to speculate (:class:`SpecPolicy`). A verify step costs more than a decode step, so drafts that
-are rejected lose time. Measured on one H100 (Flash x4 slice, bf16 + QAT, CUDA graphs, k = 3,
-``bench/spec_bench.py --tables cost``): a verify step of 1 + 3 tokens a row costs 2.39x a decode step
-at batch 1 (3.97 vs 1.66 ms) and 1.62x at batch 32 (15.7 vs 9.7 ms). Speculation pays only while a
-verify step emits more tokens than that ratio: at zero acceptance it loses 58% at batch 1 and 38%
-at batch 32. Two rules keep that loss small:
+are rejected lose time. Measured on one H200 (Flash x4 slice, FP8 + MXFP4, QAT, CUDA graphs, k = 3,
+``bench/spec_bench.py --tables cost``, ``bench/results/2026-11-29b/call4_spec_cost.txt``): a verify
+step of 1 + 3 tokens a row costs 1.81x a decode step at batch 1 (1.947 vs 1.075 ms) and 1.73x at
+batch 32 (8.98 vs 5.20 ms). (On an H100, with the code of 2026-11-26: 2.39x and 1.62x.) A verify
+step reads every token's experts, so even at the bytes floor it costs about a decode step of four
+rows: 1.46x at batch 1 (``bench/decode_bench.py``'s floors). Speculation pays only while a verify
+step emits more tokens than that ratio: at zero acceptance it loses 45% at batch 1 and 42% at batch
+32. Two rules keep that loss small:
 
 - ``disable_by_batch_size`` (vLLM's field; default :data:`DEFAULT_DISABLE_BY_BATCH_SIZE`): more
   decode rows than this decode plainly. Above 32 rows nothing is measured; a verify step of b rows
   feeds ``4 b`` tokens, and once the step's cost grows linearly with its tokens (at the latest above
   the 128 tokens of the measured batch-32 verify step) a verify step of 64 rows costs
-  ``2 x 15.7 = 31.4`` ms against a decode step of about 12.3 ms (9.7 ms at 32 rows, 15.7 ms at 128
-  tokens, interpolated in log-log): 2.55x, the accepted length good MTP drafts give (2.5 tokens a
-  step with 3 drafts). Above 64 rows even good acceptance rarely pays.
+  ``2 x 15.7 = 31.4`` ms against a decode step of about 12.3 ms (the H100 measurement of 2026-11-26:
+  9.7 ms at 32 rows, 15.7 ms at 128 tokens, interpolated in log-log): 2.55x, the accepted length
+  good MTP drafts give (2.5 tokens a step with 3 drafts). Above 64 rows even good acceptance rarely
+  pays.
 - Per request, an exponential moving average of its tokens per verify step (accepted drafts + 1;
   it starts at ``1 + k / 2``, above every ratio; weight 0.1, 0.5 for a probe and for the first
   verify step). While it is below the verify step's cost ratio at the step's batch size
@@ -38,7 +42,7 @@ at batch 32. Two rules keep that loss small:
   scaled by ``k / 3``) the request decodes plainly and drafts again only on every
   ``probe_every``-th engine step, the same step for every such request (at zero acceptance a probe
   is one verify step of the whole batch, not a mix of verify and plain rows, and costs
-  ``(ratio - 1) / probe_every``: 2.2% at batch 1, 1.0% at batch 32 for ``probe_every = 64``).
+  ``(ratio - 1) / probe_every``: 1.3% at batch 1, 1.1% at batch 32 for ``probe_every = 64``).
 
 A table, not a ratio timed at start-up: the same decisions on every run, no timing noise (a GPU or
 model far from the measured one gets this table's decisions all the same: ``SpecPolicy.cost``). The
@@ -88,9 +92,10 @@ METHODS = ("ngram", "mtp")
 #: ``disable_by_batch_size``'s default (module docstring: above 64 rows a verify step's cost ratio
 #: reaches the 2.5 tokens a step of good drafts)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 64
-#: a verify step of 1 + 3 tokens a row against a decode step, by batch size (one H100, Flash x4
-#: slice, bf16 + QAT, CUDA graphs: 3.97 / 1.66 ms at batch 1, 15.7 / 9.7 ms at batch 32)
-VERIFY_COST_K3 = ((1, 2.39), (32, 1.62))
+#: a verify step of 1 + 3 tokens a row against a decode step, by batch size (one H200, Flash x4
+#: slice, FP8 + MXFP4, QAT, CUDA graphs: 1.947 / 1.075 ms at batch 1, 8.98 / 5.20 ms at batch 32;
+#: module docstring)
+VERIFY_COST_K3 = ((1, 1.81), (32, 1.73))
 _ACCEPT_SALT = 0x5BD1E995          # the accept test's uniforms: a stream apart from the draws'
 
 
