@@ -59,8 +59,9 @@ DECODE_MAX_PAIRS = 256
 #: H200, Flash layer with its FP8 shared expert, a CUDA graph of calls with their own ids
 #: (bench/moe_decode_tune.py --max-pairs 288 and --path grouped, results/2026-11-29b/call3_sizes.txt),
 #: GEMV against grouped: 16 tokens 577 / 679 us, 24 tokens 841 / 921, 32 tokens 1097 / 1103, 48
-#: tokens 1618 / 1389. Random routing; tokens that share experts favour the grouped tiles, so the
-#: bound is 16 tokens, not 24
+#: tokens 1618 / 1389. Random routing there; in the engine's decode step at batch 32 the GEMV was
+#: slower (5.72 against 5.09 ms; tokens that share experts favour the grouped tiles, which read an
+#: expert once), so the bound is 16 tokens, not 24
 MXFP4_DECODE_MAX_PAIRS = 96
 #: tokens up to which the decode kernels also run the shared expert (one more expert a token, its
 #: weights read once per token); above, the linear ops run it as one batched GEMV. H200, Flash layer
