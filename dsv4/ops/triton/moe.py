@@ -395,8 +395,7 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg, wt=cfg.get("wt", False),
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
                q_dtype=q_dtype, limit=float(limit), x=x,
-               # (decode: moe_decode.run rounds x itself)
-               xin=quantized(x, act_quant and not decode, pow2, qdot, q_dtype),
+               xin=quantized(x, act_quant, pow2, qdot, q_dtype),
                ids=topk_ids, rw=topk_weights, weights=((d1, s1, g1), (d3, s3, g3), (d2, s2, g2)),
                h=runtime.empty((P, I), x.dtype, x.device), y=runtime.empty((P, D), torch.float32, x.device),
                out=out, mx_bf16=mx_plain and x.dtype == torch.bfloat16 and _scales_fit_bf16((w1, w3, w2)))

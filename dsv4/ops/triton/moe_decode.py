@@ -16,12 +16,11 @@ whole row, cost the Flash layer 72.5 -> 59.4 us at one token and 350.7 -> 316.4 
    bytes are read once for up to ``BM`` tokens without any sort or extra launch. The program
    streams ``BN`` rows of W1 and W3 over all of ``D`` and writes ``h`` (SwiGLU + clamp + routing
    weight epilogue) for its pairs. The engine runs ``BM = 1`` (``moe.CONFIGS["gemv"]`` says why):
-   a CUDA-core GEMV whose group scales multiply per-group partial
-   sums, its K step's loads ordered by hand (``moe_experts._gemm``).
+   a CUDA-core GEMV whose group scales multiply per-group partial sums, its K step's loads ordered
+   by hand (``moe_experts._gemm``).
    It also zeroes the combine counters of step 2 (saves a memset launch).
 2. ``_w2_decode_kernel``, grid ``(T*k (+ T shared) slots, D / BN)``: the same chunks over W2 with
-   ``ĥ`` as input, fp32 rows per pair; then the
-   combine: each program bumps a per-(token, N tile) counter (``atomic_add``, acq_rel) and the
+   ``ĥ`` as input, fp32 rows per pair; then the combine: each program bumps a per-(token, N tile) counter (``atomic_add``, acq_rel) and the
    program that completes a token sums that token's ``k`` rows in slot order, adds the shared
    expert's row (each cast to the activation dtype first, as the reference adds the two outputs)
    and writes the output. The sum order is fixed, so results are deterministic whatever the scheduling.
@@ -188,7 +187,7 @@ def run(L: Launch) -> None:
     cnt = runtime.empty((ncnt,), torch.int32, L.x.device)       # zeroed by the first kernel
     zb = triton.next_power_of_2(triton.cdiv(ncnt, L.P * nt1))
     pp = max(triton.next_power_of_2(L.P), 2)
-    x = quantized(L.x, L.act_quant, L.pow2, False, L.q_dtype)[0]
+    x = L.xin[0]
     (d1, s1, g1), (d3, s3, g3), (d2, s2, g2) = L.weights
     S = L.shared
     if S is not None:
@@ -215,14 +214,16 @@ def run(L: Launch) -> None:
 
 
 def _rounded_h(L: Launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The down GEMV's inputs ``(ĥ of the pairs, ĥ of the shared expert's rows)``: with act-quant
-    rounded per 128 block, in one launch when the shared rows follow the pairs' in one buffer
-    (``SharedLaunch.h_all``, same width); rows of empty pairs are skipped."""
+    """The down GEMV's inputs ``(ĥ of the pairs, ĥ of the shared expert's rows)`` (without a shared
+    expert the second is a placeholder): with act-quant rounded per 128 block, in one launch when
+    the shared rows follow the pairs' in one buffer (``SharedLaunch.h_all``, same width); rows of
+    empty pairs are skipped."""
     S = L.shared
     if not L.act_quant:
         return L.h, L.h if S is None else S.h
     if S is None:
-        return quantized(L.h, True, L.pow2, False, L.q_dtype, ids=L.ids)[0], L.h
+        h = quantized(L.h, True, L.pow2, False, L.q_dtype, ids=L.ids)[0]
+        return h, h
     if S.h_all is not None:
         both = quantized(S.h_all, True, L.pow2, False, L.q_dtype, ids=L.ids)[0]
         return both[:L.P], both[L.P:]
