@@ -225,7 +225,7 @@ moe_tune)   # the decode MoE's tiles by measurement: compile the grid in 8 proce
   for i in 0 1 2 3 4 5 6 7; do timeout 400 python3 bench/moe_decode_tune.py --compile-only --part $i/8 > "$OUT/moe_tune_compile_$i.log" 2>&1 & done; wait
   t 300 moe_decode_tune.txt python3 bench/moe_decode_tune.py ;;
 moe_paths)   # the decode MoE at 1-32 tokens: the decode GEMV kernels against the grouped tiles (moe.MXFP4_DECODE_MAX_PAIRS)
-  t 80 moe_decode_gemv.txt python3 bench/moe_decode_tune.py --tokens 1 8 16 32 --configs 0
+  t 80 moe_decode_gemv.txt python3 bench/moe_decode_tune.py --tokens 1 8 16 32 --configs 0 --max-pairs 192
   t 200 moe_decode_grouped.txt python3 bench/moe_decode_tune.py --path grouped --tokens 1 8 16 32 ;;
 profile_b8) t 120 profile4_b8.txt python3 bench/profile_decode.py --layers 4 --format fp8-mxfp4 --batch 8 --context 8192 \
   --ops kernels --graph --top 14 ;;

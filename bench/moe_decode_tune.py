@@ -2,7 +2,7 @@
 measurement, at the engine's shapes: Flash layer (256 MXFP4 experts, D 4096, I 2048, top-6), the
 FP8 shared expert inside the same launches, act-quant on.
 
-    python bench/moe_decode_tune.py                            # 1 / 8 / 32 tokens, the default grid
+    python bench/moe_decode_tune.py                            # 1 / 4 / 8 / 16 tokens, the default grid
     python bench/moe_decode_tune.py --compile-only --part 3/8  # fill the Triton cache (run 8 at once)
     python bench/moe_decode_tune.py --path grouped             # the same tokens through the prefill's grouped
                                                                # tiles instead (16 pairs a tile, tensor cores)
@@ -74,7 +74,7 @@ def grouped_grid() -> list[tuple[tuple, tuple] | tuple[tuple, tuple, bool]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--compile-only", action="store_true", help="compile this part's configs, time nothing")
     ap.add_argument("--part", default="0/1", help="i/n: the i-th of n slices of the grid (with --compile-only)")
     ap.add_argument("--configs", type=int, nargs="*", help="indices into the grid (default: all)")
@@ -90,6 +90,12 @@ def main() -> None:
     args = ap.parse_args()
     from dsv4 import ops
     from dsv4.ops.triton import moe
+    bound = args.max_pairs or min(moe.DECODE_MAX_PAIRS, moe.MXFP4_DECODE_MAX_PAIRS)
+    if args.path == "gemv" and any(T * TOP_K > bound for T in args.tokens):
+        # (the call would run the grouped tiles under the GEMV's configs)
+        ap.error(f"--tokens {[T for T in args.tokens if T * TOP_K > bound]}: above {bound} pairs the engine runs "
+                 f"the grouped tiles (moe.MXFP4_DECODE_MAX_PAIRS); pass --max-pairs to time the GEMV there, "
+                 f"or --path grouped")
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     w1, w3, w2 = _experts("mxfp4", E, I, D, g, dev), _experts("mxfp4", E, I, D, g, dev), _experts("mxfp4", E, D, I, g, dev)
