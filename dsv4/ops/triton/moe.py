@@ -392,20 +392,20 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     w13, w2cfg = cfg["w13"], cfg["w2"]
     if fp8:
         w13, w2cfg = (w13[0], 128, *w13[2:]), (w2cfg[0], 128, *w2cfg[2:])
+    # (decode with the shared expert at one width: the pairs' and the shared rows of h share a
+    # buffer, so ĥ is rounded in one launch, moe_decode._rounded_h)
+    h_all = runtime.empty((P + T, I), x.dtype, x.device) if fused is not None and fused[1] == I else None
     L = Launch(fmt=int(fmt), T=T, D=D, I=I, E=E, k=k, P=P, BM=BM, w13=w13, w2=w2cfg, wt=cfg.get("wt", False),
                xdt=runtime.tl_dtype(x.dtype), qdot=qdot, act_quant=bool(act_quant), pow2=bool(pow2),
                q_dtype=q_dtype, limit=float(limit), x=x,
                xin=quantized(x, act_quant, pow2, qdot, q_dtype),
                ids=topk_ids, rw=topk_weights, weights=((d1, s1, g1), (d3, s3, g3), (d2, s2, g2)),
-               h=runtime.empty((P, I), x.dtype, x.device), y=runtime.empty((P, D), torch.float32, x.device),
+               h=h_all[:P] if h_all is not None else runtime.empty((P, I), x.dtype, x.device),
+               y=runtime.empty((P, D), torch.float32, x.device),
                out=out, mx_bf16=mx_plain and x.dtype == torch.bfloat16 and _scales_fit_bf16((w1, w3, w2)))
     if fused is not None:
         fmt_s, I_s, tensors = fused
         tensors = tuple((d, s, g if g is not None else topk_weights) for d, s, g in tensors)
-        # (at one width the pairs' and the shared rows share a buffer: ĥ is rounded in one launch)
-        h_all = runtime.empty((P + T, I), x.dtype, x.device) if I_s == I else None
-        if h_all is not None:
-            L.h = h_all[:P]
         L.shared = SharedLaunch(fmt=fmt_s, I=I_s, weights=tensors,
                                 h=h_all[P:] if h_all is not None else runtime.empty((T, I_s), x.dtype, x.device),
                                 y=runtime.empty((T, D), torch.float32, x.device), h_all=h_all)

@@ -20,8 +20,8 @@ whole row, cost the Flash layer 72.5 -> 59.4 us at one token and 350.7 -> 316.4 
    by hand (``moe_experts._gemm``).
    It also zeroes the combine counters of step 2 (saves a memset launch).
 2. ``_w2_decode_kernel``, grid ``(T*k (+ T shared) slots, D / BN)``: the same chunks over W2 with
-   ``ĥ`` as input, fp32 rows per pair; then the combine: each program bumps a per-(token, N tile) counter (``atomic_add``, acq_rel) and the
-   program that completes a token sums that token's ``k`` rows in slot order, adds the shared
+   ``ĥ`` as input, fp32 rows per pair; then the combine: each program bumps a per-(token, N tile)
+   counter (``atomic_add``, acq_rel) and the program that completes a token sums that token's ``k`` rows in slot order, adds the shared
    expert's row (each cast to the activation dtype first, as the reference adds the two outputs)
    and writes the output. The sum order is fixed, so results are deterministic whatever the scheduling.
 

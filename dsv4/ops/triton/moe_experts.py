@@ -387,6 +387,6 @@ def quantized(v: torch.Tensor, act_quant: bool, pow2: bool, with_q: bool, q_dtyp
     q = runtime.empty((R, K) if with_q else (1,), q_dtype, v.device)
     s = runtime.empty((R, triton.cdiv(K, 128)) if with_q else (1,), torch.float32, v.device)
     _quant_kernel[(R, triton.cdiv(K, 128 * QUANT_BLOCKS))](
-        v, out, q, s, v if ids is None else ids, R, 0 if ids is None else ids.numel(), K=K, NB=QUANT_BLOCKS, POW2=bool(pow2),
-        XDT=runtime.tl_dtype(v.dtype), WRITE_Q=with_q, SKIP_EMPTY=ids is not None, num_warps=4)
+        v, out, q, s, v if ids is None else ids, R, 0 if ids is None else ids.numel(), K=K, NB=QUANT_BLOCKS,
+        POW2=bool(pow2), XDT=runtime.tl_dtype(v.dtype), WRITE_Q=with_q, SKIP_EMPTY=ids is not None, num_warps=4)
     return out, q, s
